@@ -7,8 +7,8 @@ can all use them without pulling in torch, llama.cpp or onnxruntime.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -126,8 +126,6 @@ class Config:
         return self.models[model_id]
 
     def with_server(self, **changes: object) -> Config:
-        from dataclasses import replace
-
         return replace(self, server=replace(self.server, **changes))
 
 
@@ -155,9 +153,7 @@ def parse_config(raw: dict, path: Path | None = None) -> Config:
         if not isinstance(table, dict):
             raise ConfigError(f"[models.{model_id}] must be a table")
         models[model_id] = build(ModelConfig, {"id": model_id, **table}, f"models.{model_id}")
-    base_dir = path.parent if path is not None else None
-    if base_dir is not None:
-        models = {k: _relative_to(m, base_dir) for k, m in models.items()}
+    models = {k: _relative_to_repo(m) for k, m in models.items()}
     return Config(
         server=build(ServerConfig, raw.get("server", {}), "server"),
         models=models,
@@ -168,9 +164,8 @@ def parse_config(raw: dict, path: Path | None = None) -> Config:
     )
 
 
-def _relative_to(model: ModelConfig, base_dir: Path) -> ModelConfig:
+def _relative_to_repo(model: ModelConfig) -> ModelConfig:
     """Relative model paths in a config file are relative to the repository root."""
-    from dataclasses import replace
 
     def fix(p: str) -> str:
         if not p or p.startswith("package:") or Path(p).expanduser().is_absolute():

