@@ -1,0 +1,148 @@
+"""The tokenizer every tier shares: text <-> token ids, raw token bytes, and chat prompts.
+
+It wraps a Hugging Face ``tokenizers`` backend built to match llama.cpp's own tokenizer for
+the same GGUF file, so the edge tier (llama.cpp) and the torch tier see identical ids.
+Special-token text in user content never becomes a special token: ``encode`` parses it only
+with ``special=True``, and ``encode_chat`` encodes message contents as ordinary text.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import tokenizers
+
+from engine_edge.chat_template import ChatTemplate, validate_messages
+from engine_edge.errors import InvalidRequestError
+from engine_edge.tokenizer_load import TokenizerParts, load_gguf, load_hf
+
+# Private-use delimiters around a per-call random nonce: content cannot forge a sentinel.
+_SENTINEL_OPEN = "\ue000"
+_SENTINEL_CLOSE = "\ue001"
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer with the model's special tokens and chat template. Thread-safe."""
+
+    def __init__(self, parts: TokenizerParts) -> None:
+        self._backend = parts.backend
+        # A second backend that treats special-token text as ordinary text. The switch is a
+        # mutable property, so it lives on its own copy instead of being toggled per call.
+        self._plain_backend = tokenizers.Tokenizer.from_str(parts.backend.to_str())
+        self._plain_backend.encode_special_tokens = True
+        self._token_bytes = parts.token_bytes
+        self.vocab_size: int = len(parts.token_bytes)
+        self.bos_id: int | None = parts.bos_id
+        self.eos_id: int = parts.eos_id
+        self.special_ids: frozenset[int] = parts.special_ids
+        self.chat_template: str = parts.chat_template
+        self._template = (
+            ChatTemplate(parts.chat_template, bos_token=self._token_text(parts.bos_id),
+                         eos_token=self._token_text(parts.eos_id))
+            if parts.chat_template else None
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer stored in a GGUF model file (tokenizer.ggml.* metadata)."""
+        return cls(load_gguf(path))
+
+    @classmethod
+    def from_hf(cls, tokenizer_json: str | Path, tokenizer_config_json: str | Path | None = None) -> Tokenizer:
+        """A Hugging Face tokenizer.json; the config (default: tokenizer_config.json beside it) names EOS/BOS
+        and holds the chat template."""
+        return cls(load_hf(tokenizer_json, tokenizer_config_json))
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self._token_bytes[token_id].decode("utf-8", errors="replace")
+
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        """Token ids for ``text`` (no BOS added). With ``special=False`` text such as
+        ``<|im_start|>`` is ordinary text, which is what user content must always be."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}", param="text")
+        if not text:
+            return []
+        backend = self._backend if special else self._plain_backend
+        return backend.encode(text, add_special_tokens=False).ids
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        for token_id in ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(
+                    f"token id {token_id} is outside the vocabulary (size {self.vocab_size})", param="token_ids"
+                )
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        """Text for ``ids``; byte sequences that are not valid UTF-8 become U+FFFD."""
+        self._check_ids(ids)
+        table = self._token_bytes
+        if skip_special:
+            special = self.special_ids
+            data = b"".join(table[i] for i in ids if i not in special)
+        else:
+            data = b"".join(table[i] for i in ids)
+        return data.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (may be part of a UTF-8 character); specials give their text."""
+        self._check_ids((token_id,))
+        return self._token_bytes[token_id]
+
+    def _require_template(self) -> ChatTemplate:
+        if self._template is None:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt", param="messages")
+        return self._template
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text the model's template makes of ``messages`` (validated first)."""
+        checked = validate_messages(messages)
+        return self._require_template().render(checked, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the chat prompt, with message contents encoded as ordinary text.
+
+        The template is rendered with each content replaced by a unique sentinel; the text the
+        template produced is encoded with special tokens, the contents without. If the template
+        alters contents (so substituting them back would not reproduce its output), this refuses
+        rather than guess.
+        """
+        checked = validate_messages(messages)
+        template = self._require_template()
+        nonce = secrets.token_hex(8)
+        masked = [
+            {"role": m["role"], "content": f"{_SENTINEL_OPEN}{nonce}:{i}{_SENTINEL_CLOSE}"}
+            for i, m in enumerate(checked)
+        ]
+        rendered = template.render(masked, add_generation_prompt=add_generation_prompt)
+        sentinel = re.compile(re.escape(_SENTINEL_OPEN + nonce + ":") + r"(\d+)" + re.escape(_SENTINEL_CLOSE))
+
+        ids: list[int] = []
+        pieces: list[str] = []
+        pos = 0
+        for match in sentinel.finditer(rendered):
+            content = checked[int(match.group(1))]["content"]
+            template_text = rendered[pos:match.start()]
+            ids += self.encode(template_text, special=True)
+            ids += self.encode(content, special=False)
+            pieces += (template_text, content)
+            pos = match.end()
+        ids += self.encode(rendered[pos:], special=True)
+        pieces.append(rendered[pos:])
+
+        if "".join(pieces) != template.render(checked, add_generation_prompt=add_generation_prompt):
+            raise InvalidRequestError(
+                "the model's chat template transforms message contents, so they cannot be encoded safely",
+                param="messages",
+            )
+        return ids
