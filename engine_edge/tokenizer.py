@@ -112,10 +112,12 @@ class Tokenizer:
     ) -> list[int]:
         """Token ids of the chat prompt, with message contents encoded as ordinary text.
 
-        The template is rendered with each content replaced by a unique sentinel; the text the
-        template produced is encoded with special tokens, the contents without. If the template
-        alters contents (so substituting them back would not reproduce its output), this refuses
-        rather than guess.
+        The template is rendered with each content replaced by a unique sentinel, so we know
+        which text the template wrote. Special tokens are recognised only there; everything
+        between two of them (template text and contents alike) is encoded as one run, exactly
+        as ``encode(rendered, special=True)`` would, so ordinary prompts get identical ids
+        (whitespace next to a content may merge with it). If the template alters contents (so
+        substituting them back would not reproduce its output), this refuses rather than guess.
         """
         checked = validate_messages(messages)
         template = self._require_template()
@@ -128,21 +130,32 @@ class Tokenizer:
         sentinel = re.compile(re.escape(_SENTINEL_OPEN + nonce + ":") + r"(\d+)" + re.escape(_SENTINEL_CLOSE))
 
         ids: list[int] = []
-        pieces: list[str] = []
+        run: list[str] = []  # ordinary text since the last special token
         pos = 0
         for match in sentinel.finditer(rendered):
-            content = checked[int(match.group(1))]["content"]
-            template_text = rendered[pos:match.start()]
-            ids += self.encode(template_text, special=True)
-            ids += self.encode(content, special=False)
-            pieces += (template_text, content)
+            self._add_template_text(rendered[pos:match.start()], run, ids)
+            run.append(checked[int(match.group(1))]["content"])
             pos = match.end()
-        ids += self.encode(rendered[pos:], special=True)
-        pieces.append(rendered[pos:])
+        self._add_template_text(rendered[pos:], run, ids)
+        ids += self.encode("".join(run), special=False)
 
-        if "".join(pieces) != template.render(checked, add_generation_prompt=add_generation_prompt):
+        unmasked = template.render(checked, add_generation_prompt=add_generation_prompt)
+        if self.decode(ids) != unmasked:
             raise InvalidRequestError(
                 "the model's chat template transforms message contents, so they cannot be encoded safely",
                 param="messages",
             )
         return ids
+
+    def _add_template_text(self, text: str, run: list[str], ids: list[int]) -> None:
+        """Emit the special tokens in template-written ``text``; ordinary text goes on the run."""
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        cursor = 0
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token_id in self.special_ids:
+                run.append(text[cursor:start])
+                ids += self.encode("".join(run), special=False)
+                run.clear()
+                ids.append(token_id)
+                cursor = end
+        run.append(text[cursor:])
