@@ -1,0 +1,473 @@
+"""Client events of the Realtime protocol (text subset), validated at the boundary.
+
+``parse_client_event`` turns one decoded frame (a dict from JSON or msgpack) into one of the
+tagged dataclasses below, or raises ``ProtocolError`` with a stable ``code``, the offending
+``param`` (dotted path, e.g. ``item.content[0].text``) and the client's ``event_id`` when it
+had a usable one. Inside the session every field is then trusted.
+
+Both the GA field names and the beta ones (``modalities``, ``max_response_output_tokens``)
+are accepted in either flavour; only the server's answers differ by flavour.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from gateway.ws.conversation import Role
+
+MAX_ID_CHARS = 64  # item ids, response ids, conversation ids chosen by clients
+MAX_EVENT_ID_CHARS = 128
+MAX_PARTS = 64  # content parts in one item
+MAX_METADATA_PAIRS = 16  # Realtime API: 16 pairs, keys <= 64 chars, values <= 512 chars
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+AUDIO_EVENTS = frozenset({
+    "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
+    "output_audio_buffer.clear", "transcription_session.update",
+})
+AUDIO_PART_TYPES = frozenset({"input_audio", "output_audio", "audio", "input_image"})
+TOOL_ITEM_TYPES = frozenset({
+    "function_call", "function_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
+    "mcp_approval_response",
+})
+# Fields that only configure audio, tracing or tools we do not run: accepted so that
+# stock clients work, and ignored (documented in docs/protocol.md).
+IGNORED_SESSION_FIELDS = frozenset({
+    "audio", "include", "tracing", "truncation", "parallel_tool_calls", "reasoning", "tool_choice",
+    "voice", "input_audio_format", "output_audio_format", "input_audio_transcription", "turn_detection",
+    "input_audio_noise_reduction", "speed", "client_secret", "expires_at", "object", "id",
+})
+IGNORED_RESPONSE_FIELDS = frozenset({
+    "audio", "voice", "output_audio_format", "parallel_tool_calls", "reasoning", "tool_choice",
+})
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Per-session bounds; the gateway fills them from ``ServerConfig``."""
+
+    max_conversation_items: int = 512
+    max_conversation_chars: int = 200_000
+    default_max_output_tokens: int = 512
+    max_output_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_conversation_items", "max_conversation_chars", "default_max_output_tokens",
+                     "max_output_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SessionLimits.{name} must be a positive integer, got {value!r}")
+        if self.default_max_output_tokens > self.max_output_tokens:
+            raise ValueError("SessionLimits.default_max_output_tokens must be <= max_output_tokens")
+
+
+class ProtocolError(Exception):
+    """A client event we refuse. Becomes an ``error`` server event; the session goes on."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, *,
+                 type: str = "invalid_request_error", event_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.type = type
+        self.event_id = event_id
+
+
+MaxTokens = int | Literal["inf"]
+
+
+@dataclass(frozen=True)
+class NewItem:
+    """A message item sent by the client; ``id`` None means the server picks one."""
+
+    id: str | None
+    role: Role
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ItemReference:
+    """``{"type": "item_reference", "id": ...}`` inside ``response.input``."""
+
+    id: str
+
+
+@dataclass(frozen=True)
+class SessionUpdate:
+    type: ClassVar[str] = "session.update"
+    event_id: str | None
+    model: str | None = None  # None: not given (same for every optional field below)
+    instructions: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: float | None = None
+
+
+@dataclass(frozen=True)
+class ItemCreate:
+    type: ClassVar[str] = "conversation.item.create"
+    event_id: str | None
+    item: NewItem
+    previous_item_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ItemDelete:
+    type: ClassVar[str] = "conversation.item.delete"
+    event_id: str | None
+    item_id: str
+
+
+@dataclass(frozen=True)
+class ItemRetrieve:
+    type: ClassVar[str] = "conversation.item.retrieve"
+    event_id: str | None
+    item_id: str
+
+
+@dataclass(frozen=True)
+class ItemTruncate:
+    type: ClassVar[str] = "conversation.item.truncate"
+    event_id: str | None
+    item_id: str
+    content_index: int
+    text_end: int  # our extension x_text_end: characters (code points) of the part to keep
+    audio_end_ms: int = 0  # accepted for SDK compatibility, echoed, has no effect on text
+
+
+@dataclass(frozen=True)
+class ResponseCreate:
+    type: ClassVar[str] = "response.create"
+    event_id: str | None
+    conversation: str = "auto"  # "auto", "none", or the session's conversation id
+    input: tuple[NewItem | ItemReference, ...] | None = None  # replaces the conversation as prompt
+    instructions: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: float | None = None
+    metadata: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class ResponseCancel:
+    type: ClassVar[str] = "response.cancel"
+    event_id: str | None
+    response_id: str | None = None
+
+
+ClientEvent = SessionUpdate | ItemCreate | ItemDelete | ItemRetrieve | ItemTruncate | ResponseCreate | ResponseCancel
+
+
+class _Fields:
+    """Typed reads from one JSON object, remembering which keys were used."""
+
+    def __init__(self, obj: object, path: str) -> None:
+        if not isinstance(obj, dict):
+            raise ProtocolError("invalid_type", f"{path or 'event'} must be an object", path or None)
+        for key in obj:
+            if not isinstance(key, str):
+                raise ProtocolError("invalid_type", f"keys of {path or 'the event'} must be strings", path or None)
+        self.obj: dict[str, Any] = obj
+        self.path = path
+        self.used: set[str] = set()
+
+    def param(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def has(self, key: str) -> bool:
+        self.used.add(key)
+        return self.obj.get(key) is not None  # JSON null means "not given", as in the API
+
+    def raw(self, key: str) -> Any:
+        self.used.add(key)
+        return self.obj.get(key)
+
+    def missing(self, key: str) -> ProtocolError:
+        return ProtocolError("missing_required_parameter", f"missing required parameter '{self.param(key)}'",
+                             self.param(key))
+
+    def string(self, key: str, max_chars: int, *, required: bool = False) -> str | None:
+        if not self.has(key):
+            if required:
+                raise self.missing(key)
+            return None
+        value = self.obj[key]
+        if not isinstance(value, str):
+            raise ProtocolError("invalid_type", f"'{self.param(key)}' must be a string", self.param(key))
+        if len(value) > max_chars:
+            raise ProtocolError("string_above_max_length",
+                                f"'{self.param(key)}' is too long: {len(value)} characters, at most {max_chars}",
+                                self.param(key))
+        return value
+
+    def integer(self, key: str, *, required: bool = False, minimum: int = 0) -> int | None:
+        if not self.has(key):
+            if required:
+                raise self.missing(key)
+            return None
+        value = self.obj[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError("invalid_type", f"'{self.param(key)}' must be an integer", self.param(key))
+        if value < minimum:
+            raise ProtocolError("invalid_value", f"'{self.param(key)}' must be >= {minimum}", self.param(key))
+        return value
+
+    def number(self, key: str, low: float, high: float) -> float | None:
+        if not self.has(key):
+            return None
+        value = self.obj[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError("invalid_type", f"'{self.param(key)}' must be a number", self.param(key))
+        if not math.isfinite(value) or not low <= value <= high:
+            raise ProtocolError("invalid_value", f"'{self.param(key)}' must be between {low} and {high}",
+                                self.param(key))
+        return float(value)
+
+    def array(self, key: str, max_len: int) -> list[Any] | None:
+        if not self.has(key):
+            return None
+        value = self.obj[key]
+        if not isinstance(value, list):
+            raise ProtocolError("invalid_type", f"'{self.param(key)}' must be an array", self.param(key))
+        if len(value) > max_len:
+            raise ProtocolError("array_above_max_length",
+                                f"'{self.param(key)}' has {len(value)} entries, at most {max_len}", self.param(key))
+        return value
+
+    def done(self, ignored: frozenset[str] = frozenset()) -> None:
+        for key in self.obj:
+            if key not in self.used and key not in ignored:
+                raise ProtocolError("unknown_parameter", f"unknown parameter '{self.param(key)}'", self.param(key))
+
+
+def parse_client_event(obj: object, limits: SessionLimits) -> ClientEvent:
+    """Validate one decoded client event. Raises ``ProtocolError`` (never anything else)."""
+    if not isinstance(obj, dict):
+        raise ProtocolError("invalid_event", "a client event must be a JSON object with a 'type'")
+    event_id = _event_id(obj)
+    try:
+        return _parse(obj, event_id, limits)
+    except ProtocolError as e:
+        e.event_id = event_id
+        raise
+
+
+def _event_id(obj: dict[Any, Any]) -> str | None:
+    value = obj.get("event_id")
+    if isinstance(value, str) and len(value) <= MAX_EVENT_ID_CHARS:
+        return value
+    return None
+
+
+def _parse(obj: dict[Any, Any], event_id: str | None, limits: SessionLimits) -> ClientEvent:
+    f = _Fields(obj, "")
+    f.string("event_id", MAX_EVENT_ID_CHARS)
+    kind = f.string("type", 64, required=True)
+    if kind in AUDIO_EVENTS:
+        raise ProtocolError("unsupported_feature", f"'{kind}' is not supported: this server is text-only", "type")
+    parser = _PARSERS.get(kind or "")
+    if parser is None:
+        raise ProtocolError("unknown_event_type", f"unknown client event type {kind!r}", "type")
+    return parser(f, event_id, limits)
+
+
+def _session_update(f: _Fields, event_id: str | None, limits: SessionLimits) -> SessionUpdate:
+    if not f.has("session"):
+        raise f.missing("session")
+    s = _Fields(f.raw("session"), "session")
+    f.done()
+    kind = s.string("type", 64)
+    if kind not in (None, "realtime"):
+        raise ProtocolError("unsupported_feature", "only 'realtime' sessions are supported", "session.type")
+    _check_modalities(s)
+    _check_no_tools(s)
+    if s.has("prompt"):
+        raise ProtocolError("unsupported_feature", "stored prompts are not supported", "session.prompt")
+    update = SessionUpdate(
+        event_id=event_id,
+        model=s.string("model", MAX_ID_CHARS),
+        instructions=s.string("instructions", limits.max_conversation_chars),
+        max_output_tokens=_max_tokens(s, limits),
+        temperature=s.number("temperature", 0.0, 2.0),
+    )
+    s.done(IGNORED_SESSION_FIELDS)
+    return update
+
+
+def _item_create(f: _Fields, event_id: str | None, limits: SessionLimits) -> ItemCreate:
+    if not f.has("item"):
+        raise f.missing("item")
+    item = _item(f.raw("item"), "item", limits, allow_reference=False)
+    assert isinstance(item, NewItem)
+    previous = f.string("previous_item_id", MAX_ID_CHARS)
+    f.done()
+    return ItemCreate(event_id=event_id, item=item, previous_item_id=previous)
+
+
+def _item_delete(f: _Fields, event_id: str | None, limits: SessionLimits) -> ItemDelete:
+    item_id = f.string("item_id", MAX_ID_CHARS, required=True)
+    f.done()
+    return ItemDelete(event_id=event_id, item_id=str(item_id))
+
+
+def _item_retrieve(f: _Fields, event_id: str | None, limits: SessionLimits) -> ItemRetrieve:
+    item_id = f.string("item_id", MAX_ID_CHARS, required=True)
+    f.done()
+    return ItemRetrieve(event_id=event_id, item_id=str(item_id))
+
+
+def _item_truncate(f: _Fields, event_id: str | None, limits: SessionLimits) -> ItemTruncate:
+    item_id = f.string("item_id", MAX_ID_CHARS, required=True)
+    content_index = f.integer("content_index", required=True)
+    audio_end_ms = f.integer("audio_end_ms")
+    text_end = f.integer("x_text_end")
+    if text_end is None:
+        raise ProtocolError("missing_required_parameter",
+                            "text items are truncated by character offset: give 'x_text_end' (an extension of "
+                            "this server; 'audio_end_ms' does not apply to text)", "x_text_end")
+    f.done()
+    return ItemTruncate(event_id=event_id, item_id=str(item_id), content_index=int(content_index or 0),
+                        text_end=text_end, audio_end_ms=audio_end_ms or 0)
+
+
+def _response_create(f: _Fields, event_id: str | None, limits: SessionLimits) -> ResponseCreate:
+    r = _Fields(f.raw("response") if f.has("response") else {}, "response")
+    f.done()
+    _check_modalities(r)
+    _check_no_tools(r)
+    if r.has("prompt"):
+        raise ProtocolError("unsupported_feature", "stored prompts are not supported", "response.prompt")
+    conversation = r.string("conversation", MAX_ID_CHARS) or "auto"
+    items = r.array("input", limits.max_conversation_items)
+    parsed_input = None
+    if items is not None:
+        parsed_input = tuple(_item(it, f"response.input[{n}]", limits, allow_reference=True)
+                             for n, it in enumerate(items))
+    create = ResponseCreate(
+        event_id=event_id,
+        conversation=conversation,
+        input=parsed_input,
+        instructions=r.string("instructions", limits.max_conversation_chars),
+        max_output_tokens=_max_tokens(r, limits),
+        temperature=r.number("temperature", 0.0, 2.0),
+        metadata=_metadata(r),
+    )
+    r.done(IGNORED_RESPONSE_FIELDS)
+    return create
+
+
+def _response_cancel(f: _Fields, event_id: str | None, limits: SessionLimits) -> ResponseCancel:
+    response_id = f.string("response_id", MAX_ID_CHARS)
+    f.done()
+    return ResponseCancel(event_id=event_id, response_id=response_id)
+
+
+_PARSERS = {
+    "session.update": _session_update,
+    "conversation.item.create": _item_create,
+    "conversation.item.delete": _item_delete,
+    "conversation.item.retrieve": _item_retrieve,
+    "conversation.item.truncate": _item_truncate,
+    "response.create": _response_create,
+    "response.cancel": _response_cancel,
+}
+
+
+def _check_modalities(f: _Fields) -> None:
+    for key in ("output_modalities", "modalities"):
+        values = f.array(key, 2)
+        if values is None:
+            continue
+        if any(not isinstance(v, str) for v in values):
+            raise ProtocolError("invalid_type", f"'{f.param(key)}' must be an array of strings", f.param(key))
+        if "audio" in values:
+            raise ProtocolError("unsupported_feature", "audio output is not supported: use [\"text\"]", f.param(key))
+        if values != ["text"]:
+            raise ProtocolError("invalid_value", f"'{f.param(key)}' must be [\"text\"]", f.param(key))
+
+
+def _check_no_tools(f: _Fields) -> None:
+    tools = f.raw("tools")
+    if tools is None or tools == []:
+        return
+    if not isinstance(tools, list):
+        raise ProtocolError("invalid_type", f"'{f.param('tools')}' must be an array", f.param("tools"))
+    raise ProtocolError("unsupported_feature", "tools are not supported by this server", f.param("tools"))
+
+
+def _max_tokens(f: _Fields, limits: SessionLimits) -> MaxTokens | None:
+    for key in ("max_output_tokens", "max_response_output_tokens"):
+        if not f.has(key):
+            continue
+        value = f.obj[key]
+        if value == "inf":
+            return "inf"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError("invalid_type", f"'{f.param(key)}' must be an integer or \"inf\"", f.param(key))
+        if not 1 <= value <= limits.max_output_tokens:
+            raise ProtocolError("invalid_value",
+                                f"'{f.param(key)}' must be between 1 and {limits.max_output_tokens}, or \"inf\"",
+                                f.param(key))
+        return value
+    return None
+
+
+def _metadata(f: _Fields) -> dict[str, str] | None:
+    if not f.has("metadata"):
+        return None
+    m = _Fields(f.raw("metadata"), f.param("metadata"))
+    if len(m.obj) > MAX_METADATA_PAIRS:
+        raise ProtocolError("invalid_value", f"'{m.path}' allows at most {MAX_METADATA_PAIRS} pairs", m.path)
+    out: dict[str, str] = {}
+    for key in m.obj:
+        if len(key) > MAX_METADATA_KEY:
+            raise ProtocolError("string_above_max_length", f"metadata keys are at most {MAX_METADATA_KEY} characters",
+                                m.path)
+        out[key] = str(m.string(key, MAX_METADATA_VALUE, required=True))
+    return out
+
+
+def _item(obj: object, path: str, limits: SessionLimits, *, allow_reference: bool) -> NewItem | ItemReference:
+    f = _Fields(obj, path)
+    kind = f.string("type", 64) or "message"
+    if kind in TOOL_ITEM_TYPES:
+        raise ProtocolError("unsupported_feature", f"'{kind}' items are not supported (no tools)", f.param("type"))
+    if kind == "item_reference" and allow_reference:
+        ref = ItemReference(id=str(f.string("id", MAX_ID_CHARS, required=True)))
+        f.done(frozenset({"object"}))
+        return ref
+    if kind != "message":
+        raise ProtocolError("invalid_value", f"'{f.param('type')}' must be \"message\"", f.param("type"))
+    item_id = f.string("id", MAX_ID_CHARS)
+    if item_id is not None and not item_id:
+        raise ProtocolError("invalid_value", f"'{f.param('id')}' must not be empty", f.param("id"))
+    if f.string("object", 32) not in (None, "realtime.item"):
+        raise ProtocolError("invalid_value", f"'{f.param('object')}' must be \"realtime.item\"", f.param("object"))
+    if f.string("status", 32) not in (None, "completed", "incomplete", "in_progress"):
+        raise ProtocolError("invalid_value", f"'{f.param('status')}' is not a valid item status", f.param("status"))
+    role = f.string("role", 16, required=True)
+    if role not in ("system", "user", "assistant"):
+        raise ProtocolError("invalid_value", f"'{f.param('role')}' must be system, user or assistant",
+                            f.param("role"))
+    content = f.array("content", MAX_PARTS)
+    if content is None:
+        raise f.missing("content")
+    if not content:
+        raise ProtocolError("invalid_value", f"'{f.param('content')}' needs at least one part", f.param("content"))
+    allowed = ("output_text", "text") if role == "assistant" else ("input_text", "text")
+    parts = []
+    for n, raw in enumerate(content):
+        p = _Fields(raw, f"{f.param('content')}[{n}]")
+        part_type = p.string("type", 32, required=True)
+        if part_type in AUDIO_PART_TYPES:
+            raise ProtocolError("unsupported_feature", f"'{part_type}' content is not supported: this server is "
+                                "text-only", p.param("type"))
+        if part_type not in allowed:
+            raise ProtocolError("invalid_value", f"'{p.param('type')}' must be one of {list(allowed)} for "
+                                f"{role} messages", p.param("type"))
+        parts.append(str(p.string("text", limits.max_conversation_chars, required=True)))
+        p.done()
+    f.done()
+    return NewItem(id=item_id, role=role, parts=tuple(parts))  # type: ignore[arg-type]  # role checked above

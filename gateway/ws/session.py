@@ -1,0 +1,449 @@
+"""Sans-I/O core of one Realtime session (text subset of the OpenAI Realtime API).
+
+No sockets, no asyncio: the adapter feeds decoded client events (``receive``) and engine
+stream events (``engine_event`` / ``engine_failed``), then drains server events
+(``events_to_send``) and engine commands (``commands``), the way websockets' protocol.py
+turns bytes in into events out. Nothing here raises at the caller: bad input becomes an
+``error`` event, an unexpected failure a generic ``server_error`` one.
+
+Guarantees the adapter can rely on:
+- at most one response is active; a second ``response.create`` is refused;
+- after ``response.done`` no event of that response is emitted, whatever the engine sends late;
+- every cancel of a started generation queues exactly one ``AbortGeneration``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_edge.errors import EngineError
+from engine_edge.types import FinishEvent, SamplingParams, StreamEvent, TokenEvent
+from gateway.ws.conversation import ROOT, Conversation, Item, to_messages
+from gateway.ws.events import (
+    ClientEvent,
+    ItemCreate,
+    ItemDelete,
+    ItemReference,
+    ItemRetrieve,
+    ItemTruncate,
+    ProtocolError,
+    ResponseCancel,
+    ResponseCreate,
+    SessionLimits,
+    SessionUpdate,
+    parse_client_event,
+)
+from gateway.ws.wire import SessionView, event_name, item_wire, response_wire, session_wire, usage_wire
+
+__all__ = ["AbortGeneration", "Command", "RealtimeSession", "SessionLimits", "StartGeneration"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TEMPERATURE = 0.8  # the Realtime API's default
+INTERNAL_ERROR_MESSAGE = "The server had an error while processing this event."
+
+
+@dataclass(frozen=True)
+class StartGeneration:
+    """Command: the adapter must start an engine request under ``response_id``."""
+
+    response_id: str
+    messages: list[dict[str, str]]  # chat messages in order, instructions first as "system"
+    params: SamplingParams
+    metadata: dict[str, Any]  # response.create's metadata, for logs and routing
+
+
+@dataclass(frozen=True)
+class AbortGeneration:
+    """Command: the adapter must abort the engine request of ``response_id`` now."""
+
+    response_id: str
+
+
+Command = StartGeneration | AbortGeneration
+
+
+@dataclass
+class _Response:
+    id: str
+    in_conversation: bool  # False for conversation "none" (out-of-band)
+    max_output_tokens: int | str  # as reported to the client ("inf" or int)
+    temperature: float
+    metadata: dict[str, str] | None
+    item: Item | None = None  # opened on the first engine output
+    tokens: int = 0  # tokens seen so far (usage of a cancelled response)
+    extra_metadata: dict[str, str] = field(default_factory=dict)
+
+
+def _default_ids(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_urlsafe(12)}"
+
+
+class RealtimeSession:
+    def __init__(
+        self,
+        *,
+        session_id: str,
+        model: str,
+        limits: SessionLimits = SessionLimits(),  # noqa: B008  # frozen, so one shared default is safe
+        beta: bool = False,
+        id_factory: Callable[[str], str] | None = None,
+    ) -> None:
+        self._session_id = session_id
+        self._model = model
+        self._limits = limits
+        self._beta = beta
+        self._ids = id_factory or _default_ids
+        self._instructions = ""
+        self._max_output_tokens: int | str = limits.default_max_output_tokens
+        self._temperature = DEFAULT_TEMPERATURE
+        self._conversation = Conversation(id=self._ids("conv"))
+        self._events: list[dict[str, Any]] = []
+        self._commands: list[Command] = []
+        self._active: _Response | None = None
+        self._started = False
+
+    # ----- public API -------------------------------------------------------------------
+
+    @property
+    def active_response_id(self) -> str | None:
+        return self._active.id if self._active else None
+
+    @property
+    def beta(self) -> bool:
+        return self._beta
+
+    def start(self) -> None:
+        """Queue ``session.created`` (and, for beta clients, ``conversation.created``)."""
+        if self._started:
+            return
+        self._started = True
+        self._emit("session.created", session=session_wire(self._view(), self._beta))
+        if self._beta:
+            self._emit("conversation.created",
+                       conversation={"id": self._conversation.id, "object": "realtime.conversation"})
+
+    def receive(self, event: object) -> None:
+        """Handle one decoded client event. Never raises."""
+        try:
+            parsed = parse_client_event(event, self._limits)
+        except ProtocolError as e:
+            self._error(e)
+            return
+        except Exception:  # a bug in validation must not kill the connection
+            logger.exception("internal error validating a client event")
+            self._internal_error(None)
+            return
+        try:
+            self._dispatch(parsed)
+        except ProtocolError as e:
+            e.event_id = parsed.event_id
+            self._error(e)
+        except Exception:
+            logger.exception("internal error handling %s", parsed.type)
+            self._internal_error(parsed.event_id)
+
+    def receive_invalid(self, code: str, message: str) -> None:
+        """The adapter could not decode a frame (invalid JSON, bad msgpack, too large...)."""
+        self._error(ProtocolError(code, message))
+
+    def engine_event(self, response_id: str, event: StreamEvent) -> None:
+        """A TokenEvent or FinishEvent of ``response_id``; ignored once that response is done."""
+        response = self._active
+        if response is None or response.id != response_id:
+            return
+        try:
+            if isinstance(event, TokenEvent):
+                response.tokens += 1
+                if event.text:
+                    self._delta(response, event.text)
+            elif isinstance(event, FinishEvent):
+                self._engine_finished(response, event)
+        except Exception:
+            logger.exception("internal error handling an engine event of %s", response_id)
+            self._fail_internal(response)
+
+    def engine_failed(self, response_id: str, error: EngineError) -> None:
+        """The engine refused or lost the request: the response ends ``failed``."""
+        response = self._active
+        if response is None or response.id != response_id:
+            return
+        details = {"type": "failed", "error": {"type": error.type, "code": error.code, "message": error.message}}
+        self._finish(response, "failed", details, usage_wire(0, response.tokens, 0, self._beta))
+
+    def cancel_active(self, reason: str) -> None:
+        """Adapter-initiated cancel (``client_too_slow``, ``server_shutdown``, ``client_disconnected``)."""
+        if self._active is not None:
+            self._cancel(self._active, reason)
+
+    def rate_limits(self, limits: list[dict[str, Any]]) -> None:
+        """Queue ``rate_limits.updated``; the adapter owns the numbers (name, limit, remaining,
+        reset_seconds)."""
+        self._emit("rate_limits.updated", rate_limits=[dict(limit) for limit in limits])
+
+    def events_to_send(self) -> list[dict[str, Any]]:
+        events, self._events = self._events, []
+        return events
+
+    def commands(self) -> list[Command]:
+        commands, self._commands = self._commands, []
+        return commands
+
+    # ----- client events ----------------------------------------------------------------
+
+    def _dispatch(self, event: ClientEvent) -> None:
+        if isinstance(event, SessionUpdate):
+            self._session_update(event)
+        elif isinstance(event, ItemCreate):
+            self._item_create(event)
+        elif isinstance(event, ItemDelete):
+            self._item_delete(event)
+        elif isinstance(event, ItemRetrieve):
+            self._emit("conversation.item.retrieved", item=item_wire(self._item(event.item_id, "item_id"), self._beta))
+        elif isinstance(event, ItemTruncate):
+            self._item_truncate(event)
+        elif isinstance(event, ResponseCreate):
+            self._response_create(event)
+        elif isinstance(event, ResponseCancel):
+            self._response_cancel(event)
+
+    def _session_update(self, event: SessionUpdate) -> None:
+        if event.model is not None and event.model != self._model:
+            raise ProtocolError("invalid_value", f"this session serves model {self._model!r}; it cannot be changed",
+                                "session.model")
+        if event.instructions is not None:
+            self._instructions = event.instructions
+        if event.max_output_tokens is not None:
+            self._max_output_tokens = event.max_output_tokens
+        if event.temperature is not None:
+            self._temperature = event.temperature
+        self._emit("session.updated", session=session_wire(self._view(), self._beta))
+
+    def _item_create(self, event: ItemCreate) -> None:
+        new, conversation = event.item, self._conversation
+        if new.id is not None and (new.id in conversation or self._is_active_item(new.id)):
+            raise ProtocolError("duplicate_item_id", f"an item with id {new.id!r} already exists", "item.id")
+        previous = event.previous_item_id
+        if previous is not None and previous != ROOT and previous not in conversation:
+            raise ProtocolError("item_not_found", f"previous item {previous!r} does not exist", "previous_item_id")
+        item = Item(id=new.id or self._ids("item"), role=new.role, parts=list(new.parts))
+        self._check_room(extra_items=1, extra_chars=item.chars, param="item")
+        previous_id = conversation.insert(item, previous)
+        self._emit_item_added(item, previous_id)
+        if not self._beta:
+            self._emit("conversation.item.done", previous_item_id=previous_id, item=item_wire(item, self._beta))
+
+    def _item_delete(self, event: ItemDelete) -> None:
+        self._item(event.item_id, "item_id")
+        if self._active is not None and self._is_active_item(event.item_id):
+            self._cancel(self._active, "client_cancelled")
+        self._conversation.delete(event.item_id)
+        self._emit("conversation.item.deleted", item_id=event.item_id)
+
+    def _item_truncate(self, event: ItemTruncate) -> None:
+        """Text barge-in: keep only the first ``x_text_end`` characters the user saw.
+
+        Truncating the item the active response is writing cancels that response first, so
+        the engine stops and no later delta can grow the item again.
+        """
+        item = self._item(event.item_id, "item_id")
+        if item.role != "assistant":
+            raise ProtocolError("invalid_value", "only assistant items can be truncated", "item_id")
+        if event.content_index >= len(item.parts):
+            raise ProtocolError("invalid_value", f"item {item.id!r} has no content part {event.content_index}",
+                                "content_index")
+        if event.text_end > len(item.parts[event.content_index]):
+            raise ProtocolError("invalid_value", f"x_text_end {event.text_end} is past the end of the text "
+                                f"({len(item.parts[event.content_index])} characters)", "x_text_end")
+        if self._active is not None and self._is_active_item(item.id):
+            self._cancel(self._active, "client_cancelled")
+        # What follows the cut, in this part and in later parts, was never seen.
+        item.parts[event.content_index] = item.parts[event.content_index][:event.text_end]
+        del item.parts[event.content_index + 1:]
+        self._emit("conversation.item.truncated", item_id=item.id, content_index=event.content_index,
+                   audio_end_ms=event.audio_end_ms, x_text_end=event.text_end)
+
+    def _response_create(self, event: ResponseCreate) -> None:
+        if self._active is not None:
+            raise ProtocolError("conversation_already_has_active_response",
+                                f"response {self._active.id!r} is still in progress; cancel it or wait for "
+                                "response.done")
+        if event.conversation not in ("auto", "none", self._conversation.id):
+            raise ProtocolError("invalid_value", "conversation must be \"auto\", \"none\" or this session's "
+                                "conversation id", "response.conversation")
+        in_conversation = event.conversation != "none"
+        items = list(self._conversation) if event.input is None else self._resolve_input(event.input)
+        instructions = self._instructions if event.instructions is None else event.instructions
+        messages = to_messages(instructions, items)
+        prompt_chars = sum(len(m["content"]) for m in messages)
+        if prompt_chars > self._limits.max_conversation_chars:
+            raise ProtocolError("conversation_limit_exceeded",
+                                f"the prompt has {prompt_chars} characters, more than this server's limit of "
+                                f"{self._limits.max_conversation_chars}; delete items or shorten the instructions",
+                                "response.input" if event.input is not None else None)
+        if in_conversation:
+            self._check_room(extra_items=1, extra_chars=0, param=None)
+        max_output = event.max_output_tokens if event.max_output_tokens is not None else self._max_output_tokens
+        max_tokens = self._limits.max_output_tokens if max_output == "inf" else int(max_output)
+        temperature = self._temperature if event.temperature is None else event.temperature
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+        response = _Response(id=self._ids("resp"), in_conversation=in_conversation, max_output_tokens=max_output,
+                             temperature=temperature, metadata=event.metadata)
+        self._active = response
+        self._emit("response.created", response=self._response_wire(response, "in_progress", None, None))
+        self._commands.append(StartGeneration(response_id=response.id, messages=messages, params=params,
+                                              metadata=dict(event.metadata or {})))
+
+    def _resolve_input(self, entries: tuple[Any, ...]) -> list[Item]:
+        items = []
+        for n, entry in enumerate(entries):
+            if isinstance(entry, ItemReference):
+                found = self._conversation.get(entry.id)
+                if found is None:
+                    raise ProtocolError("item_not_found", f"referenced item {entry.id!r} does not exist",
+                                        f"response.input[{n}].id")
+                items.append(found)
+            else:
+                items.append(Item(id=entry.id or self._ids("item"), role=entry.role, parts=list(entry.parts)))
+        return items
+
+    def _response_cancel(self, event: ResponseCancel) -> None:
+        active = self._active
+        if active is None:
+            raise ProtocolError("response_cancel_not_active", "there is no active response to cancel")
+        if event.response_id is not None and event.response_id != active.id:
+            raise ProtocolError("response_cancel_not_active",
+                                f"response {event.response_id!r} is not the active response", "response_id")
+        self._cancel(active, "client_cancelled")
+
+    # ----- responses --------------------------------------------------------------------
+
+    def _engine_finished(self, response: _Response, event: FinishEvent) -> None:
+        if event.text:
+            self._delta(response, event.text)
+        if event.tier:
+            response.extra_metadata["x_tier"] = event.tier
+        usage = usage_wire(event.prompt_tokens, event.completion_tokens, event.cached_tokens, self._beta)
+        if event.reason == "stop":
+            self._finish(response, "completed", None, usage)
+        elif event.reason == "length":
+            self._finish(response, "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}, usage)
+        elif event.reason == "abort":
+            # Only our own AbortGeneration should abort, and that already ended the response;
+            # an abort we did not ask for is the engine giving up (e.g. shutting down).
+            self._finish(response, "cancelled", {"type": "cancelled", "reason": "engine_aborted"}, usage)
+        else:
+            error = {"type": "server_error", "code": "engine_error",
+                     "message": event.message or "the engine failed while generating"}
+            self._finish(response, "failed", {"type": "failed", "error": error}, usage)
+
+    def _cancel(self, response: _Response, reason: str) -> None:
+        self._commands.append(AbortGeneration(response.id))
+        # Input tokens are not known before the engine finishes; report what was streamed.
+        self._finish(response, "cancelled", {"type": "cancelled", "reason": reason},
+                     usage_wire(0, response.tokens, 0, self._beta))
+
+    def _fail_internal(self, response: _Response) -> None:
+        self._commands.append(AbortGeneration(response.id))
+        error = {"type": "server_error", "code": "server_error", "message": INTERNAL_ERROR_MESSAGE}
+        self._finish(response, "failed", {"type": "failed", "error": error}, usage_wire(0, response.tokens, 0,
+                                                                                        self._beta))
+
+    def _open_item(self, response: _Response) -> Item:
+        item = Item(id=self._ids("item"), role="assistant", parts=[], status="in_progress")
+        response.item = item
+        self._emit("response.output_item.added", response_id=response.id, output_index=0,
+                   item=item_wire(item, self._beta))
+        if response.in_conversation:
+            self._emit_item_added(item, self._conversation.insert(item))
+        item.parts.append("")
+        self._emit("response.content_part.added", response_id=response.id, item_id=item.id, output_index=0,
+                   content_index=0, part={"type": "text", "text": ""})
+        return item
+
+    def _delta(self, response: _Response, text: str) -> None:
+        item = response.item or self._open_item(response)
+        item.parts[0] += text
+        self._emit("response.output_text.delta", response_id=response.id, item_id=item.id, output_index=0,
+                   content_index=0, delta=text)
+
+    def _finish(self, response: _Response, status: str, details: dict[str, Any] | None,
+                usage: dict[str, Any]) -> None:
+        """Close the open item, then ``response.done``; the response is no longer active."""
+        item = response.item
+        if item is None and status in ("completed", "incomplete"):
+            item = self._open_item(response)  # a finished turn always has its (maybe empty) message
+        self._active = None
+        if item is not None:
+            item.status = "completed" if status == "completed" else "incomplete"
+            text = item.parts[0] if item.parts else ""
+            ids = {"response_id": response.id, "item_id": item.id, "output_index": 0, "content_index": 0}
+            self._emit("response.output_text.done", **ids, text=text)
+            self._emit("response.content_part.done", **ids, part={"type": "text", "text": text})
+            self._emit("response.output_item.done", response_id=response.id, output_index=0,
+                       item=item_wire(item, self._beta))
+            if response.in_conversation and not self._beta and item.id in self._conversation:
+                self._emit("conversation.item.done", previous_item_id=self._conversation.previous_id(item.id),
+                           item=item_wire(item, self._beta))
+        self._emit("response.done", response=self._response_wire(response, status, details, usage))
+
+    def _response_wire(self, response: _Response, status: str, details: dict[str, Any] | None,
+                       usage: dict[str, Any] | None) -> dict[str, Any]:
+        metadata = response.metadata
+        if response.extra_metadata:
+            metadata = {**(metadata or {}), **response.extra_metadata}
+        return response_wire(
+            response_id=response.id, status=status, status_details=details,
+            output=[item_wire(response.item, self._beta)] if response.item else [],
+            conversation_id=self._conversation.id if response.in_conversation else None,
+            max_output_tokens=response.max_output_tokens, temperature=response.temperature,
+            metadata=metadata, usage=usage, beta=self._beta,
+        )
+
+    # ----- helpers ----------------------------------------------------------------------
+
+    def _view(self) -> SessionView:
+        return SessionView(id=self._session_id, model=self._model, instructions=self._instructions,
+                           max_output_tokens=self._max_output_tokens, temperature=self._temperature)
+
+    def _item(self, item_id: str, param: str) -> Item:
+        item = self._conversation.get(item_id)
+        if item is None:
+            raise ProtocolError("item_not_found", f"item {item_id!r} does not exist in the conversation", param)
+        return item
+
+    def _is_active_item(self, item_id: str) -> bool:
+        return self._active is not None and self._active.item is not None and self._active.item.id == item_id
+
+    def _check_room(self, *, extra_items: int, extra_chars: int, param: str | None) -> None:
+        """Refuse what would take the conversation past SessionLimits (counting the message an
+        active response has not opened yet, so that it always has room)."""
+        active = self._active
+        reserved = 1 if active is not None and active.in_conversation and active.item is None else 0
+        items = len(self._conversation) + reserved + extra_items
+        if items > self._limits.max_conversation_items:
+            raise ProtocolError("conversation_limit_exceeded",
+                                f"the conversation would have {items} items, more than this server's limit of "
+                                f"{self._limits.max_conversation_items}; delete old items first", param)
+        chars = self._conversation.chars + extra_chars
+        if chars > self._limits.max_conversation_chars:
+            raise ProtocolError("conversation_limit_exceeded",
+                                f"the conversation would have {chars} characters, more than this server's limit "
+                                f"of {self._limits.max_conversation_chars}; delete old items first", param)
+
+    def _emit_item_added(self, item: Item, previous_id: str | None) -> None:
+        self._emit("conversation.item.added", previous_item_id=previous_id, item=item_wire(item, self._beta))
+
+    def _emit(self, ga_type: str, **fields: Any) -> None:
+        self._events.append({"type": event_name(ga_type, self._beta), "event_id": self._ids("event"), **fields})
+
+    def _error(self, e: ProtocolError) -> None:
+        self._emit("error", error={"type": e.type, "code": e.code, "message": e.message, "param": e.param,
+                                   "event_id": e.event_id})
+
+    def _internal_error(self, event_id: str | None) -> None:
+        self._error(ProtocolError("server_error", INTERNAL_ERROR_MESSAGE, type="server_error", event_id=event_id))

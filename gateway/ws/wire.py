@@ -1,0 +1,136 @@
+"""Server-side shapes of the Realtime objects (session, item, response), GA or beta flavour.
+
+The GA API and the beta (``OpenAI-Beta: realtime=v1``) differ only in names: event types
+(``response.output_text.delta`` vs ``response.text.delta``, ``conversation.item.added`` vs
+``conversation.item.created``), the assistant content part type (``output_text`` vs ``text``)
+and a few session/response fields. Everything here returns plain dicts ready for JSON or
+msgpack; the shapes follow the openai SDK's models (``types/realtime`` and
+``types/beta/realtime``), which the tests validate against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.ws.conversation import Item
+
+BETA_EVENT_NAMES = {
+    "response.output_text.delta": "response.text.delta",
+    "response.output_text.done": "response.text.done",
+    "conversation.item.added": "conversation.item.created",
+}
+
+
+def event_name(ga_name: str, beta: bool) -> str:
+    return BETA_EVENT_NAMES.get(ga_name, ga_name) if beta else ga_name
+
+
+def part_type(role: str, beta: bool) -> str:
+    if role != "assistant":
+        return "input_text"
+    return "text" if beta else "output_text"
+
+
+def item_wire(item: Item, beta: bool) -> dict[str, Any]:
+    kind = part_type(item.role, beta)
+    return {
+        "id": item.id,
+        "object": "realtime.item",
+        "type": "message",
+        "status": item.status,
+        "role": item.role,
+        "content": [{"type": kind, "text": text} for text in item.parts],
+    }
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """What session.created / session.updated report."""
+
+    id: str
+    model: str
+    instructions: str
+    max_output_tokens: int | str  # int or "inf"
+    temperature: float  # our extension in GA (the beta API has it natively)
+
+
+def session_wire(s: SessionView, beta: bool) -> dict[str, Any]:
+    if beta:
+        # The beta SDK types `model` as a closed list of OpenAI model names; ours travels as
+        # `model` anyway (SDK parsing is lenient), documented as a deviation.
+        return {
+            "id": s.id,
+            "object": "realtime.session",
+            "model": s.model,
+            "modalities": ["text"],
+            "instructions": s.instructions,
+            "temperature": s.temperature,
+            "max_response_output_tokens": s.max_output_tokens,
+            "tools": [],
+            "tool_choice": "none",
+            "turn_detection": None,
+            "input_audio_transcription": None,
+        }
+    return {
+        "type": "realtime",
+        "object": "realtime.session",
+        "id": s.id,
+        "model": s.model,
+        "output_modalities": ["text"],
+        "instructions": s.instructions,
+        "max_output_tokens": s.max_output_tokens,
+        "temperature": s.temperature,
+        "tools": [],
+        "tool_choice": "none",
+        "tracing": None,
+        "truncation": "disabled",  # we refuse an oversized conversation instead of dropping items
+        "prompt": None,
+    }
+
+
+def usage_wire(input_tokens: int, output_tokens: int, cached_tokens: int, beta: bool) -> dict[str, Any]:
+    details: dict[str, Any] = {"cached_tokens": cached_tokens, "text_tokens": input_tokens, "audio_tokens": 0}
+    if not beta:
+        details["image_tokens"] = 0
+        details["cached_tokens_details"] = {"text_tokens": cached_tokens, "audio_tokens": 0, "image_tokens": 0}
+    return {
+        "total_tokens": input_tokens + output_tokens,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "input_token_details": details,
+        "output_token_details": {"text_tokens": output_tokens, "audio_tokens": 0},
+    }
+
+
+def response_wire(
+    *,
+    response_id: str,
+    status: str,
+    status_details: dict[str, Any] | None,
+    output: list[dict[str, Any]],
+    conversation_id: str | None,
+    max_output_tokens: int | str,
+    temperature: float,
+    metadata: dict[str, str] | None,
+    usage: dict[str, Any] | None,
+    beta: bool,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "object": "realtime.response",
+        "id": response_id,
+        "status": status,
+        "status_details": status_details,
+        "output": output,
+        "conversation_id": conversation_id,
+        "max_output_tokens": max_output_tokens,
+        "metadata": metadata,
+        "usage": usage,
+    }
+    if beta:
+        body["modalities"] = ["text"]
+        body["temperature"] = temperature
+    else:
+        body["output_modalities"] = ["text"]
+        body["temperature"] = temperature  # extension in GA
+    return body
