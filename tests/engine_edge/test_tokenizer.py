@@ -115,6 +115,15 @@ def test_decode_round_trip(tok: Tokenizer, text: str, special: bool) -> None:
 
 
 @pytest.mark.model
+def test_bytes_missing_from_the_vocab_are_dropped_like_llama_cpp(tok: Tokenizer, llama_vocab: object) -> None:
+    # SmolLM2's vocabulary has no token for some bytes (0x04, 0xF1, ...): neither side can encode them.
+    text = "a\x04b\U00040000c"
+    ids = tok.encode(text)
+    assert ids == llama_vocab.tokenize(text.encode(), add_bos=False, special=False)  # type: ignore[attr-defined]
+    assert tok.decode(ids) == "ab" + "\ufffd" * 3 + "c"  # the three continuation bytes of U+40000 survive
+
+
+@pytest.mark.model
 def test_special_text_is_a_special_token_only_on_request(tok: Tokenizer) -> None:
     assert tok.encode("<|im_end|>", special=True) == [tok.eos_id]
     assert tok.encode(SPECIAL_TEXT, special=True)[0] == tok.bos_id
