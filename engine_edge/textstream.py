@@ -55,8 +55,10 @@ class TextStream:
 
     @property
     def text(self) -> str:
-        """All text emitted so far."""
-        return "".join(self._emitted)
+        """All text emitted so far (joined on demand: O(length), so read it at the end, not per token)."""
+        if len(self._emitted) > 1:
+            self._emitted = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
 
     @property
     def stopped(self) -> bool:
