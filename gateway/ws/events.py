@@ -11,11 +11,10 @@ are accepted in either flavour; only the server's answers differ by flavour.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from gateway.ws.conversation import Role
+from gateway.ws.conversation import ROOT, Role
 
 MAX_ID_CHARS = 64  # item ids, response ids, conversation ids chosen by clients
 MAX_EVENT_ID_CHARS = 128
@@ -174,6 +173,7 @@ class _Fields:
         self.used: set[str] = set()
 
     def param(self, key: str) -> str:
+        key = _printable(key)
         return f"{self.path}.{key}" if self.path else key
 
     def has(self, key: str) -> bool:
@@ -200,6 +200,9 @@ class _Fields:
             raise ProtocolError("string_above_max_length",
                                 f"'{self.param(key)}' is too long: {len(value)} characters, at most {max_chars}",
                                 self.param(key))
+        if not _is_unicode(value):
+            raise ProtocolError("invalid_value", f"'{self.param(key)}' is not valid Unicode (lone surrogate)",
+                                self.param(key))
         return value
 
     def integer(self, key: str, *, required: bool = False, minimum: int = 0) -> int | None:
@@ -220,7 +223,8 @@ class _Fields:
         value = self.obj[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ProtocolError("invalid_type", f"'{self.param(key)}' must be a number", self.param(key))
-        if not math.isfinite(value) or not low <= value <= high:
+        # Compare before converting: NaN fails the comparison, and a huge int cannot be a float.
+        if not low <= value <= high:
             raise ProtocolError("invalid_value", f"'{self.param(key)}' must be between {low} and {high}",
                                 self.param(key))
         return float(value)
@@ -255,10 +259,26 @@ def parse_client_event(obj: object, limits: SessionLimits) -> ClientEvent:
 
 
 def _event_id(obj: dict[Any, Any]) -> str | None:
+    """The client's event_id, if it is fit to be echoed back in an error."""
     value = obj.get("event_id")
-    if isinstance(value, str) and len(value) <= MAX_EVENT_ID_CHARS:
+    if isinstance(value, str) and len(value) <= MAX_EVENT_ID_CHARS and _is_unicode(value):
         return value
     return None
+
+
+def _is_unicode(text: str) -> bool:
+    """False for strings holding lone surrogates (JSON allows "\\ud800"): they cannot be
+    encoded to UTF-8, so neither echoed to the client nor tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(key: str) -> str:
+    """A client-chosen key, made safe to quote in an error message."""
+    return key[:64].encode("utf-8", "replace").decode("utf-8")
 
 
 def _parse(obj: dict[Any, Any], event_id: str | None, limits: SessionLimits) -> ClientEvent:
@@ -300,7 +320,8 @@ def _item_create(f: _Fields, event_id: str | None, limits: SessionLimits) -> Ite
     if not f.has("item"):
         raise f.missing("item")
     item = _item(f.raw("item"), "item", limits, allow_reference=False)
-    assert isinstance(item, NewItem)
+    if not isinstance(item, NewItem):  # _item returns references only when allowed
+        raise ProtocolError("invalid_value", "'item.type' must be \"message\"", "item.type")
     previous = f.string("previous_item_id", MAX_ID_CHARS)
     f.done()
     return ItemCreate(event_id=event_id, item=item, previous_item_id=previous)
@@ -339,7 +360,7 @@ def _response_create(f: _Fields, event_id: str | None, limits: SessionLimits) ->
     _check_no_tools(r)
     if r.has("prompt"):
         raise ProtocolError("unsupported_feature", "stored prompts are not supported", "response.prompt")
-    conversation = r.string("conversation", MAX_ID_CHARS) or "auto"
+    conversation = r.string("conversation", MAX_ID_CHARS)
     items = r.array("input", limits.max_conversation_items)
     parsed_input = None
     if items is not None:
@@ -347,7 +368,7 @@ def _response_create(f: _Fields, event_id: str | None, limits: SessionLimits) ->
                              for n, it in enumerate(items))
     create = ResponseCreate(
         event_id=event_id,
-        conversation=conversation,
+        conversation="auto" if conversation is None else conversation,
         input=parsed_input,
         instructions=r.string("instructions", limits.max_conversation_chars),
         max_output_tokens=_max_tokens(r, limits),
@@ -425,13 +446,16 @@ def _metadata(f: _Fields) -> dict[str, str] | None:
         if len(key) > MAX_METADATA_KEY:
             raise ProtocolError("string_above_max_length", f"metadata keys are at most {MAX_METADATA_KEY} characters",
                                 m.path)
+        if not _is_unicode(key):
+            raise ProtocolError("invalid_value", "metadata keys must be valid Unicode", m.path)
         out[key] = str(m.string(key, MAX_METADATA_VALUE, required=True))
     return out
 
 
 def _item(obj: object, path: str, limits: SessionLimits, *, allow_reference: bool) -> NewItem | ItemReference:
     f = _Fields(obj, path)
-    kind = f.string("type", 64) or "message"
+    kind = f.string("type", 64)
+    kind = "message" if kind is None else kind  # the API's items are messages unless told
     if kind in TOOL_ITEM_TYPES:
         raise ProtocolError("unsupported_feature", f"'{kind}' items are not supported (no tools)", f.param("type"))
     if kind == "item_reference" and allow_reference:
@@ -441,8 +465,9 @@ def _item(obj: object, path: str, limits: SessionLimits, *, allow_reference: boo
     if kind != "message":
         raise ProtocolError("invalid_value", f"'{f.param('type')}' must be \"message\"", f.param("type"))
     item_id = f.string("id", MAX_ID_CHARS)
-    if item_id is not None and not item_id:
-        raise ProtocolError("invalid_value", f"'{f.param('id')}' must not be empty", f.param("id"))
+    if item_id is not None and (not item_id or item_id == ROOT):
+        raise ProtocolError("invalid_value", f"'{f.param('id')}' must be a non-empty id other than \"root\"",
+                            f.param("id"))
     if f.string("object", 32) not in (None, "realtime.item"):
         raise ProtocolError("invalid_value", f"'{f.param('object')}' must be \"realtime.item\"", f.param("object"))
     if f.string("status", 32) not in (None, "completed", "incomplete", "in_progress"):

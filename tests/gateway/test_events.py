@@ -1,0 +1,212 @@
+"""Client event validation at the boundary: every bad input is a ProtocolError naming its param."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.ws.events import (
+    ItemCreate,
+    ItemReference,
+    ItemTruncate,
+    NewItem,
+    ProtocolError,
+    ResponseCancel,
+    ResponseCreate,
+    SessionLimits,
+    SessionUpdate,
+    parse_client_event,
+)
+
+LIMITS = SessionLimits(max_conversation_items=4, max_conversation_chars=100, default_max_output_tokens=100,
+                       max_output_tokens=300)
+
+
+def message(role: str = "user", *parts: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    content = list(parts) or [{"type": "input_text", "text": "hi"}]
+    return {"type": "message", "role": role, "content": content, **extra}
+
+
+def test_valid_events_parse_to_typed_values() -> None:
+    update = parse_client_event({"type": "session.update", "event_id": "e1", "session": {
+        "type": "realtime", "instructions": "Be kind.", "max_output_tokens": "inf", "temperature": 0.3,
+        "output_modalities": ["text"], "tools": [], "audio": {"input": {"turn_detection": None}}}}, LIMITS)
+    assert update == SessionUpdate(event_id="e1", instructions="Be kind.", max_output_tokens="inf", temperature=0.3)
+
+    beta_update = parse_client_event({"type": "session.update", "session": {
+        "modalities": ["text"], "max_response_output_tokens": 200, "voice": "alloy", "turn_detection": None}}, LIMITS)
+    assert beta_update == SessionUpdate(event_id=None, max_output_tokens=200)
+
+    create = parse_client_event({"type": "conversation.item.create", "previous_item_id": "root", "item": message(
+        "assistant", {"type": "output_text", "text": "a"}, {"type": "text", "text": "b"}, id="it1")}, LIMITS)
+    assert create == ItemCreate(event_id=None, item=NewItem(id="it1", role="assistant", parts=("a", "b")),
+                                previous_item_id="root")
+
+    response = parse_client_event({"type": "response.create", "response": {
+        "conversation": "none", "instructions": "Short.", "max_output_tokens": 7, "metadata": {"k": "v"},
+        "input": [{"type": "item_reference", "id": "it1"}, message("system", {"type": "input_text", "text": "s"})],
+        "output_modalities": ["text"], "tool_choice": "auto"}}, LIMITS)
+    assert response == ResponseCreate(
+        event_id=None, conversation="none", instructions="Short.", max_output_tokens=7, metadata={"k": "v"},
+        input=(ItemReference("it1"), NewItem(id=None, role="system", parts=("s",))))
+
+    assert parse_client_event({"type": "response.create"}, LIMITS) == ResponseCreate(event_id=None)
+    assert parse_client_event({"type": "response.cancel", "response_id": "r"}, LIMITS) == ResponseCancel(None, "r")
+    assert parse_client_event({"type": "conversation.item.truncate", "item_id": "a", "content_index": 0,
+                               "audio_end_ms": 10, "x_text_end": 3}, LIMITS) == ItemTruncate(None, "a", 0, 3, 10)
+
+
+BAD: list[tuple[str, object, str, str | None]] = [
+    # (case, event, code, param)
+    ("not an object", ["type"], "invalid_event", None),
+    ("no type", {"event_id": "x"}, "missing_required_parameter", "type"),
+    ("type not a string", {"type": 5}, "invalid_type", "type"),
+    ("unknown type", {"type": "session.delete"}, "unknown_event_type", "type"),
+    ("audio event", {"type": "input_audio_buffer.append", "audio": "AAAA"}, "unsupported_feature", "type"),
+    ("non-string key", {"type": "response.create", 1: 2}, "invalid_type", None),
+    ("unknown top-level field", {"type": "response.cancel", "foo": 1}, "unknown_parameter", "foo"),
+    ("event_id not a string", {"type": "response.cancel", "event_id": 3}, "invalid_type", "event_id"),
+    ("event_id too long", {"type": "response.cancel", "event_id": "e" * 500}, "string_above_max_length", "event_id"),
+    ("session missing", {"type": "session.update"}, "missing_required_parameter", "session"),
+    ("session not an object", {"type": "session.update", "session": "x"}, "invalid_type", "session"),
+    ("unknown session field", {"type": "session.update", "session": {"colour": "red"}}, "unknown_parameter",
+     "session.colour"),
+    ("transcription session", {"type": "session.update", "session": {"type": "transcription"}},
+     "unsupported_feature", "session.type"),
+    ("audio modality", {"type": "session.update", "session": {"output_modalities": ["audio"]}},
+     "unsupported_feature", "session.output_modalities"),
+    ("empty modalities", {"type": "session.update", "session": {"modalities": []}}, "invalid_value",
+     "session.modalities"),
+    ("tools", {"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}},
+     "unsupported_feature", "session.tools"),
+    ("stored prompt", {"type": "session.update", "session": {"prompt": {"id": "p"}}}, "unsupported_feature",
+     "session.prompt"),
+    ("instructions too long", {"type": "session.update", "session": {"instructions": "x" * 101}},
+     "string_above_max_length", "session.instructions"),
+    ("instructions wrong type", {"type": "session.update", "session": {"instructions": ["x"]}}, "invalid_type",
+     "session.instructions"),
+    ("lone surrogate", {"type": "session.update", "session": {"instructions": "\ud800"}}, "invalid_value",
+     "session.instructions"),
+    ("max tokens zero", {"type": "session.update", "session": {"max_output_tokens": 0}}, "invalid_value",
+     "session.max_output_tokens"),
+    ("max tokens above ceiling", {"type": "session.update", "session": {"max_output_tokens": 301}}, "invalid_value",
+     "session.max_output_tokens"),
+    ("max tokens bool", {"type": "session.update", "session": {"max_output_tokens": True}}, "invalid_type",
+     "session.max_output_tokens"),
+    ("max tokens string", {"type": "session.update", "session": {"max_response_output_tokens": "100"}},
+     "invalid_type", "session.max_response_output_tokens"),
+    ("temperature NaN", {"type": "session.update", "session": {"temperature": float("nan")}}, "invalid_value",
+     "session.temperature"),
+    ("temperature huge int", {"type": "session.update", "session": {"temperature": 10**400}}, "invalid_value",
+     "session.temperature"),
+    ("temperature string", {"type": "session.update", "session": {"temperature": "hot"}}, "invalid_type",
+     "session.temperature"),
+    ("item missing", {"type": "conversation.item.create"}, "missing_required_parameter", "item"),
+    ("item not an object", {"type": "conversation.item.create", "item": []}, "invalid_type", "item"),
+    ("function call item", {"type": "conversation.item.create", "item": {"type": "function_call", "name": "f"}},
+     "unsupported_feature", "item.type"),
+    ("item reference outside response.input", {"type": "conversation.item.create",
+                                               "item": {"type": "item_reference", "id": "a"}},
+     "invalid_value", "item.type"),
+    ("bad role", {"type": "conversation.item.create", "item": message("tool")}, "invalid_value", "item.role"),
+    ("role missing", {"type": "conversation.item.create", "item": {"type": "message", "content": []}},
+     "missing_required_parameter", "item.role"),
+    ("content missing", {"type": "conversation.item.create", "item": {"type": "message", "role": "user"}},
+     "missing_required_parameter", "item.content"),
+    ("content empty", {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                                     "content": []}},
+     "invalid_value", "item.content"),
+    ("audio part", {"type": "conversation.item.create", "item": message("user", {"type": "input_audio",
+                                                                                   "audio": "AAAA"})},
+     "unsupported_feature", "item.content[0].type"),
+    ("image part", {"type": "conversation.item.create", "item": message("user", {"type": "input_image"})},
+     "unsupported_feature", "item.content[0].type"),
+    ("output_text on a user item", {"type": "conversation.item.create",
+                                    "item": message("user", {"type": "output_text", "text": "x"})},
+     "invalid_value", "item.content[0].type"),
+    ("text missing", {"type": "conversation.item.create", "item": message("user", {"type": "input_text"})},
+     "missing_required_parameter", "item.content[0].text"),
+    ("text too long", {"type": "conversation.item.create",
+                       "item": message("user", {"type": "input_text", "text": "y" * 101})},
+     "string_above_max_length", "item.content[0].text"),
+    ("unknown part field", {"type": "conversation.item.create",
+                            "item": message("user", {"type": "input_text", "text": "y", "lang": "en"})},
+     "unknown_parameter", "item.content[0].lang"),
+    ("item id root", {"type": "conversation.item.create", "item": message(id="root")}, "invalid_value", "item.id"),
+    ("item id too long", {"type": "conversation.item.create", "item": message(id="i" * 65)},
+     "string_above_max_length", "item.id"),
+    ("bad item status", {"type": "conversation.item.create", "item": message(status="done")}, "invalid_value",
+     "item.status"),
+    ("too many parts", {"type": "conversation.item.create", "item": message(
+        "user", *[{"type": "input_text", "text": "a"}] * 65)}, "array_above_max_length", "item.content"),
+    ("previous_item_id wrong type", {"type": "conversation.item.create", "item": message(), "previous_item_id": 1},
+     "invalid_type", "previous_item_id"),
+    ("delete without id", {"type": "conversation.item.delete"}, "missing_required_parameter", "item_id"),
+    ("retrieve id wrong type", {"type": "conversation.item.retrieve", "item_id": 7},
+     "invalid_type", "item_id"),
+    ("truncate negative offset", {"type": "conversation.item.truncate", "item_id": "a", "content_index": 0,
+                                  "x_text_end": -1}, "invalid_value", "x_text_end"),
+    ("truncate content_index missing", {"type": "conversation.item.truncate", "item_id": "a", "x_text_end": 1},
+     "missing_required_parameter", "content_index"),
+    ("response not an object", {"type": "response.create", "response": 3}, "invalid_type", "response"),
+    ("unknown response field", {"type": "response.create", "response": {"n": 2}}, "unknown_parameter",
+     "response.n"),
+    ("response tools", {"type": "response.create", "response": {"tools": [{}]}}, "unsupported_feature",
+     "response.tools"),
+    ("response input not a list", {"type": "response.create", "response": {"input": {}}}, "invalid_type",
+     "response.input"),
+    ("response input too long", {"type": "response.create", "response": {"input": [message()] * 5}},
+     "array_above_max_length", "response.input"),
+    ("bad item in input", {"type": "response.create", "response": {"input": [message(), message("x")]}},
+     "invalid_value", "response.input[1].role"),
+    ("reference without id", {"type": "response.create", "response": {"input": [{"type": "item_reference"}]}},
+     "missing_required_parameter", "response.input[0].id"),
+    ("metadata not an object", {"type": "response.create", "response": {"metadata": ["a"]}}, "invalid_type",
+     "response.metadata"),
+    ("metadata value not a string", {"type": "response.create", "response": {"metadata": {"a": 1}}},
+     "invalid_type", "response.metadata.a"),
+    ("metadata too many pairs", {"type": "response.create",
+                                 "response": {"metadata": {str(n): "v" for n in range(17)}}},
+     "invalid_value", "response.metadata"),
+    ("metadata key too long", {"type": "response.create", "response": {"metadata": {"k" * 65: "v"}}},
+     "string_above_max_length", "response.metadata"),
+    ("metadata value too long", {"type": "response.create", "response": {"metadata": {"k": "v" * 513}}},
+     "string_above_max_length", "response.metadata.k"),
+    ("conversation wrong type", {"type": "response.create", "response": {"conversation": False}}, "invalid_type",
+     "response.conversation"),
+    ("cancel id wrong type", {"type": "response.cancel", "response_id": ["r"]}, "invalid_type", "response_id"),
+]
+
+
+@pytest.mark.parametrize(("event", "code", "param"), [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+def test_bad_input_is_a_protocol_error(event: object, code: str, param: str | None) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        parse_client_event(event, LIMITS)
+    assert (caught.value.code, caught.value.param) == (code, param)
+    assert caught.value.message
+    assert caught.value.type == "invalid_request_error"
+
+
+def test_errors_carry_the_event_id_when_it_is_usable() -> None:
+    with pytest.raises(ProtocolError) as caught:
+        parse_client_event({"type": "response.create", "event_id": "ev_7", "response": {"bogus": 1}}, LIMITS)
+    assert caught.value.event_id == "ev_7"
+    with pytest.raises(ProtocolError) as caught:
+        parse_client_event({"type": "nope", "event_id": "x" * 1000}, LIMITS)
+    assert caught.value.event_id is None
+
+
+def test_messages_quote_client_keys_safely() -> None:
+    with pytest.raises(ProtocolError) as caught:
+        parse_client_event({"type": "response.cancel", "k" * 10_000 + "\udc80": 1}, LIMITS)
+    assert len(caught.value.message) < 200
+    caught.value.message.encode("utf-8")  # no lone surrogate travels back
+    assert caught.value.param is not None and len(caught.value.param) <= 64
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError, match="max_conversation_items"):
+        SessionLimits(max_conversation_items=0)
+    with pytest.raises(ValueError, match="default_max_output_tokens"):
+        SessionLimits(default_max_output_tokens=10, max_output_tokens=5)
