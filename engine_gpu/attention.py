@@ -1,0 +1,211 @@
+"""Attention objects the model layers call, and the backend registry.
+
+- ``ContiguousAttention``: past key/values as whole tensors; the reference and ONNX-export path.
+- ``TorchPagedAttention``: the engine's paged path in plain torch (any device). Each step's index
+  tensors are built once (``prepare``) and shared by all layers; per layer it writes the new K/V
+  into their slots, gathers each sequence's blocks through its block table and runs SDPA with a
+  causal mask offset by the tokens already cached (chunked prefill, decode, drafts alike).
+- flash-attn's paged varlen kernel (engine_gpu.attention_flash), imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine_edge.errors import ConfigError
+from engine_gpu.kv_cache import PagedKVCache
+from engine_gpu.model import Attention, PastKV
+
+log = logging.getLogger(__name__)
+
+# Sequences with at most this many new tokens are padded into one batched SDPA call (decodes,
+# speculative drafts); longer prompt chunks each get their own call so nobody pads to 256 tokens.
+SMALL_QUERY = 16
+
+BACKENDS = ("auto", "torch", "flash_attn")
+
+
+class ContiguousAttention:
+    """Attention over ``past_kv`` plus the new tokens; collects the new past in ``present``."""
+
+    def __init__(self, past_kv: PastKV | None, num_layers: int, key_mask: torch.Tensor | None = None) -> None:
+        self.past = past_kv
+        self.present: PastKV = []
+        self.num_layers = num_layers
+        # [B, S] (1 = real key, 0 = padding): lets sequences of different lengths share a batch
+        # by left-padding their pasts (the ONNX edge backend's batched decode).
+        self.key_mask = key_mask
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [B, T, H, D]; k, v: [B, T, KVH, D]
+        k = k.transpose(1, 2)  # [B, KVH, T, D]
+        v = v.transpose(1, 2)
+        if self.past:
+            past_k, past_v = self.past[layer]
+            k = torch.cat((past_k, k), dim=2)  # [B, KVH, S, D]
+            v = torch.cat((past_v, v), dim=2)
+        self.present.append((k, v))
+        groups = q.shape[2] // k.shape[1]
+        # GQA by expand+flatten (no Python shape ints, so the trace stays dynamic).
+        k_rep = k.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(1, 2)  # [B, H, S, D]
+        v_rep = v.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(1, 2)
+        t, s = q.shape[1], k.shape[2]
+        rows = torch.arange(t, device=q.device).unsqueeze(1)
+        cols = torch.arange(s, device=q.device).unsqueeze(0)
+        mask = cols <= rows + (s - t)  # [T, S]: causal, offset by the cached prefix
+        if self.key_mask is not None:
+            mask = mask & self.key_mask.bool()[:, None, None, :]  # [B, 1, T, S]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_rep, v_rep, attn_mask=mask)
+        return out.transpose(1, 2)  # [B, T, H, D]
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Where one step's tokens live; built once per step (engine_gpu.runner.build_layout)."""
+
+    starts: list[int]  # per sequence: tokens already in the cache = position of its first new token
+    lengths: list[int]  # per sequence: new tokens this step
+    positions: torch.Tensor  # [N] int64: absolute position of each new token
+    slot_mapping: torch.Tensor  # [N] int64: cache slot (block * block_size + offset) of each new token
+    block_table: torch.Tensor  # [B, max_blocks] int64, rows padded with block 0 (masked, never read unmasked)
+    num_blocks: list[int]  # per sequence: blocks covering its positions [0, start + length)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, kv_cache: PagedKVCache, layout: PagedLayout, dtype: torch.dtype) -> Attention: ...
+
+
+def write_kv(kv_cache: PagedKVCache, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [N, KVH, D] into their slots of ``layer``."""
+    k_cache, v_cache = kv_cache.layer(layer)
+    k_cache.view(-1, kv_cache.num_kv_heads, kv_cache.head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_cache.num_kv_heads, kv_cache.head_dim).index_copy_(0, slot_mapping, v)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Sequences attended in one SDPA call, queries padded to the longest of them."""
+
+    token_index: torch.Tensor | None  # [Bg, Tq] rows of the flattened batch; None = all N rows in order
+    out_rows: torch.Tensor | None  # [n] rows of the flattened output ...
+    res_rows: torch.Tensor | None  # [n] ... filled from these rows of the group's [Bg * Tq] result
+    block_table: torch.Tensor  # [Bg, nblk]
+    mask: torch.Tensor  # [Bg, 1, G * Tq, nblk * block_size] additive (0 / -inf), model dtype
+    queries: tuple[int, int]  # (Bg, Tq)
+
+
+class TorchPagedAttention:
+    """One step of paged attention in plain torch; built by ``TorchAttentionBackend.prepare``."""
+
+    def __init__(self, kv_cache: PagedKVCache, layout: PagedLayout, groups: list[_Group]) -> None:
+        self.kv_cache = kv_cache
+        self.slot_mapping = layout.slot_mapping
+        self.groups = groups
+        self.num_tokens = layout.positions.shape[0]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [1, N, H, D]; k, v: [1, N, KVH, D]
+        write_kv(self.kv_cache, layer, self.slot_mapping, k[0], v[0])
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        q = q[0]
+        n, heads, dim = q.shape
+        if len(self.groups) == 1 and self.groups[0].token_index is None:
+            group = self.groups[0]
+            return _attend(q.view(*group.queries, heads, dim), k_cache, v_cache, group).view(1, n, heads, dim)
+        out = q.new_empty(n, heads, dim)
+        for group in self.groups:
+            res = _attend(q[group.token_index], k_cache, v_cache, group).flatten(0, 1)  # [Bg * Tq, H, D]
+            out.index_copy_(0, group.out_rows, res.index_select(0, group.res_rows))
+        return out.unsqueeze(0)
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group) -> torch.Tensor:
+    """q [Bg, Tq, H, D] against the group's blocks -> [Bg, Tq, H, D]."""
+    bg, tq, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    g = heads // kv_heads
+    k = k_cache[group.block_table].flatten(1, 2).transpose(1, 2)  # [Bg, KVH, S, D]
+    v = v_cache[group.block_table].flatten(1, 2).transpose(1, 2)
+    # Fold the query heads sharing a KV head into the query axis: GQA without repeating K/V.
+    qf = q.view(bg, tq, kv_heads, g, dim).permute(0, 2, 3, 1, 4).reshape(bg, kv_heads, g * tq, dim)
+    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=group.mask)  # [Bg, KVH, G * Tq, D]
+    return o.view(bg, kv_heads, g, tq, dim).permute(0, 3, 1, 2, 4).reshape(bg, tq, heads, dim)
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int) -> None:
+        self.groups_per_kv = num_heads // num_kv_heads
+
+    def prepare(self, kv_cache: PagedKVCache, layout: PagedLayout, dtype: torch.dtype) -> TorchPagedAttention:
+        small = [i for i, n in enumerate(layout.lengths) if n <= SMALL_QUERY]
+        large = [i for i, n in enumerate(layout.lengths) if n > SMALL_QUERY]
+        members = ([small] if small else []) + [[i] for i in large]
+        whole = len(members) == 1 and len(set(layout.lengths)) == 1  # every row in order, no padding
+        cu = [0]
+        for n in layout.lengths:
+            cu.append(cu[-1] + n)
+        groups = [self._group(kv_cache, layout, m, cu, dtype, whole) for m in members]
+        return TorchPagedAttention(kv_cache, layout, groups)
+
+    def _group(
+        self, kv_cache: PagedKVCache, layout: PagedLayout, members: list[int], cu: list[int],
+        dtype: torch.dtype, whole: bool,
+    ) -> _Group:
+        device = layout.positions.device
+        lengths = [layout.lengths[i] for i in members]
+        tq = max(lengths)
+        nblk = max(layout.num_blocks[i] for i in members)
+        idx = torch.tensor(members, device=device)
+        lens = torch.tensor(lengths, device=device)
+        starts = torch.tensor([layout.starts[i] for i in members], device=device)
+        steps = torch.arange(tq, device=device)
+        # key s is visible to the query at absolute position start + t iff s <= start + t
+        query_pos = starts[:, None] + steps[None, :]  # [Bg, Tq]
+        keys = torch.arange(nblk * kv_cache.block_size, device=device)
+        allowed = keys[None, None, :] <= query_pos[:, :, None]  # [Bg, Tq, S]
+        allowed = allowed.unsqueeze(1).expand(-1, self.groups_per_kv, -1, -1).flatten(1, 2).unsqueeze(1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        block_table = layout.block_table.index_select(0, idx)[:, :nblk]
+        if whole:
+            return _Group(None, None, None, block_table, mask, (len(members), tq))
+        firsts = torch.tensor([cu[i] for i in members], device=device)
+        # Padded query rows repeat the sequence's last token: valid reads, results dropped.
+        token_index = firsts[:, None] + torch.minimum(steps[None, :], lens[:, None] - 1)
+        valid = (steps[None, :] < lens[:, None]).flatten()
+        res_rows = valid.nonzero().squeeze(1)
+        out_rows = token_index.flatten().index_select(0, res_rows)
+        return _Group(token_index, out_rows, res_rows, block_table, mask, (len(members), tq))
+
+
+def get_attention_backend(
+    name: str, *, device: torch.device | str, block_size: int, num_heads: int, num_kv_heads: int
+) -> AttentionBackend:
+    """'torch', 'flash_attn' (CUDA only, imported lazily) or 'auto' (flash-attn when usable)."""
+    if name not in BACKENDS:
+        raise ConfigError(f"engine.attention must be one of {list(BACKENDS)}, got {name!r}")
+    device = torch.device(device)
+    if name == "auto":
+        usable = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+        if usable and block_size % 256 == 0:
+            name = "flash_attn"
+        else:
+            if usable:
+                log.warning("flash-attn needs engine.block_size to be a multiple of 256; using torch attention")
+            name = "torch"
+    if name == "flash_attn":
+        if device.type != "cuda":
+            raise ConfigError("engine.attention = 'flash_attn' needs engine.device = 'cuda'")
+        from engine_gpu.attention_flash import FlashAttentionBackend
+
+        return FlashAttentionBackend(block_size)
+    return TorchAttentionBackend(num_heads, num_kv_heads)

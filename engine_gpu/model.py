@@ -1,0 +1,167 @@
+"""A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU, tied or untied head), written once.
+
+Layers never own a KV cache: each calls an attention object ``attention(layer, q, k, v)``.
+The engine passes a paged attention step (engine_gpu.attention) over a flattened varlen batch
+([1, N] tokens); ``forward_contiguous`` passes a contiguous past-key/value attention, which is
+plain tensor code that torch.onnx.export can trace. Q/K/V and gate/up are fused into one matmul
+each because per-op overhead dominates small-batch decode on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_edge.errors import ModelFileError
+from engine_gpu.rope import RopeScaling, apply_rope, inv_frequencies, rope_cos_sin
+
+PastKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), each [B, KVH, S, D]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape and numerics of a checkpoint, read from its metadata by engine_gpu.loader."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF rope_freqs (llama3 scaling, llama.cpp style)
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelFileError(f"model metadata {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelFileError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelFileError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise ModelFileError("rms_norm_eps and rope_theta must be positive")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ModelFileError(
+                f"rope_freqs has {len(self.rope_freq_factors)} factors, expected head_dim/2 = {self.head_dim // 2}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class Attention(Protocol):
+    """What a layer calls: q [B, T, H, D], k/v [B, T, KVH, D] (RoPE applied) -> [B, T, H, D]."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale after casting back, exactly as HF does, so bf16 runs agree.
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.wqkv = nn.Linear(args.hidden_size, args.q_size + 2 * args.kv_size, bias=False)
+        self.wo = nn.Linear(args.q_size, args.hidden_size, bias=False)
+        self.mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.w_gate_up = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.w_down = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.split = (args.q_size, args.kv_size, args.kv_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
+        # x: [B, T, hidden]
+        q, k, v = self.wqkv(self.attn_norm(x)).split(self.split, dim=-1)
+        q = apply_rope(q.unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)  # [B, T, H, D]
+        k = apply_rope(k.unflatten(-1, (self.num_kv_heads, self.head_dim)), cos, sin)  # [B, T, KVH, D]
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        o = attention(self.index, q, k, v)  # [B, T, H, D]
+        x = x + self.wo(o.flatten(-2))
+        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        a = self.args
+        return inv_frequencies(a.head_dim, a.rope_theta, a.rope_scaling, a.rope_freq_factors)
+
+    def reset_rope(self, device: torch.device | str) -> None:
+        """Recompute the RoPE buffer (after building on the meta device and assigning weights)."""
+        self.inv_freq = self._inv_freq().to(device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """input_ids, positions [B, T] -> final-normed hidden states [B, T, hidden]."""
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., vocab] in the model dtype."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def forward_contiguous(
+        self,
+        input_ids: torch.Tensor,
+        past_kv: PastKV | None = None,
+        position_offset: int | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, PastKV]:
+        """Reference/export path: input_ids [B, T] -> (logits [B, T, vocab], new past).
+
+        ``position_offset`` defaults to the past length; all rows share it (no padding).
+        """
+        from engine_gpu.attention import ContiguousAttention
+
+        if position_offset is None:
+            position_offset = past_kv[0][0].shape[2] if past_kv else 0
+        steps = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = (steps + position_offset).unsqueeze(0).expand(input_ids.shape[0], -1)
+        attention = ContiguousAttention(past_kv, self.args.num_layers)
+        hidden = self.forward(input_ids, positions, attention)
+        return self.compute_logits(hidden), attention.present

@@ -1,0 +1,185 @@
+"""The model runner: one forward over a flattened varlen batch, plain Python in and out.
+
+Each step takes any mix of prompt chunks, decodes and (later) draft tokens as ``SeqBatchItem``s,
+writes the K/V of all new tokens into their paged slots, attends causally through each
+sequence's block table, and samples where asked. It knows nothing of scheduling: block ids and
+positions come from the caller, so it runs from plain lists in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine_edge.errors import ConfigError
+from engine_edge.modelfile import resolve_source
+from engine_edge.types import SamplingParams
+from engine_gpu.attention import AttentionBackend, PagedLayout, get_attention_backend
+from engine_gpu.kv_cache import PagedKVCache
+from engine_gpu.loader import load_model
+from engine_gpu.model import LlamaModel
+from engine_gpu.sampler import SampledToken, Sampler
+
+if TYPE_CHECKING:
+    from engine_gpu.config import EngineConfig
+    from gateway.config import ModelConfig
+
+__all__ = ["ModelRunner", "SampledToken", "SeqBatchItem", "build_layout"]
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class SeqBatchItem:
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step: a prompt chunk, 1 decode token, or 1 + k drafts
+    start_pos: int  # absolute position of token_ids[0] (= tokens already in the KV cache)
+    block_table: list[int]  # physical block ids covering positions [0, start_pos + len(token_ids))
+    sample: bool  # sample after the last position (False for a non-final prompt chunk)
+    params: SamplingParams
+    output_index: int  # tokens this request already generated: the RNG key of seeded sampling
+
+
+def build_layout(
+    starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+) -> PagedLayout:
+    """Positions and cache slots of every new token, with one tensor construction per field."""
+    # only the blocks this step can touch: a longer table (blocks reserved ahead) is not gathered
+    num_blocks = [-(-(s + n) // block_size) for s, n in zip(starts, lengths, strict=True)]
+    width = max(num_blocks)
+    rows = [t[:k] + [0] * (width - k) for t, k in zip(block_tables, num_blocks, strict=True)]
+    table = torch.tensor(rows, dtype=torch.int64, device=device)
+    starts_t = torch.tensor(starts, dtype=torch.int64, device=device)
+    if all(n == 1 for n in lengths):  # pure decode: one token per sequence
+        seq_of_token = torch.arange(len(starts), device=device)
+        positions = starts_t
+    else:
+        lens = torch.tensor(lengths, dtype=torch.int64, device=device)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(starts), device=device), lens)
+        firsts = torch.cumsum(lens, 0) - lens
+        offsets = torch.arange(int(sum(lengths)), device=device) - firsts[seq_of_token]
+        positions = starts_t[seq_of_token] + offsets
+    blocks = table[seq_of_token, positions // block_size]
+    slots = blocks * block_size + positions % block_size
+    return PagedLayout(list(starts), list(lengths), positions, slots, table, num_blocks)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: PagedKVCache,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        attention_backend: AttentionBackend | str = "auto",
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.kv_cache = kv_cache
+        self.device = torch.device(device)
+        self.dtype = dtype
+        args = model.args
+        if isinstance(attention_backend, str):
+            attention_backend = get_attention_backend(
+                attention_backend, device=self.device, block_size=kv_cache.block_size,
+                num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+            )
+        self.attention_backend = attention_backend
+        self.sampler = sampler or Sampler()
+        self.num_blocks = kv_cache.num_blocks
+        self.block_size = kv_cache.block_size
+        self.vocab_size = args.vocab_size
+        self.max_position = args.max_position_embeddings
+
+    @classmethod
+    def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> ModelRunner:
+        """Load the weights of ``model_cfg`` and size the KV pool from ``engine_cfg``."""
+        if engine_cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("engine.device = 'cuda' but torch sees no CUDA device")
+        if engine_cfg.threads > 0:
+            torch.set_num_threads(engine_cfg.threads)
+        dtype = DTYPES[engine_cfg.dtype]
+        device = torch.device(engine_cfg.device)
+        path = resolve_source(model_cfg.source)
+        model = load_model(path, model_cfg.format, dtype=dtype, device=device)
+        kv_cache = PagedKVCache.for_model(
+            model.args, block_size=engine_cfg.block_size, dtype=dtype, device=device,
+            kv_cache_mib=engine_cfg.kv_cache_mib, num_blocks=engine_cfg.num_blocks,
+        )
+        log.info("KV pool: %d blocks of %d tokens (%.0f MiB)", kv_cache.num_blocks, kv_cache.block_size,
+                 kv_cache.num_bytes / 2**20)
+        return cls(model, kv_cache, device=device, dtype=dtype, attention_backend=engine_cfg.attention)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[SeqBatchItem]) -> list[SampledToken | None]:
+        """One forward over the batch; a token for each item with ``sample=True``, else None."""
+        if not batch:
+            return []
+        rows = [i for i, item in enumerate(batch) if item.sample]
+        hidden = self._forward(batch, self._last_rows(batch, rows))
+        out: list[SampledToken | None] = [None] * len(batch)
+        if rows:
+            logits = self.model.compute_logits(hidden)
+            tokens = self.sampler.sample(logits, [batch[i].params for i in rows], [batch[i].output_index for i in rows])
+            for i, token in zip(rows, tokens, strict=True):
+                out[i] = token
+        return out
+
+    @torch.inference_mode()
+    def execute_logits(self, batch: list[SeqBatchItem]) -> list[torch.Tensor]:
+        """The same step, returning float32 logits [len(token_ids), vocab] for every item's every token
+        (for verifying drafts and for tests)."""
+        if not batch:
+            return []
+        logits = self.model.compute_logits(self._forward(batch, None)).float()
+        return list(logits.split([len(item.token_ids) for item in batch]))
+
+    def _last_rows(self, batch: list[SeqBatchItem], rows: list[int]) -> list[int]:
+        ends, total = [], 0
+        for item in batch:
+            total += len(item.token_ids)
+            ends.append(total - 1)
+        return [ends[i] for i in rows]
+
+    def _forward(self, batch: list[SeqBatchItem], keep_rows: list[int] | None) -> torch.Tensor:
+        """Run the model over all new tokens; hidden states [rows, hidden] of ``keep_rows`` (None: all)."""
+        self._validate(batch)
+        layout = build_layout(
+            [item.start_pos for item in batch], [len(item.token_ids) for item in batch],
+            [item.block_table for item in batch], self.block_size, self.device,
+        )
+        input_ids = torch.tensor([t for item in batch for t in item.token_ids], dtype=torch.int64, device=self.device)
+        attention = self.attention_backend.prepare(self.kv_cache, layout, self.dtype)
+        hidden = self.model(input_ids.unsqueeze(0), layout.positions.unsqueeze(0), attention)[0]  # [N, hidden]
+        if keep_rows is None:
+            return hidden
+        return hidden[torch.tensor(keep_rows, device=self.device)]
+
+    def _validate(self, batch: list[SeqBatchItem]) -> None:
+        # Cheap O(items) checks: a bad block table would silently corrupt another sequence's KV.
+        seen: set[str] = set()
+        for item in batch:
+            n = len(item.token_ids)
+            if n == 0:
+                raise ValueError(f"request {item.request_id!r}: empty token_ids")
+            if item.request_id in seen:
+                raise ValueError(f"request {item.request_id!r} appears twice in one batch")
+            seen.add(item.request_id)
+            if item.start_pos < 0:
+                raise ValueError(f"request {item.request_id!r}: negative start_pos {item.start_pos}")
+            end = item.start_pos + n
+            need = -(-end // self.block_size)
+            if len(item.block_table) < need:
+                raise ValueError(
+                    f"request {item.request_id!r}: {len(item.block_table)} blocks cannot hold positions [0, {end})"
+                )
+            if min(item.token_ids) < 0 or max(item.token_ids) >= self.vocab_size:
+                raise ValueError(f"request {item.request_id!r}: token id outside the vocabulary [0, {self.vocab_size})")
+            if min(item.block_table) < 0 or max(item.block_table) >= self.num_blocks:
+                raise ValueError(f"request {item.request_id!r}: block id outside the pool [0, {self.num_blocks})")
