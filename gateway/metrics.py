@@ -1,0 +1,79 @@
+"""Prometheus metrics of one gateway app.
+
+Every app owns a ``CollectorRegistry`` of its own (never prometheus-client's global default),
+so tests can build several apps in one process. Engine numbers are not copied into gauges
+as they change: a custom collector calls ``Engine.stats()`` of each engine at scrape time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine_edge.types import Engine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Time to first token spans queueing and prefill; inter-token latency one decode step.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+class EngineStatsCollector(Collector):
+    """Exports each numeric ``Engine.stats()`` key ``k`` as gauge ``engine_<k>{tier=...}``,
+    e.g. ``engine_kv_blocks_in_use``, ``engine_running_requests``, ``engine_prefix_cache_hits``."""
+
+    def __init__(self, engines: Callable[[], Mapping[str, Engine]]) -> None:
+        self._engines = engines
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, GaugeMetricFamily] = {}
+        ready = GaugeMetricFamily("engine_ready", "1 when the engine tier accepts requests", labels=["tier"])
+        for tier, engine in sorted(self._engines().items()):
+            ready.add_metric([tier], 1.0 if engine.ready else 0.0)
+            for key, value in sorted(engine.stats().items()):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                name = "engine_" + _NAME_UNSAFE.sub("_", key)
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = GaugeMetricFamily(name, f"Engine.stats()['{key}']", labels=["tier"])
+                family.add_metric([tier], float(value))
+        yield ready
+        yield from families.values()
+
+
+class GatewayMetrics:
+    """The gateway's own series. ``api`` labels are ``realtime`` or ``chat``."""
+
+    def __init__(self, engines: Callable[[], Mapping[str, Engine]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.sessions_active = Gauge("gateway_sessions_active", "Open WebSocket sessions", registry=r)
+        self.sessions_total = Counter("gateway_sessions", "WebSocket sessions accepted", registry=r)
+        self.handshakes_rejected = Counter(
+            "gateway_handshakes_rejected", "WebSocket handshakes refused before a session", ["code"], registry=r)
+        self.requests = Counter("gateway_requests", "Generation requests started", ["api", "tier"], registry=r)
+        self.ttft = Histogram("gateway_ttft_seconds", "Time from request to first token", ["api"],
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("gateway_inter_token_latency_seconds", "Time between consecutive tokens", ["api"],
+                             buckets=ITL_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens processed", ["api"], registry=r)
+        self.cached_tokens = Counter("gateway_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                     ["api"], registry=r)
+        self.output_tokens = Counter("gateway_output_tokens", "Tokens generated", ["api"], registry=r)
+        self.cancels = Counter("gateway_cancels", "Generations aborted before they finished", ["api", "reason"],
+                               registry=r)
+        self.errors = Counter("gateway_errors", "Errors reported to clients", ["api", "code"], registry=r)
+        self.rate_limited = Counter("gateway_rate_limited", "Requests refused by a rate limit", ["api"], registry=r)
+        self.coalesced = Counter("gateway_coalesced_deltas", "Text deltas merged for slow clients", registry=r)
+        r.register(EngineStatsCollector(engines))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

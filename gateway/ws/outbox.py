@@ -1,0 +1,119 @@
+"""The bounded outgoing queue of one WebSocket connection.
+
+The session produces events as fast as the engine makes tokens; a client may read slowly.
+One writer task drains this queue. Above ``high`` queued frames, a text delta that continues
+the last queued delta of the same item and content part is merged into it, so a slow reader
+gets fewer, longer deltas instead of a growing backlog. Past ``limit`` frames or ``max_bytes``
+the connection cancels the response (``over_limit``); the reader stops reading client events
+while the queue is above ``high`` (``wait_writable``), so a client cannot grow it either.
+
+Events are encoded when queued, except text deltas, which stay dicts until sent so that
+they can still be merged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+Frame = str | bytes
+# A queued delta's share of memory besides its text (its dict and ids); an estimate.
+DELTA_OVERHEAD_BYTES = 192
+_DELTA_KEY_FIELDS = ("type", "response_id", "item_id", "output_index", "content_index")
+
+
+def _is_text_delta(event: dict[str, Any]) -> bool:
+    kind = event.get("type")
+    return isinstance(kind, str) and kind.endswith(".delta") and isinstance(event.get("delta"), str)
+
+
+def _same_part(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a.get(k) == b.get(k) for k in _DELTA_KEY_FIELDS)
+
+
+class Outbox:
+    def __init__(self, encode: Callable[[dict[str, Any]], Frame], *, high: int, limit: int, max_bytes: int) -> None:
+        self._encode = encode
+        self._high = high
+        self._limit = limit
+        self._max_bytes = max_bytes
+        self._items: deque[Frame | dict[str, Any]] = deque()
+        self._bytes = 0
+        self._closed = False
+        self._nonempty = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self.coalesced = 0  # deltas merged into an earlier one, for metrics and tests
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    @property
+    def over_limit(self) -> bool:
+        return len(self._items) >= self._limit or self._bytes >= self._max_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def put(self, event: dict[str, Any]) -> None:
+        """Queue one server event (dropped once the outbox is closed)."""
+        if self._closed:
+            return
+        if _is_text_delta(event):
+            last = self._items[-1] if self._items else None
+            if len(self._items) >= self._high and isinstance(last, dict) and _same_part(last, event):
+                last["delta"] += event["delta"]
+                self._bytes += len(event["delta"])
+                self.coalesced += 1
+                return
+            # Copied: merging later must not change a dict the session still holds.
+            self._items.append(dict(event))
+            self._bytes += len(event["delta"]) + DELTA_OVERHEAD_BYTES
+        else:
+            frame = self._encode(event)
+            self._items.append(frame)
+            self._bytes += len(frame)
+        self._nonempty.set()
+        if len(self._items) >= self._high:
+            self._writable.clear()
+
+    async def get(self) -> Frame | None:
+        """The next frame to send; None once the outbox is closed and empty."""
+        while not self._items:
+            if self._closed:
+                return None
+            self._nonempty.clear()
+            await self._nonempty.wait()
+        item = self._items.popleft()
+        if isinstance(item, dict):
+            self._bytes -= len(item["delta"]) + DELTA_OVERHEAD_BYTES
+            frame = self._encode(item)
+        else:
+            self._bytes -= len(item)
+            frame = item
+        if len(self._items) < self._high:
+            self._writable.set()
+        return frame
+
+    async def wait_writable(self) -> None:
+        """Return when fewer than ``high`` frames are queued (or the outbox is closed)."""
+        await self._writable.wait()
+
+    def close(self) -> None:
+        """No more events; ``get`` drains what is queued, then returns None."""
+        self._closed = True
+        self._nonempty.set()
+        self._writable.set()
+
+    def discard(self) -> None:
+        """Drop everything queued (the client is gone)."""
+        self._items.clear()
+        self._bytes = 0
+        self.close()
