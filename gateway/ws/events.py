@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from gateway.ws.conversation import ROOT, Role
+from gateway.ws.fields import Fields, ProtocolError, is_unicode
+
+__all__ = [
+    "ClientEvent", "ItemCreate", "ItemDelete", "ItemReference", "ItemRetrieve", "ItemTruncate", "NewItem",
+    "ProtocolError", "ResponseCancel", "ResponseCreate", "SessionLimits", "SessionUpdate", "parse_client_event",
+]
 
 MAX_ID_CHARS = 64  # item ids, response ids, conversation ids chosen by clients
 MAX_EVENT_ID_CHARS = 128
@@ -61,19 +67,6 @@ class SessionLimits:
                 raise ValueError(f"SessionLimits.{name} must be a positive integer, got {value!r}")
         if self.default_max_output_tokens > self.max_output_tokens:
             raise ValueError("SessionLimits.default_max_output_tokens must be <= max_output_tokens")
-
-
-class ProtocolError(Exception):
-    """A client event we refuse. Becomes an ``error`` server event; the session goes on."""
-
-    def __init__(self, code: str, message: str, param: str | None = None, *,
-                 type: str = "invalid_request_error", event_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-        self.type = type
-        self.event_id = event_id
 
 
 MaxTokens = int | Literal["inf"]
@@ -159,93 +152,6 @@ class ResponseCancel:
 ClientEvent = SessionUpdate | ItemCreate | ItemDelete | ItemRetrieve | ItemTruncate | ResponseCreate | ResponseCancel
 
 
-class _Fields:
-    """Typed reads from one JSON object, remembering which keys were used."""
-
-    def __init__(self, obj: object, path: str) -> None:
-        if not isinstance(obj, dict):
-            raise ProtocolError("invalid_type", f"{path or 'event'} must be an object", path or None)
-        for key in obj:
-            if not isinstance(key, str):
-                raise ProtocolError("invalid_type", f"keys of {path or 'the event'} must be strings", path or None)
-        self.obj: dict[str, Any] = obj
-        self.path = path
-        self.used: set[str] = set()
-
-    def param(self, key: str) -> str:
-        key = _printable(key)
-        return f"{self.path}.{key}" if self.path else key
-
-    def has(self, key: str) -> bool:
-        self.used.add(key)
-        return self.obj.get(key) is not None  # JSON null means "not given", as in the API
-
-    def raw(self, key: str) -> Any:
-        self.used.add(key)
-        return self.obj.get(key)
-
-    def missing(self, key: str) -> ProtocolError:
-        return ProtocolError("missing_required_parameter", f"missing required parameter '{self.param(key)}'",
-                             self.param(key))
-
-    def string(self, key: str, max_chars: int, *, required: bool = False) -> str | None:
-        if not self.has(key):
-            if required:
-                raise self.missing(key)
-            return None
-        value = self.obj[key]
-        if not isinstance(value, str):
-            raise ProtocolError("invalid_type", f"'{self.param(key)}' must be a string", self.param(key))
-        if len(value) > max_chars:
-            raise ProtocolError("string_above_max_length",
-                                f"'{self.param(key)}' is too long: {len(value)} characters, at most {max_chars}",
-                                self.param(key))
-        if not _is_unicode(value):
-            raise ProtocolError("invalid_value", f"'{self.param(key)}' is not valid Unicode (lone surrogate)",
-                                self.param(key))
-        return value
-
-    def integer(self, key: str, *, required: bool = False, minimum: int = 0) -> int | None:
-        if not self.has(key):
-            if required:
-                raise self.missing(key)
-            return None
-        value = self.obj[key]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProtocolError("invalid_type", f"'{self.param(key)}' must be an integer", self.param(key))
-        if value < minimum:
-            raise ProtocolError("invalid_value", f"'{self.param(key)}' must be >= {minimum}", self.param(key))
-        return value
-
-    def number(self, key: str, low: float, high: float) -> float | None:
-        if not self.has(key):
-            return None
-        value = self.obj[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError("invalid_type", f"'{self.param(key)}' must be a number", self.param(key))
-        # Compare before converting: NaN fails the comparison, and a huge int cannot be a float.
-        if not low <= value <= high:
-            raise ProtocolError("invalid_value", f"'{self.param(key)}' must be between {low} and {high}",
-                                self.param(key))
-        return float(value)
-
-    def array(self, key: str, max_len: int) -> list[Any] | None:
-        if not self.has(key):
-            return None
-        value = self.obj[key]
-        if not isinstance(value, list):
-            raise ProtocolError("invalid_type", f"'{self.param(key)}' must be an array", self.param(key))
-        if len(value) > max_len:
-            raise ProtocolError("array_above_max_length",
-                                f"'{self.param(key)}' has {len(value)} entries, at most {max_len}", self.param(key))
-        return value
-
-    def done(self, ignored: frozenset[str] = frozenset()) -> None:
-        for key in self.obj:
-            if key not in self.used and key not in ignored:
-                raise ProtocolError("unknown_parameter", f"unknown parameter '{self.param(key)}'", self.param(key))
-
-
 def parse_client_event(obj: object, limits: SessionLimits) -> ClientEvent:
     """Validate one decoded client event. Raises ``ProtocolError`` (never anything else)."""
     if not isinstance(obj, dict):
@@ -261,28 +167,13 @@ def parse_client_event(obj: object, limits: SessionLimits) -> ClientEvent:
 def _event_id(obj: dict[Any, Any]) -> str | None:
     """The client's event_id, if it is fit to be echoed back in an error."""
     value = obj.get("event_id")
-    if isinstance(value, str) and len(value) <= MAX_EVENT_ID_CHARS and _is_unicode(value):
+    if isinstance(value, str) and len(value) <= MAX_EVENT_ID_CHARS and is_unicode(value):
         return value
     return None
 
 
-def _is_unicode(text: str) -> bool:
-    """False for strings holding lone surrogates (JSON allows "\\ud800"): they cannot be
-    encoded to UTF-8, so neither echoed to the client nor tokenized."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _printable(key: str) -> str:
-    """A client-chosen key, made safe to quote in an error message."""
-    return key[:64].encode("utf-8", "replace").decode("utf-8")
-
-
 def _parse(obj: dict[Any, Any], event_id: str | None, limits: SessionLimits) -> ClientEvent:
-    f = _Fields(obj, "")
+    f = Fields(obj, "")
     f.string("event_id", MAX_EVENT_ID_CHARS)
     kind = f.string("type", 64, required=True)
     if kind in AUDIO_EVENTS:
@@ -293,10 +184,10 @@ def _parse(obj: dict[Any, Any], event_id: str | None, limits: SessionLimits) -> 
     return parser(f, event_id, limits)
 
 
-def _session_update(f: _Fields, event_id: str | None, limits: SessionLimits) -> SessionUpdate:
+def _session_update(f: Fields, event_id: str | None, limits: SessionLimits) -> SessionUpdate:
     if not f.has("session"):
         raise f.missing("session")
-    s = _Fields(f.raw("session"), "session")
+    s = Fields(f.raw("session"), "session")
     f.done()
     kind = s.string("type", 64)
     if kind not in (None, "realtime"):
@@ -316,7 +207,7 @@ def _session_update(f: _Fields, event_id: str | None, limits: SessionLimits) -> 
     return update
 
 
-def _item_create(f: _Fields, event_id: str | None, limits: SessionLimits) -> ItemCreate:
+def _item_create(f: Fields, event_id: str | None, limits: SessionLimits) -> ItemCreate:
     if not f.has("item"):
         raise f.missing("item")
     item = _item(f.raw("item"), "item", limits, allow_reference=False)
@@ -327,19 +218,19 @@ def _item_create(f: _Fields, event_id: str | None, limits: SessionLimits) -> Ite
     return ItemCreate(event_id=event_id, item=item, previous_item_id=previous)
 
 
-def _item_delete(f: _Fields, event_id: str | None, limits: SessionLimits) -> ItemDelete:
+def _item_delete(f: Fields, event_id: str | None, limits: SessionLimits) -> ItemDelete:
     item_id = f.string("item_id", MAX_ID_CHARS, required=True)
     f.done()
     return ItemDelete(event_id=event_id, item_id=str(item_id))
 
 
-def _item_retrieve(f: _Fields, event_id: str | None, limits: SessionLimits) -> ItemRetrieve:
+def _item_retrieve(f: Fields, event_id: str | None, limits: SessionLimits) -> ItemRetrieve:
     item_id = f.string("item_id", MAX_ID_CHARS, required=True)
     f.done()
     return ItemRetrieve(event_id=event_id, item_id=str(item_id))
 
 
-def _item_truncate(f: _Fields, event_id: str | None, limits: SessionLimits) -> ItemTruncate:
+def _item_truncate(f: Fields, event_id: str | None, limits: SessionLimits) -> ItemTruncate:
     item_id = f.string("item_id", MAX_ID_CHARS, required=True)
     content_index = f.integer("content_index", required=True)
     audio_end_ms = f.integer("audio_end_ms")
@@ -353,8 +244,8 @@ def _item_truncate(f: _Fields, event_id: str | None, limits: SessionLimits) -> I
                         text_end=text_end, audio_end_ms=audio_end_ms or 0)
 
 
-def _response_create(f: _Fields, event_id: str | None, limits: SessionLimits) -> ResponseCreate:
-    r = _Fields(f.raw("response") if f.has("response") else {}, "response")
+def _response_create(f: Fields, event_id: str | None, limits: SessionLimits) -> ResponseCreate:
+    r = Fields(f.raw("response") if f.has("response") else {}, "response")
     f.done()
     _check_modalities(r)
     _check_no_tools(r)
@@ -379,7 +270,7 @@ def _response_create(f: _Fields, event_id: str | None, limits: SessionLimits) ->
     return create
 
 
-def _response_cancel(f: _Fields, event_id: str | None, limits: SessionLimits) -> ResponseCancel:
+def _response_cancel(f: Fields, event_id: str | None, limits: SessionLimits) -> ResponseCancel:
     response_id = f.string("response_id", MAX_ID_CHARS)
     f.done()
     return ResponseCancel(event_id=event_id, response_id=response_id)
@@ -396,7 +287,7 @@ _PARSERS = {
 }
 
 
-def _check_modalities(f: _Fields) -> None:
+def _check_modalities(f: Fields) -> None:
     for key in ("output_modalities", "modalities"):
         values = f.array(key, 2)
         if values is None:
@@ -409,7 +300,7 @@ def _check_modalities(f: _Fields) -> None:
             raise ProtocolError("invalid_value", f"'{f.param(key)}' must be [\"text\"]", f.param(key))
 
 
-def _check_no_tools(f: _Fields) -> None:
+def _check_no_tools(f: Fields) -> None:
     tools = f.raw("tools")
     if tools is None or tools == []:
         return
@@ -418,7 +309,7 @@ def _check_no_tools(f: _Fields) -> None:
     raise ProtocolError("unsupported_feature", "tools are not supported by this server", f.param("tools"))
 
 
-def _max_tokens(f: _Fields, limits: SessionLimits) -> MaxTokens | None:
+def _max_tokens(f: Fields, limits: SessionLimits) -> MaxTokens | None:
     for key in ("max_output_tokens", "max_response_output_tokens"):
         if not f.has(key):
             continue
@@ -435,10 +326,10 @@ def _max_tokens(f: _Fields, limits: SessionLimits) -> MaxTokens | None:
     return None
 
 
-def _metadata(f: _Fields) -> dict[str, str] | None:
+def _metadata(f: Fields) -> dict[str, str] | None:
     if not f.has("metadata"):
         return None
-    m = _Fields(f.raw("metadata"), f.param("metadata"))
+    m = Fields(f.raw("metadata"), f.param("metadata"))
     if len(m.obj) > MAX_METADATA_PAIRS:
         raise ProtocolError("invalid_value", f"'{m.path}' allows at most {MAX_METADATA_PAIRS} pairs", m.path)
     out: dict[str, str] = {}
@@ -446,14 +337,14 @@ def _metadata(f: _Fields) -> dict[str, str] | None:
         if len(key) > MAX_METADATA_KEY:
             raise ProtocolError("string_above_max_length", f"metadata keys are at most {MAX_METADATA_KEY} characters",
                                 m.path)
-        if not _is_unicode(key):
+        if not is_unicode(key):
             raise ProtocolError("invalid_value", "metadata keys must be valid Unicode", m.path)
         out[key] = str(m.string(key, MAX_METADATA_VALUE, required=True))
     return out
 
 
 def _item(obj: object, path: str, limits: SessionLimits, *, allow_reference: bool) -> NewItem | ItemReference:
-    f = _Fields(obj, path)
+    f = Fields(obj, path)
     kind = f.string("type", 64)
     kind = "message" if kind is None else kind  # the API's items are messages unless told
     if kind in TOOL_ITEM_TYPES:
@@ -484,7 +375,7 @@ def _item(obj: object, path: str, limits: SessionLimits, *, allow_reference: boo
     allowed = ("output_text", "text") if role == "assistant" else ("input_text", "text")
     parts = []
     for n, raw in enumerate(content):
-        p = _Fields(raw, f"{f.param('content')}[{n}]")
+        p = Fields(raw, f"{f.param('content')}[{n}]")
         part_type = p.string("type", 32, required=True)
         if part_type in AUDIO_PART_TYPES:
             raise ProtocolError("unsupported_feature", f"'{part_type}' content is not supported: this server is "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine_edge.errors import EngineError
@@ -37,7 +37,8 @@ from gateway.ws.events import (
     SessionUpdate,
     parse_client_event,
 )
-from gateway.ws.wire import SessionView, event_name, item_wire, response_wire, session_wire, usage_wire
+from gateway.ws.responses import ResponseStream
+from gateway.ws.wire import SessionView, event_name, item_wire, session_wire
 
 __all__ = ["AbortGeneration", "Command", "RealtimeSession", "SessionLimits", "StartGeneration"]
 
@@ -67,18 +68,6 @@ class AbortGeneration:
 Command = StartGeneration | AbortGeneration
 
 
-@dataclass
-class _Response:
-    id: str
-    in_conversation: bool  # False for conversation "none" (out-of-band)
-    max_output_tokens: int | str  # as reported to the client ("inf" or int)
-    temperature: float
-    metadata: dict[str, str] | None
-    item: Item | None = None  # opened on the first engine output
-    tokens: int = 0  # tokens seen so far (usage of a cancelled response)
-    extra_metadata: dict[str, str] = field(default_factory=dict)
-
-
 def _default_ids(prefix: str) -> str:
     return f"{prefix}_{secrets.token_urlsafe(12)}"
 
@@ -104,7 +93,7 @@ class RealtimeSession:
         self._conversation = Conversation(id=self._ids("conv"))
         self._events: list[dict[str, Any]] = []
         self._commands: list[Command] = []
-        self._active: _Response | None = None
+        self._active: ResponseStream | None = None
         self._started = False
 
     # ----- public API -------------------------------------------------------------------
@@ -158,22 +147,21 @@ class RealtimeSession:
             return
         try:
             if isinstance(event, TokenEvent):
-                response.tokens += 1
-                if event.text:
-                    self._delta(response, event.text)
+                response.token(event.text)
             elif isinstance(event, FinishEvent):
-                self._engine_finished(response, event)
-        except Exception:
+                response.engine_finished(event)
+        except Exception:  # a bug here must end this response cleanly, not the connection
             logger.exception("internal error handling an engine event of %s", response_id)
-            self._fail_internal(response)
+            self._abandon(response)
+        self._settle()
 
     def engine_failed(self, response_id: str, error: EngineError) -> None:
         """The engine refused or lost the request: the response ends ``failed``."""
         response = self._active
         if response is None or response.id != response_id:
             return
-        details = {"type": "failed", "error": {"type": error.type, "code": error.code, "message": error.message}}
-        self._finish(response, "failed", details, usage_wire(0, response.tokens, 0, self._beta))
+        response.fail({"type": error.type, "code": error.code, "message": error.message})
+        self._settle()
 
     def cancel_active(self, reason: str) -> None:
         """Adapter-initiated cancel (``client_too_slow``, ``server_shutdown``, ``client_disconnected``)."""
@@ -233,7 +221,7 @@ class RealtimeSession:
         item = Item(id=new.id or self._ids("item"), role=new.role, parts=list(new.parts))
         self._check_room(extra_items=1, extra_chars=item.chars, param="item")
         previous_id = conversation.insert(item, previous)
-        self._emit_item_added(item, previous_id)
+        self._emit("conversation.item.added", previous_item_id=previous_id, item=item_wire(item, self._beta))
         if not self._beta:
             self._emit("conversation.item.done", previous_item_id=previous_id, item=item_wire(item, self._beta))
 
@@ -291,10 +279,12 @@ class RealtimeSession:
         max_tokens = self._limits.max_output_tokens if max_output == "inf" else int(max_output)
         temperature = self._temperature if event.temperature is None else event.temperature
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-        response = _Response(id=self._ids("resp"), in_conversation=in_conversation, max_output_tokens=max_output,
-                             temperature=temperature, metadata=event.metadata)
+        response = ResponseStream(
+            response_id=self._ids("resp"), conversation=self._conversation if in_conversation else None,
+            conversation_id=self._conversation.id, max_output_tokens=max_output, temperature=temperature,
+            metadata=event.metadata, beta=self._beta, ids=self._ids, emit=self._emit)
         self._active = response
-        self._emit("response.created", response=self._response_wire(response, "in_progress", None, None))
+        response.created()
         self._commands.append(StartGeneration(response_id=response.id, messages=messages, params=params,
                                               metadata=dict(event.metadata or {})))
 
@@ -322,87 +312,26 @@ class RealtimeSession:
 
     # ----- responses --------------------------------------------------------------------
 
-    def _engine_finished(self, response: _Response, event: FinishEvent) -> None:
-        if event.text:
-            self._delta(response, event.text)
-        if event.tier:
-            response.extra_metadata["x_tier"] = event.tier
-        usage = usage_wire(event.prompt_tokens, event.completion_tokens, event.cached_tokens, self._beta)
-        if event.reason == "stop":
-            self._finish(response, "completed", None, usage)
-        elif event.reason == "length":
-            self._finish(response, "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}, usage)
-        elif event.reason == "abort":
-            # Only our own AbortGeneration should abort, and that already ended the response;
-            # an abort we did not ask for is the engine giving up (e.g. shutting down).
-            self._finish(response, "cancelled", {"type": "cancelled", "reason": "engine_aborted"}, usage)
-        else:
-            error = {"type": "server_error", "code": "engine_error",
-                     "message": event.message or "the engine failed while generating"}
-            self._finish(response, "failed", {"type": "failed", "error": error}, usage)
-
-    def _cancel(self, response: _Response, reason: str) -> None:
+    def _cancel(self, response: ResponseStream, reason: str) -> None:
         self._commands.append(AbortGeneration(response.id))
-        # Input tokens are not known before the engine finishes; report what was streamed.
-        self._finish(response, "cancelled", {"type": "cancelled", "reason": reason},
-                     usage_wire(0, response.tokens, 0, self._beta))
+        response.cancel(reason)
+        self._settle()
 
-    def _fail_internal(self, response: _Response) -> None:
+    def _abandon(self, response: ResponseStream) -> None:
+        """End a response whose state a bug may have broken: abort the engine and report a
+        generic failure; if even that fails, forget the response without another event."""
         self._commands.append(AbortGeneration(response.id))
-        error = {"type": "server_error", "code": "server_error", "message": INTERNAL_ERROR_MESSAGE}
-        self._finish(response, "failed", {"type": "failed", "error": error}, usage_wire(0, response.tokens, 0,
-                                                                                        self._beta))
+        try:
+            response.fail({"type": "server_error", "code": "server_error", "message": INTERNAL_ERROR_MESSAGE})
+        except Exception:
+            logger.exception("could not report the failure of %s", response.id)
+            response.done = True
 
-    def _open_item(self, response: _Response) -> Item:
-        item = Item(id=self._ids("item"), role="assistant", parts=[], status="in_progress")
-        response.item = item
-        self._emit("response.output_item.added", response_id=response.id, output_index=0,
-                   item=item_wire(item, self._beta))
-        if response.in_conversation:
-            self._emit_item_added(item, self._conversation.insert(item))
-        item.parts.append("")
-        self._emit("response.content_part.added", response_id=response.id, item_id=item.id, output_index=0,
-                   content_index=0, part={"type": "text", "text": ""})
-        return item
-
-    def _delta(self, response: _Response, text: str) -> None:
-        item = response.item or self._open_item(response)
-        item.parts[0] += text
-        self._emit("response.output_text.delta", response_id=response.id, item_id=item.id, output_index=0,
-                   content_index=0, delta=text)
-
-    def _finish(self, response: _Response, status: str, details: dict[str, Any] | None,
-                usage: dict[str, Any]) -> None:
-        """Close the open item, then ``response.done``; the response is no longer active."""
-        item = response.item
-        if item is None and status in ("completed", "incomplete"):
-            item = self._open_item(response)  # a finished turn always has its (maybe empty) message
-        self._active = None
-        if item is not None:
-            item.status = "completed" if status == "completed" else "incomplete"
-            text = item.parts[0] if item.parts else ""
-            ids = {"response_id": response.id, "item_id": item.id, "output_index": 0, "content_index": 0}
-            self._emit("response.output_text.done", **ids, text=text)
-            self._emit("response.content_part.done", **ids, part={"type": "text", "text": text})
-            self._emit("response.output_item.done", response_id=response.id, output_index=0,
-                       item=item_wire(item, self._beta))
-            if response.in_conversation and not self._beta and item.id in self._conversation:
-                self._emit("conversation.item.done", previous_item_id=self._conversation.previous_id(item.id),
-                           item=item_wire(item, self._beta))
-        self._emit("response.done", response=self._response_wire(response, status, details, usage))
-
-    def _response_wire(self, response: _Response, status: str, details: dict[str, Any] | None,
-                       usage: dict[str, Any] | None) -> dict[str, Any]:
-        metadata = response.metadata
-        if response.extra_metadata:
-            metadata = {**(metadata or {}), **response.extra_metadata}
-        return response_wire(
-            response_id=response.id, status=status, status_details=details,
-            output=[item_wire(response.item, self._beta)] if response.item else [],
-            conversation_id=self._conversation.id if response.in_conversation else None,
-            max_output_tokens=response.max_output_tokens, temperature=response.temperature,
-            metadata=metadata, usage=usage, beta=self._beta,
-        )
+    def _settle(self) -> None:
+        """Forget the active response once it has sent response.done: later engine events for
+        it no longer find it, which is the ordering guarantee."""
+        if self._active is not None and self._active.done:
+            self._active = None
 
     # ----- helpers ----------------------------------------------------------------------
 
@@ -423,7 +352,7 @@ class RealtimeSession:
         """Refuse what would take the conversation past SessionLimits (counting the message an
         active response has not opened yet, so that it always has room)."""
         active = self._active
-        reserved = 1 if active is not None and active.in_conversation and active.item is None else 0
+        reserved = 1 if active is not None and active.needs_slot else 0
         items = len(self._conversation) + reserved + extra_items
         if items > self._limits.max_conversation_items:
             raise ProtocolError("conversation_limit_exceeded",
@@ -434,9 +363,6 @@ class RealtimeSession:
             raise ProtocolError("conversation_limit_exceeded",
                                 f"the conversation would have {chars} characters, more than this server's limit "
                                 f"of {self._limits.max_conversation_chars}; delete old items first", param)
-
-    def _emit_item_added(self, item: Item, previous_id: str | None) -> None:
-        self._emit("conversation.item.added", previous_item_id=previous_id, item=item_wire(item, self._beta))
 
     def _emit(self, ga_type: str, **fields: Any) -> None:
         self._events.append({"type": event_name(ga_type, self._beta), "event_id": self._ids("event"), **fields})

@@ -10,6 +10,7 @@ import pytest
 from realtime_sdk_check import check_server_event
 
 from engine_edge.types import FinishEvent, TokenEvent
+from gateway.ws.responses import ResponseStream
 from gateway.ws.session import AbortGeneration, RealtimeSession, SessionLimits, StartGeneration
 
 
@@ -251,9 +252,26 @@ def test_internal_failures_become_a_generic_server_error(monkeypatch: pytest.Mon
     say(say_ok, "user", "hi")
     command = start_response(say_ok)
     drain(say_ok)
-    monkeypatch.setattr(say_ok, "_delta", broken)
+    monkeypatch.setattr(ResponseStream, "_delta", broken)
     say_ok.engine_event(command.response_id, TokenEvent(token_id=1, text="x", logprob=0.0))
     assert say_ok.commands() == [AbortGeneration(command.response_id)]
     (done,) = drain(say_ok)
     assert done["response"]["status"] == "failed" and "secret" not in str(done)
     assert say_ok.active_response_id is None
+
+
+def test_a_broken_failure_report_still_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    session = make()
+    say(session, "user", "hi")
+    command = start_response(session)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ResponseStream, "_delta", broken)
+    monkeypatch.setattr(ResponseStream, "_finish", broken)
+    session.engine_event(command.response_id, TokenEvent(token_id=1, text="x", logprob=0.0))
+    assert session.active_response_id is None
+    assert session.commands() == [AbortGeneration(command.response_id)]
+    session.engine_event(command.response_id, TokenEvent(token_id=2, text="y", logprob=0.0))
+    assert [e["type"] for e in drain(session)][-1] == "response.created"

@@ -1,0 +1,141 @@
+"""The server events of one response, in the order the Realtime API defines.
+
+``ResponseStream`` owns one response from ``response.created`` to ``response.done``: it opens
+the assistant message on the first output, streams deltas into it (and into the conversation
+when the response belongs to it), and closes everything with exactly one ``response.done``.
+After that it emits nothing more; the session drops it and ignores whatever arrives late.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine_edge.types import FinishEvent
+from gateway.ws.conversation import Conversation, Item
+from gateway.ws.wire import item_wire, response_wire, usage_wire
+
+Emit = Callable[..., None]  # emit(ga_event_type, **fields)
+
+
+class ResponseStream:
+    def __init__(
+        self,
+        *,
+        response_id: str,
+        conversation: Conversation | None,  # None: out-of-band (conversation "none")
+        conversation_id: str,
+        max_output_tokens: int | str,  # as reported ("inf" or int)
+        temperature: float,
+        metadata: dict[str, str] | None,
+        beta: bool,
+        ids: Callable[[str], str],
+        emit: Emit,
+    ) -> None:
+        self.id = response_id
+        self.item: Item | None = None  # opened on the first engine output
+        self.tokens = 0  # tokens seen, the usage of a response cancelled before the engine reports
+        self.done = False
+        self._conversation = conversation
+        self._conversation_id = conversation_id
+        self._max_output_tokens = max_output_tokens
+        self._temperature = temperature
+        self._metadata = metadata
+        self._extra_metadata: dict[str, str] = {}
+        self._beta = beta
+        self._ids = ids
+        self._emit = emit
+
+    @property
+    def needs_slot(self) -> bool:
+        """True while this response will still add its message to the conversation."""
+        return self._conversation is not None and self.item is None and not self.done
+
+    def created(self) -> None:
+        self._emit("response.created", response=self._wire("in_progress", None, None))
+
+    def token(self, text: str) -> None:
+        self.tokens += 1
+        if text:
+            self._delta(text)
+
+    def engine_finished(self, event: FinishEvent) -> None:
+        if event.text:
+            self._delta(event.text)
+        if event.tier:
+            self._extra_metadata["x_tier"] = event.tier
+        usage = usage_wire(event.prompt_tokens, event.completion_tokens, event.cached_tokens, self._beta)
+        if event.reason == "stop":
+            self._finish("completed", None, usage)
+        elif event.reason == "length":
+            self._finish("incomplete", {"type": "incomplete", "reason": "max_output_tokens"}, usage)
+        elif event.reason == "abort":
+            # Our own aborts end the response before the engine confirms them; an abort we did
+            # not ask for is the engine giving up (e.g. shutting down).
+            self._finish("cancelled", {"type": "cancelled", "reason": "engine_aborted"}, usage)
+        else:
+            self.fail({"type": "server_error", "code": "engine_error",
+                       "message": event.message or "the engine failed while generating"}, usage)
+
+    def cancel(self, reason: str) -> None:
+        # Input tokens are unknown until the engine finishes; report what was streamed.
+        self._finish("cancelled", {"type": "cancelled", "reason": reason}, self._streamed_usage())
+
+    def fail(self, error: dict[str, Any], usage: dict[str, Any] | None = None) -> None:
+        self._finish("failed", {"type": "failed", "error": error}, usage or self._streamed_usage())
+
+    def _streamed_usage(self) -> dict[str, Any]:
+        return usage_wire(0, self.tokens, 0, self._beta)
+
+    def _open_item(self) -> Item:
+        item = Item(id=self._ids("item"), role="assistant", parts=[], status="in_progress")
+        self.item = item
+        self._emit("response.output_item.added", response_id=self.id, output_index=0,
+                   item=item_wire(item, self._beta))
+        if self._conversation is not None:
+            previous_id = self._conversation.insert(item)
+            self._emit("conversation.item.added", previous_item_id=previous_id, item=item_wire(item, self._beta))
+        item.parts.append("")
+        self._emit("response.content_part.added", response_id=self.id, item_id=item.id, output_index=0,
+                   content_index=0, part={"type": "text", "text": ""})
+        return item
+
+    def _delta(self, text: str) -> None:
+        item = self.item or self._open_item()
+        item.parts[0] += text
+        self._emit("response.output_text.delta", response_id=self.id, item_id=item.id, output_index=0,
+                   content_index=0, delta=text)
+
+    def _finish(self, status: str, details: dict[str, Any] | None, usage: dict[str, Any]) -> None:
+        """Close the open message, then ``response.done``; nothing is emitted after it."""
+        if self.done:
+            return
+        item = self.item
+        if item is None and status in ("completed", "incomplete"):
+            item = self._open_item()  # a finished turn always has its (maybe empty) message
+        if item is not None:
+            item.status = "completed" if status == "completed" else "incomplete"
+            text = item.parts[0] if item.parts else ""
+            ids = {"response_id": self.id, "item_id": item.id, "output_index": 0, "content_index": 0}
+            self._emit("response.output_text.done", **ids, text=text)
+            self._emit("response.content_part.done", **ids, part={"type": "text", "text": text})
+            self._emit("response.output_item.done", response_id=self.id, output_index=0,
+                       item=item_wire(item, self._beta))
+            conversation = self._conversation
+            if conversation is not None and not self._beta and item.id in conversation:
+                self._emit("conversation.item.done", previous_item_id=conversation.previous_id(item.id),
+                           item=item_wire(item, self._beta))
+        self.done = True
+        self._emit("response.done", response=self._wire(status, details, usage))
+
+    def _wire(self, status: str, details: dict[str, Any] | None, usage: dict[str, Any] | None) -> dict[str, Any]:
+        metadata = self._metadata
+        if self._extra_metadata:
+            metadata = {**(metadata or {}), **self._extra_metadata}
+        return response_wire(
+            response_id=self.id, status=status, status_details=details,
+            output=[item_wire(self.item, self._beta)] if self.item else [],
+            conversation_id=self._conversation_id if self._conversation is not None else None,
+            max_output_tokens=self._max_output_tokens, temperature=self._temperature,
+            metadata=metadata, usage=usage, beta=self._beta,
+        )
