@@ -76,6 +76,7 @@ class ServerConfig:
     tokens_per_minute: int = 200_000  # per key; output tokens
     send_queue_high: int = 256  # outgoing events queued before deltas are coalesced
     send_queue_limit: int = 4096  # past this the response is cancelled (slow consumer)
+    send_queue_max_bytes: int = 4 * 1024 * 1024  # same, in queued bytes (coalesced deltas grow)
     shutdown_grace_s: float = 5.0
     default_max_output_tokens: int = 512
     max_output_tokens: int = 4096
@@ -84,7 +85,7 @@ class ServerConfig:
         require(1 <= self.port <= 65535 or self.port == 0, f"server.port must be 0..65535, got {self.port}")
         require(self.max_frame_bytes >= 1024, "server.max_frame_bytes must be >= 1024")
         for name in ("max_conversation_items", "max_conversation_chars", "max_sessions_per_key", "max_sessions",
-                     "requests_per_minute", "tokens_per_minute", "send_queue_high", "send_queue_limit",
+                     "requests_per_minute", "tokens_per_minute", "send_queue_high", "send_queue_limit", "send_queue_max_bytes",
                      "default_max_output_tokens", "max_output_tokens"):
             require(getattr(self, name) >= 1, f"server.{name} must be >= 1")
         for name in ("idle_timeout_s", "ping_interval_s", "ping_timeout_s", "shutdown_grace_s"):

@@ -1,0 +1,62 @@
+"""Command line: ``python -m gateway serve --config configs/default.toml [--host H] [--port P]``.
+
+Start-up problems (a bad config, a missing model file, an unsafe bind) end the process with a
+one-line message and exit status 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from engine_edge.errors import ConfigError, ModelFileError
+from gateway.config import DEFAULT_CONFIG, load_config
+
+log = logging.getLogger("gateway")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    # One line per HTTP request is noise at INFO; keep it for DEBUG runs.
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gateway", description="Real-time LLM gateway")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the WebSocket and HTTP API on one port")
+    serve.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config file (default: %(default)s)")
+    serve.add_argument("--host", help="override server.host")
+    serve.add_argument("--port", type=int, help="override server.port (0: any free port)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    from gateway.server import check_bind_safety, run  # after logging: imports may log
+
+    try:
+        config = load_config(args.config)
+        overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        if overrides:
+            config = config.with_server(**overrides)
+        check_bind_safety(config)
+        run(config)
+    except (ConfigError, ModelFileError) as e:
+        # ModelFileError may name paths: it happens at start-up, for the operator.
+        print(f"gateway: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Building the engine tiers the configuration asks for.
+
+Loading a model takes seconds and blocks, so it runs in a worker thread while the server
+already answers ``/healthz`` (and ``/readyz`` says 503). Only the tiers that routing needs are
+built. The gpu tier (the torch engine's client) plugs in at ``build_gpu_engine``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from engine_edge.errors import ConfigError
+from engine_edge.modelfile import check_gguf, resolve_source
+from engine_edge.types import Engine
+from gateway.cascade.router import Router, SingleTierRouter
+from gateway.config import Config
+
+log = logging.getLogger(__name__)
+
+# Prompts longer than this are tokenized in a worker thread, off the event loop.
+INLINE_TOKENIZE_CHARS = 16_384
+
+
+def needed_tiers(config: Config) -> tuple[str, ...]:
+    return (config.routing.default,)
+
+
+def tier_models(config: Config) -> dict[str, str]:
+    """Which model id each tier serves (clients name models, routing picks tiers)."""
+    return {"edge": config.edge.model, "gpu": config.engine.model}
+
+
+def edge_model_path(config: Config) -> Path:
+    model = config.model(config.edge.model)
+    path = resolve_source(model.source, base_dir=config.path.parent if config.path else None)
+    return check_gguf(path) if config.edge.backend == "llama_cpp" else path
+
+
+def build_edge_engine(config: Config) -> Engine:
+    """The in-process edge tier (llama.cpp or ONNX Runtime). Blocking: call it in a thread."""
+    import engine_edge  # lazy: the backends import llama.cpp / onnxruntime
+
+    create_backend = getattr(engine_edge, "create_backend", None)
+    if create_backend is None:
+        raise ConfigError("this checkout's engine_edge has no create_backend(); the edge tier cannot start")
+    edge = config.edge
+    path = edge_model_path(config)
+    log.info("loading edge model %s (%s backend) from %s", edge.model, edge.backend, path)
+    return create_backend(edge.backend, path, n_ctx=edge.n_ctx, n_seq_max=edge.n_seq_max,
+                          n_threads=edge.n_threads, max_queued=edge.max_queued)
+
+
+def build_gpu_engine(config: Config) -> Engine:
+    """The torch engine tier (a client of the engine core process)."""
+    raise ConfigError(
+        "the torch engine tier is not available yet: set [routing] default = \"edge\" "
+        f"(the config {str(config.path) if config.path else '<inline>'} asks for \"gpu\")"
+    )
+
+
+_BUILDERS = {"edge": build_edge_engine, "gpu": build_gpu_engine}
+
+
+async def load_engines(config: Config) -> dict[str, Engine]:
+    """Build every needed tier off the event loop; on failure close the ones already built."""
+    engines: dict[str, Engine] = {}
+    try:
+        for tier in needed_tiers(config):
+            engines[tier] = await asyncio.to_thread(_BUILDERS[tier], config)
+    except BaseException:
+        await close_engines(engines)
+        raise
+    return engines
+
+
+async def close_engines(engines: Mapping[str, Engine]) -> None:
+    for tier, engine in engines.items():
+        try:
+            await engine.close()
+        except Exception:  # one tier failing to close must not keep the others open
+            log.exception("closing the %s engine failed", tier)
+
+
+def build_router(config: Config, engines: Mapping[str, Engine]) -> Router:
+    tier = config.routing.default
+    if tier not in engines:
+        raise ConfigError(f"routing.default is {tier!r} but that tier was not built")
+    return SingleTierRouter(engines[tier])
+
+
+async def encode_chat(engine: Engine, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """The prompt ids of ``messages`` (contents encoded as plain text: injection-safe)."""
+    if sum(len(m.get("content", "")) for m in messages) > INLINE_TOKENIZE_CHARS:
+        return await asyncio.to_thread(engine.tokenizer.encode_chat, messages)
+    return engine.tokenizer.encode_chat(messages)

@@ -1,0 +1,235 @@
+"""The gateway server: one aiohttp app on one port serving ``/v1/realtime`` and the HTTP API.
+
+``create_app`` builds an app around a config (and, in tests, ready-made engines);
+``start_server`` binds it; ``serve`` runs it until SIGINT/SIGTERM, loading the engines after
+the port is open so that ``/readyz`` can say 503 meanwhile; ``run`` does that on uvloop.
+
+Shutdown is graceful: the listening socket closes first, then every session ends its active
+response with ``server_shutdown`` and is closed with 1001, in-flight chat completions are
+aborted with a reason, and only then are the engines closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from engine_edge.errors import ConfigError
+from engine_edge.types import Engine
+from gateway.auth import AuthError, origin_allowed, parse_subprotocols
+from gateway.config import Config
+from gateway.engines import close_engines, load_engines
+from gateway.http_api import add_routes
+from gateway.state import STATE, GatewayState
+from gateway.ws.codec import MSGPACK_SUBPROTOCOL, FrameCodec
+from gateway.ws.connection import WS_CLOSE_GOING_AWAY, RealtimeConnection
+from gateway.ws.session import RealtimeSession, SessionLimits
+
+log = logging.getLogger(__name__)
+
+REALTIME_PATH = "/v1/realtime"
+BROWSER_SUBPROTOCOL = "realtime"
+BETA_SUBPROTOCOL = "openai-beta.realtime-v1"  # how browsers ask for the beta flavour
+
+
+def check_bind_safety(config: Config) -> None:
+    """Refuse to listen beyond loopback unless clients must present an API key."""
+    server = config.server
+    if not server.is_loopback and not server.all_api_keys():
+        raise ConfigError(
+            f"refusing to listen on {server.host}: that address is reachable from other machines and no API keys "
+            f"are configured. Set server.api_keys in the config or ${server.api_keys_env} (comma-separated), "
+            "or bind 127.0.0.1"
+        )
+
+
+def create_app(config: Config, engines: dict[str, Engine] | None = None) -> web.Application:
+    """An app for ``config``. With ``engines`` it is ready at once (tests); without, ``serve``
+    loads them after the port is open and the app owns (and closes) them."""
+    # Chat bodies carry whole conversations; UTF-8 and JSON escapes can take ~6 bytes a character.
+    body_limit = max(1 << 20, 6 * config.server.max_conversation_chars + 65536)
+    app = web.Application(client_max_size=body_limit)
+    state = GatewayState.from_config(config)
+    app[STATE] = state
+    if engines is not None:
+        state.set_engines(engines, owned=False)
+    add_routes(app)
+    app.router.add_get(REALTIME_PATH, realtime)
+    app.on_shutdown.append(_on_shutdown)
+    app.on_cleanup.append(_on_cleanup)
+    return app
+
+
+def _choose_subprotocol(offered: list[str]) -> str | None:
+    """The one subprotocol to echo back: msgpack if asked for, else browsers' ``realtime``.
+    Never the key-carrying one."""
+    for candidate in (MSGPACK_SUBPROTOCOL, BROWSER_SUBPROTOCOL):
+        if candidate in offered:
+            return candidate
+    return None
+
+
+def _handshake_error(state: GatewayState, e: AuthError) -> web.Response:
+    state.metrics.handshakes_rejected.labels(e.code).inc()
+    body = {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}}
+    return web.json_response(body, status=e.status)
+
+
+async def realtime(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/realtime``: every check happens before the upgrade, so a refused client gets
+    an HTTP status and no session is ever created for it."""
+    state = request.app[STATE]
+    server = state.config.server
+    offered = parse_subprotocols(request.headers.get("Sec-WebSocket-Protocol"))
+    try:
+        if not origin_allowed(request.headers.get("Origin"), request.host, server.allowed_origins):
+            raise AuthError(403, "origin_not_allowed", "this Origin is not allowed; add it to server.allowed_origins")
+        key_id = state.auth.authenticate(request.headers.get("Authorization"), offered)
+        if state.shutting_down:
+            raise AuthError(503, "server_shutting_down", "the server is shutting down", "server_error")
+        if not state.ready or state.router is None:
+            raise AuthError(503, "engine_unavailable", "the model is not ready (loading); retry shortly",
+                            "server_error")
+        model = request.query.get("model") or state.default_model
+        if model not in state.models:
+            raise AuthError(404, "model_not_found", f"The model '{model}' does not exist; available: "
+                            f"{sorted(state.models)}")
+        state.slots.acquire(key_id)
+    except AuthError as e:
+        return _handshake_error(state, e)
+    try:
+        return await _run_session(request, state, key_id, model, offered)
+    finally:
+        state.slots.release(key_id)
+
+
+async def _run_session(request: web.Request, state: GatewayState, key_id: str, model: str,
+                       offered: list[str]) -> web.StreamResponse:
+    server = state.config.server
+    subprotocol = _choose_subprotocol(offered)
+    ws = web.WebSocketResponse(
+        protocols=(subprotocol,) if subprotocol else (),
+        max_msg_size=server.max_frame_bytes,  # a larger frame closes the connection with 1009
+        heartbeat=server.ping_interval_s,
+        compress=False,  # no permessage-deflate: it costs memory per connection and invites zip bombs
+    )
+    # aiohttp waits heartbeat/2 for the pong and has no public setting for it.
+    ws._pong_heartbeat = server.ping_timeout_s
+    await ws.prepare(request)
+    beta = "realtime=v1" in request.headers.get("OpenAI-Beta", "") or BETA_SUBPROTOCOL in offered
+    session_id = f"sess_{secrets.token_urlsafe(12)}"
+    limits = SessionLimits(
+        max_conversation_items=server.max_conversation_items,
+        max_conversation_chars=server.max_conversation_chars,
+        default_max_output_tokens=server.default_max_output_tokens,
+        max_output_tokens=server.max_output_tokens,
+    )
+    session = RealtimeSession(session_id=session_id, model=model, limits=limits, beta=beta)
+    assert state.router is not None  # checked by the handshake
+    connection = RealtimeConnection(
+        ws, session, session_id=session_id,
+        codec=FrameCodec("msgpack" if subprotocol == MSGPACK_SUBPROTOCOL else "json", server.max_frame_bytes),
+        router=state.router, limiter=state.limiter, key_id=key_id, metrics=state.metrics, config=server,
+    )
+    state.connections.add(connection)
+    state.metrics.sessions_total.inc()
+    state.metrics.sessions_active.inc()
+    log.debug("session %s opened (key %s, beta=%s)", session_id, key_id, beta)
+    try:
+        await connection.run()
+    finally:
+        state.connections.discard(connection)
+        state.metrics.sessions_active.dec()
+        log.debug("session %s closed", session_id)
+    return ws
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    """Runs after the listening socket is closed, before the engines are."""
+    state = app[STATE]
+    state.shutting_down = True
+    closes = [c.close(WS_CLOSE_GOING_AWAY, "server shutting down", cancel_reason="server_shutdown")
+              for c in list(state.connections)]
+    aborts = [engine.abort(rid) for rid, engine in list(state.http_requests.items())]
+    await asyncio.gather(*closes, *aborts, return_exceptions=True)
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    state = app[STATE]
+    if state.owns_engines:
+        await close_engines(state.engines)
+
+
+@dataclass
+class RunningServer:
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def app(self) -> web.Application:
+        return self.runner.app
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_server(app: web.Application, **runner_kwargs: Any) -> RunningServer:
+    """Bind ``app`` to the host and port of its config (port 0: any free port)."""
+    config = app[STATE].config
+    check_bind_safety(config)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client that goes away cancels its handler: the engine request is aborted
+        shutdown_timeout=config.server.shutdown_grace_s,
+        **runner_kwargs,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    port = runner.addresses[0][1]
+    return RunningServer(runner, config.server.host, port)
+
+
+async def serve(config: Config, *, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (by default on SIGINT or SIGTERM)."""
+    check_bind_safety(config)
+    app = create_app(config)
+    server = await start_server(app)
+    log.info("listening on %s (WebSocket %s%s); loading engines", server.url,
+             server.url.replace("http", "ws", 1), REALTIME_PATH)
+    loop = asyncio.get_running_loop()
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        engines = await load_engines(config)
+        app[STATE].set_engines(engines, owned=True)
+        log.info("ready: tiers %s serving models %s", sorted(engines), sorted(app[STATE].models))
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await server.stop()
+
+
+def run(config: Config) -> None:
+    """Serve on a uvloop event loop (blocking)."""
+    import uvloop
+
+    check_bind_safety(config)
+    uvloop.run(serve(config))

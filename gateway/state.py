@@ -1,0 +1,73 @@
+"""What one gateway app holds: its config, engines, limits, metrics and live sessions.
+
+One ``GatewayState`` per ``web.Application`` (under the ``STATE`` app key), never a module
+global, so tests can run several apps in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from engine_edge.types import Engine
+from gateway.auth import Authenticator, Clock, RateLimiter, SessionSlots, limiter_from_config
+from gateway.cascade.router import Router
+from gateway.config import Config
+from gateway.engines import build_router, tier_models
+from gateway.metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from gateway.ws.connection import RealtimeConnection
+
+
+@dataclass(eq=False)
+class GatewayState:
+    config: Config
+    auth: Authenticator
+    limiter: RateLimiter
+    slots: SessionSlots
+    metrics: GatewayMetrics = field(init=False)
+    engines: dict[str, Engine] = field(default_factory=dict)
+    router: Router | None = None
+    models: dict[str, str] = field(default_factory=dict)  # served model id -> tier
+    owns_engines: bool = False  # close the engines at cleanup (False when a test passed them in)
+    connections: set[RealtimeConnection] = field(default_factory=set)  # live WebSocket sessions
+    http_requests: dict[str, Engine] = field(default_factory=dict)  # in-flight chat completions
+    shutting_down: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.metrics = GatewayMetrics(lambda: self.engines)
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock = time.monotonic) -> GatewayState:
+        server = config.server
+        return cls(
+            config=config,
+            auth=Authenticator(server.all_api_keys()),
+            limiter=limiter_from_config(server, clock),
+            slots=SessionSlots(server.max_sessions_per_key, server.max_sessions),
+        )
+
+    def set_engines(self, engines: Mapping[str, Engine], *, owned: bool) -> None:
+        self.engines = dict(engines)
+        self.router = build_router(self.config, self.engines)
+        models = tier_models(self.config)
+        self.models = {models[tier]: tier for tier in self.engines}
+        self.owns_engines = owned
+
+    @property
+    def default_model(self) -> str:
+        return tier_models(self.config)[self.config.routing.default]
+
+    @property
+    def ready(self) -> bool:
+        return (not self.shutting_down and self.router is not None and bool(self.engines)
+                and all(engine.ready for engine in self.engines.values()))
+
+
+STATE: web.AppKey[GatewayState] = web.AppKey("gateway_state", GatewayState)

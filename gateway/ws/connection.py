@@ -1,0 +1,292 @@
+"""The thin asyncio adapter around one ``RealtimeSession``.
+
+Three kinds of task touch a connection: the handler task reads client frames
+(``_read_loop``), one task per generation feeds engine events, and one writer task drains the
+``Outbox``. All of them hand what they got to the sans-I/O session and then call ``_pump``,
+which carries out the session's commands (start or abort an engine request) and queues its
+events. Aborts are awaited before the events drained with them are queued, so a client that
+sees ``response.done`` with ``cancelled`` knows the engine has let go of the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from engine_edge.errors import EngineError
+from engine_edge.types import Engine, FinishEvent, Priority, TokenEvent
+from gateway.auth import RateLimitedError, RateLimiter
+from gateway.cascade.router import Router
+from gateway.config import ServerConfig
+from gateway.engines import encode_chat
+from gateway.metrics import GatewayMetrics
+from gateway.ws.codec import DecodeError, FrameCodec
+from gateway.ws.outbox import Outbox
+from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
+
+log = logging.getLogger(__name__)
+
+# How long teardown waits for aborted generations to end before cancelling their tasks.
+ABORT_GRACE_S = 5.0
+CLOSE_TIMEOUT_S = 2.0
+
+WS_CLOSE_OK = 1000
+WS_CLOSE_GOING_AWAY = 1001
+
+
+class RealtimeConnection:
+    """One accepted WebSocket session. ``run`` returns when the connection is over and every
+    engine request it started has been aborted or has finished."""
+
+    def __init__(
+        self,
+        ws: web.WebSocketResponse,
+        session: RealtimeSession,
+        *,
+        session_id: str,
+        codec: FrameCodec,
+        router: Router,
+        limiter: RateLimiter,
+        key_id: str,
+        metrics: GatewayMetrics,
+        config: ServerConfig,
+    ) -> None:
+        self.session = session
+        self.session_id = session_id
+        self.key_id = key_id
+        self._ws = ws
+        self._codec = codec
+        self._router = router
+        self._limiter = limiter
+        self._metrics = metrics
+        self._config = config
+        self._outbox = Outbox(codec.encode, high=config.send_queue_high, limit=config.send_queue_limit,
+                              max_bytes=config.send_queue_max_bytes)
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # response id -> its generation task
+        self._running: dict[str, Engine] = {}  # response id -> engine, once a request may exist there
+        self._aborted: set[str] = set()  # aborted before the engine request started
+        self._writer: asyncio.Task[None] | None = None
+        self._closing = False
+        self._close_lock = asyncio.Lock()
+        self._too_slow_cancelled: str | None = None
+
+    @property
+    def outbox(self) -> Outbox:
+        return self._outbox
+
+    # ----- lifecycle -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._writer = asyncio.create_task(self._write_loop(), name=f"ws-writer-{self.session_id}")
+        try:
+            self.session.start()
+            await self._pump()
+            await self._read_loop()
+        finally:
+            # Shielded: a handler cancelled by a lost connection must still free engine work.
+            await asyncio.shield(self._teardown())
+
+    async def close(self, code: int, reason: str, *, cancel_reason: str | None = None) -> None:
+        """Close from the server side: end any active response (its ``response.done`` is sent
+        first, within the grace period), then the close frame with ``code`` and ``reason``."""
+        async with self._close_lock:
+            if self._closing:
+                return
+            self._closing = True
+            if cancel_reason is not None:
+                self.session.cancel_active(cancel_reason)
+                await self._pump()
+            self._outbox.close()
+            if self._writer is not None:
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._writer), self._config.shutdown_grace_s)
+                except TimeoutError:
+                    self._writer.cancel()  # the client is not reading; stop waiting for it
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                await asyncio.wait_for(self._ws.close(code=code, message=reason.encode()), CLOSE_TIMEOUT_S)
+
+    async def _teardown(self) -> None:
+        self._closing = True
+        # Whatever ended the connection, no generation outlives it.
+        self.session.cancel_active("client_disconnected")
+        self._outbox.discard()
+        await self._pump()
+        for response_id in list(self._running):
+            await self._abort(response_id)
+        tasks = list(self._tasks.values())
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=ABORT_GRACE_S)
+            for task in pending:
+                log.warning("a generation did not end after abort; cancelling its task")
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+        if not self._ws.closed:
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                await asyncio.wait_for(self._ws.close(code=WS_CLOSE_GOING_AWAY, message=b"session ended"),
+                                       CLOSE_TIMEOUT_S)
+
+    # ----- reading ---------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        idle = self._config.idle_timeout_s
+        deadline = loop.time() + idle
+        while not self._closing:
+            # Backpressure: while the client is behind on reading, stop taking its events.
+            await self._outbox.wait_writable()
+            if self._closing:
+                return
+            try:
+                msg = await self._ws.receive(timeout=max(0.001, deadline - loop.time()))
+            except TimeoutError:
+                if self.session.active_response_id is not None:
+                    deadline = loop.time() + idle  # a client waiting for output is not idle
+                    continue
+                await self.close(WS_CLOSE_OK, f"idle timeout: no client event for {idle:g} s")
+                return
+            if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                return  # CLOSE, CLOSING, CLOSED or ERROR (aiohttp already sent the close code, e.g. 1009)
+            self._on_frame(msg.type, msg.data)
+            deadline = loop.time() + idle
+            await self._pump()
+
+    def _on_frame(self, kind: WSMsgType, data: str | bytes) -> None:
+        try:
+            if kind == WSMsgType.TEXT:
+                event = self._codec.decode_text(str(data))
+            else:
+                event = self._codec.decode_binary(bytes(data))
+        except DecodeError as e:
+            self.session.receive_invalid(e.code, e.message)
+            return
+        if event.get("type") == "response.create":
+            try:
+                self._limiter.admit(self.key_id)
+            except RateLimitedError as e:
+                self._metrics.rate_limited.labels("realtime").inc()
+                self.session.receive_invalid(e.code, e.message)
+                self.session.rate_limits(self._limiter.snapshot(self.key_id))
+                return
+        self.session.receive(event)
+
+    # ----- the session's commands and events ---------------------------------------------
+
+    async def _pump(self) -> None:
+        while True:
+            commands = self.session.commands()
+            events = self.session.events_to_send()
+            if not commands and not events:
+                return
+            for command in commands:
+                if isinstance(command, StartGeneration):
+                    self._start(command)
+                elif isinstance(command, AbortGeneration):
+                    await self._abort(command.response_id)
+            for event in events:
+                self._observe(event)
+                self._outbox.put(event)
+            active = self.session.active_response_id
+            if self._outbox.over_limit and active is not None and active != self._too_slow_cancelled:
+                self._too_slow_cancelled = active
+                log.info("client too slow: cancelling %s with %d frames queued", active, len(self._outbox))
+                self.session.cancel_active("client_too_slow")  # its events are drained next round
+
+    def _observe(self, event: Mapping[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "error":
+            self._metrics.errors.labels("realtime", str(event["error"].get("code"))).inc()
+        elif kind == "response.done":
+            response = event["response"]
+            details = response.get("status_details") or {}
+            if response.get("status") == "cancelled":
+                self._metrics.cancels.labels("realtime", str(details.get("reason"))).inc()
+            elif response.get("status") == "failed":
+                code = (details.get("error") or {}).get("code")
+                self._metrics.errors.labels("realtime", str(code)).inc()
+
+    def _start(self, command: StartGeneration) -> None:
+        task = asyncio.create_task(self._generate(command), name=f"generate-{command.response_id}")
+        self._tasks[command.response_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(command.response_id, None))
+
+    async def _abort(self, response_id: str) -> None:
+        engine = self._running.get(response_id)
+        if engine is None:
+            if response_id in self._tasks:
+                self._aborted.add(response_id)  # its task checks before it starts the request
+            return
+        try:
+            await engine.abort(response_id)
+        except EngineError as e:
+            log.warning("engine abort of %s failed: %s", response_id, e.message)
+
+    async def _generate(self, command: StartGeneration) -> None:
+        rid = command.response_id
+        try:
+            if rid in self._aborted:
+                return
+            try:
+                engine = self._router.choose(command.messages, command.params)
+                self._running[rid] = engine
+                prompt_ids = await encode_chat(engine, command.messages)
+                if rid in self._aborted:
+                    return
+                await self._stream(engine, rid, prompt_ids, command)
+            except EngineError as e:
+                self.session.engine_failed(rid, e)
+            except Exception:  # a bug in an engine must end this response, not the connection
+                log.exception("generation %s failed", rid)
+                self.session.engine_failed(rid, EngineError("the engine failed while generating"))
+            await self._pump()
+        finally:
+            self._running.pop(rid, None)
+            self._aborted.discard(rid)
+
+    async def _stream(self, engine: Engine, rid: str, prompt_ids: list[int], command: StartGeneration) -> None:
+        loop = asyncio.get_running_loop()
+        started = last = loop.time()
+        first = True
+        metrics = self._metrics
+        metrics.requests.labels("realtime", engine.tier).inc()
+        async for event in engine.generate(rid, prompt_ids, command.params, Priority.REALTIME):
+            if isinstance(event, TokenEvent):
+                now = loop.time()
+                if first:
+                    metrics.ttft.labels("realtime").observe(now - started)
+                    first = False
+                else:
+                    metrics.itl.labels("realtime").observe(now - last)
+                last = now
+                metrics.output_tokens.labels("realtime").inc()
+                self.session.engine_event(rid, event)
+            elif isinstance(event, FinishEvent):
+                metrics.prompt_tokens.labels("realtime").inc(event.prompt_tokens)
+                metrics.cached_tokens.labels("realtime").inc(event.cached_tokens)
+                self.session.engine_event(rid, event)
+                self._limiter.charge_tokens(self.key_id, event.completion_tokens)
+                self.session.rate_limits(self._limiter.snapshot(self.key_id))
+            await self._pump()
+
+    # ----- writing ---------------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        ws = self._ws
+        try:
+            while (frame := await self._outbox.get()) is not None:
+                if isinstance(frame, str):
+                    await ws.send_str(frame)
+                else:
+                    await ws.send_bytes(frame)
+        except ConnectionError:
+            self._outbox.discard()  # the client is gone; the reader sees the close next
+

@@ -1,0 +1,198 @@
+"""A deterministic in-process Engine for the gateway's fast tests.
+
+It follows the ``Engine`` protocol's contract (validation before the first event, exactly one
+FinishEvent, idempotent abort that frees KV at once) and keeps KV-block accounting like a
+paged engine, so tests can assert that every aborted request gave its blocks back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from engine_edge.chat_template import validate_messages
+from engine_edge.errors import (
+    DuplicateRequestError,
+    EmptyPromptError,
+    EngineUnavailableError,
+    PromptTooLongError,
+)
+from engine_edge.types import FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
+
+
+class FakeTokenizer:
+    """One token per character (id = code point); the chat prompt is ``<role>content\\n`` lines."""
+
+    vocab_size = 0x110000
+    bos_id = None
+    eos_id = 0
+
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
+        checked = validate_messages(messages)
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in checked)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return chr(token_id).encode("utf-8", errors="surrogatepass")
+
+
+def default_reply(prompt_ids: Sequence[int], params: SamplingParams) -> list[str]:
+    """Eight word tokens that depend on the prompt length, so different prompts differ."""
+    return [f"w{(len(prompt_ids) + i) % 97} " for i in range(8)]
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    priority: Priority
+    params: SamplingParams
+    events: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    blocks: int = 0
+    producer: asyncio.Task[None] | None = None
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        *,
+        tier: str = "edge",
+        tokenizer: object | None = None,
+        reply: Callable[[Sequence[int], SamplingParams], list[str]] = default_reply,
+        tokens_per_second: float | None = None,
+        block_size: int = 16,
+        num_blocks: int = 4096,
+        n_ctx: int = 65536,
+    ) -> None:
+        self.tier = tier
+        self._tokenizer = tokenizer or FakeTokenizer()
+        self._reply = reply
+        self._interval = 1.0 / tokens_per_second if tokens_per_second else 0.0
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.n_ctx = n_ctx
+        self.is_ready = True
+        self._requests: dict[str, _Request] = {}
+        self._last_prompt: list[int] = []
+        self.prefix_cache_hits = 0
+        self.started: list[tuple[str, Priority]] = []  # (request id, priority) of every admitted request
+        self.aborts: list[str] = []  # request ids aborted while running
+        self.closed = False
+        self.admitted = asyncio.Condition()  # notified on every admission (tests wait on it)
+
+    @property
+    def tokenizer(self) -> FakeTokenizer:
+        return self._tokenizer  # type: ignore[return-value]
+
+    @property
+    def ready(self) -> bool:
+        return self.is_ready and not self.closed
+
+    @property
+    def blocks_in_use(self) -> int:
+        return sum(r.blocks for r in self._requests.values())
+
+    @property
+    def running(self) -> int:
+        return len(self._requests)
+
+    def _blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def _cached(self, prompt: list[int]) -> int:
+        common = 0
+        for a, b in zip(prompt, self._last_prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        self._last_prompt = prompt
+        cached = (min(common, len(prompt) - 1) // self.block_size) * self.block_size
+        if cached:
+            self.prefix_cache_hits += 1
+        return cached
+
+    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                       priority: Priority = Priority.INTERACTIVE) -> AsyncIterator[StreamEvent]:
+        """Like a real engine, tokens are made by the engine's own task, not by the reader of
+        this stream: a reader that goes away without ``abort`` leaves the request running."""
+        if not self.ready:
+            raise EngineUnavailableError("the fake engine is not ready")
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already running", param="request_id")
+        if not prompt_ids:
+            raise EmptyPromptError("the prompt is empty", param="messages")
+        if len(prompt_ids) + params.max_tokens > self.n_ctx:
+            raise PromptTooLongError(f"prompt of {len(prompt_ids)} tokens does not fit {self.n_ctx}",
+                                     param="messages")
+        request = _Request(list(prompt_ids), priority, params, blocks=self._blocks_for(len(prompt_ids)))
+        self._requests[request_id] = request
+        self.started.append((request_id, priority))
+        request.producer = asyncio.create_task(self._produce(request_id, request))
+        async with self.admitted:
+            self.admitted.notify_all()
+        while True:
+            event = await request.events.get()
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    async def _produce(self, request_id: str, request: _Request) -> None:
+        prompt, params = request.prompt, request.params
+        cached = self._cached(prompt)
+        texts = self._reply(prompt, params)[: params.max_tokens]
+        produced = 0
+        try:
+            for i, text in enumerate(texts):
+                if self._interval:
+                    try:
+                        await asyncio.wait_for(request.aborted.wait(), self._interval)
+                    except TimeoutError:
+                        pass
+                else:
+                    await asyncio.sleep(0)  # one "step": lets other requests and aborts run
+                if request.aborted.is_set():
+                    break
+                produced += 1
+                request.blocks = self._blocks_for(len(prompt) + produced)
+                request.events.put_nowait(TokenEvent(
+                    token_id=1000 + i, text=text, logprob=-0.5,
+                    top_logprobs=tuple((1000 + i + k, -0.5 - k) for k in range(params.logprobs))))
+            if request.aborted.is_set():
+                reason = "abort"
+            else:
+                reason = "length" if len(texts) >= params.max_tokens else "stop"
+            request.events.put_nowait(FinishEvent(reason, len(prompt), produced, cached_tokens=cached,
+                                                  tier=self.tier))
+        finally:
+            request.blocks = 0
+            self._requests.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is None or request.aborted.is_set():
+            return
+        request.aborted.set()
+        request.blocks = 0  # freed at once, before the next "step"
+        self.aborts.append(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "running_requests": float(len(self._requests)),
+            "waiting_requests": 0.0,
+            "kv_blocks_in_use": float(self.blocks_in_use),
+            "kv_blocks_total": float(self.num_blocks),
+            "prefix_cache_hits": float(self.prefix_cache_hits),
+        }
+
+    async def close(self) -> None:
+        self.closed = True
+        for request_id in list(self._requests):
+            await self.abort(request_id)

@@ -1,0 +1,93 @@
+"""Starting a real gateway in-process on an ephemeral loopback port, for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import websockets
+from fake_engine import FakeEngine
+
+from gateway.config import DEFAULT_CONFIG, Config, load_config
+from gateway.server import RunningServer, create_app, start_server
+from gateway.state import STATE, GatewayState
+
+MODEL = "smollm2-135m"
+KEY = "sk-test-key-1"
+
+
+def make_config(**server: Any) -> Config:
+    """The shipped default config on 127.0.0.1:0 with ``server`` overrides; no API keys from
+    the environment unless a test asks for them."""
+    base = {"host": "127.0.0.1", "port": 0, "api_keys_env": ""}
+    return load_config(DEFAULT_CONFIG).with_server(**{**base, **server})
+
+
+@dataclass
+class Gateway:
+    server: RunningServer
+    engine: FakeEngine
+
+    @property
+    def state(self) -> GatewayState:
+        return self.server.app[STATE]
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def http(self) -> str:
+        return self.server.url
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime?model={MODEL}"
+
+    async def wait_sessions_gone(self) -> None:
+        """Sessions end asynchronously after a client disconnects; wait for the app to drop them."""
+        for _ in range(1000):
+            if not self.state.connections and self.state.slots.total == 0:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"{len(self.state.connections)} sessions still open")
+
+
+@asynccontextmanager
+async def running_gateway(engine: FakeEngine | None = None, **server: Any) -> AsyncIterator[Gateway]:
+    engine = engine or FakeEngine()
+    app = create_app(make_config(**server), {"edge": engine})
+    running = await start_server(app)
+    try:
+        yield Gateway(running, engine)
+    finally:
+        await running.stop()
+
+
+async def recv_json(ws: websockets.ClientConnection, timeout: float = 5.0) -> dict[str, Any]:
+    data = await asyncio.wait_for(ws.recv(), timeout)
+    assert isinstance(data, str), f"expected a text frame, got {data!r:.80}"
+    return json.loads(data)
+
+
+async def recv_until(ws: websockets.ClientConnection, kind: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """Every event up to and including the first of type ``kind``."""
+    events = []
+    while True:
+        event = await recv_json(ws, timeout)
+        events.append(event)
+        if event["type"] == kind:
+            return events
+
+
+def user_item(text: str) -> dict[str, Any]:
+    return {"type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}
+
+
+async def send(ws: websockets.ClientConnection, event: dict[str, Any]) -> None:
+    await ws.send(json.dumps(event))
