@@ -1,0 +1,387 @@
+"""Iteration-level scheduler of the torch engine. Pure Python, no torch.
+
+There are no prefill and decode phases. Each request has ``num_computed_tokens`` and a target
+(its tokens plus any draft tokens to verify); every step hands out a token budget:
+
+1. running requests that are decoding, highest priority first;
+2. running requests still in their prompt, as chunks of what budget is left (capped at
+   ``long_prefill_threshold`` while others decode, so a long prompt never stalls them);
+3. waiting requests by priority class, FCFS inside a class, reusing prefix-cache hits.
+
+When blocks run out, the lowest-priority, latest-arrived running request is preempted: its
+blocks are freed, it keeps its generated tokens and goes back to the front of its class's
+queue, to be recomputed later (mostly from the prefix cache its own blocks left behind).
+A waiting request may likewise preempt running requests of a strictly lower class.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine_edge.errors import (
+    DuplicateRequestError,
+    OverloadedError,
+    PromptTooLongError,
+)
+from engine_edge.types import Priority, SamplingParams
+from engine_gpu.block_manager import BlockManager
+from engine_gpu.config import EngineConfig
+from engine_gpu.sched_output import RequestUpdate, ScheduledSeq, SchedulerOutput, SchedulerStats
+from engine_gpu.sequence import SeqStatus, Sequence, as_token_ids, new_sequence
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+_StepEnd = Literal["stop", "length"] | None  # how a step can end a request by itself
+
+
+@dataclass
+class _StepPlan:
+    """The step being built. Preempting a request already in it gives its budget back."""
+
+    budget: int
+    tokens: dict[Sequence, int] = field(default_factory=dict)  # insertion order is batch order
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+    num_decodes: int = 0
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.tokens[seq] = num_tokens
+        self.budget -= num_tokens
+        self.num_decodes += int(seq.is_caught_up)
+
+    def drop(self, seq: Sequence) -> None:
+        if seq in self.tokens:
+            self.budget += self.tokens.pop(seq)
+            self.num_decodes -= int(seq.is_caught_up)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, *, eos_token_id: int | None) -> None:
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self._requests: dict[str, Sequence] = {}  # every live request, waiting or running
+        self._waiting: dict[Priority, deque[Sequence]] = {p: deque() for p in sorted(Priority)}
+        self._running: dict[str, Sequence] = {}
+        self._in_flight: dict[str, Sequence] | None = None  # the last plan's sequences until its update
+        self._finished_ids: list[str] = []  # since the last schedule(); tells the runner what to forget
+        self._seq_numbers = itertools.count()
+        self._step = 0
+        self._num_preemptions = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._last_num_scheduled = 0
+
+    # ---- requests in and out ----
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: SequenceABC[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        arrival: float | None = None,
+    ) -> None:
+        """Queue a request, or raise: invalid input, a request that can never fit, or overload."""
+        seq = new_sequence(request_id, prompt_ids, params, priority, arrival, next(self._seq_numbers))
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        total = seq.max_total_tokens
+        if total > self.config.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt ({seq.num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"the context length of {self.config.max_model_len} tokens",
+                param="prompt" if seq.num_prompt_tokens >= self.config.max_model_len else "max_tokens",
+            )
+        bm = self.block_manager
+        if bm.blocks_for(total - 1) > bm.num_blocks:  # the last token is never fed back, so needs no KV
+            raise PromptTooLongError(
+                f"the prompt ({seq.num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"more KV cache than this server has ({bm.num_blocks * bm.block_size} tokens)",
+                param="max_tokens",
+            )
+        if self.num_waiting >= self.config.max_waiting:
+            raise OverloadedError(f"the server is overloaded ({self.num_waiting} requests waiting); retry later")
+        self._requests[request_id] = seq
+        self._waiting[seq.priority].append(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Free the request's blocks now. False if it is unknown or already over (idempotent)."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def finish_request(self, request_id: str, reason: str) -> None:
+        """End a request the caller decided is done (a stop string matched). Unknown or already
+        finished ids are ignored: the request may have ended on its own in the same step."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {FINISH_REASONS}, got {reason!r}")
+        seq = self._requests.get(request_id)
+        if seq is not None:
+            self._finish(seq, reason)
+
+    def set_draft_tokens(self, request_id: str, draft_ids: SequenceABC[int]) -> int:
+        """Offer speculative tokens to verify in the request's next step, replacing earlier ones.
+
+        Only a decoding request takes drafts, and no more than it may still generate minus the
+        token that verification always adds. Returns how many were kept.
+        """
+        seq = self._running.get(request_id)
+        if seq is None or not seq.is_caught_up:
+            return 0
+        drafts = as_token_ids(draft_ids)
+        room = max(0, seq.max_total_tokens - seq.num_tokens - 1)
+        seq.draft_token_ids = drafts[:room]
+        return len(seq.draft_token_ids)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.block_manager.deallocate(seq)
+            del self._running[seq.request_id]
+        elif seq.status is SeqStatus.WAITING:
+            self._waiting[seq.priority].remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self._requests[seq.request_id]
+        self._finished_ids.append(seq.request_id)
+
+    # ---- the step ----
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        running = sorted(self._running.values(), key=Sequence.order_key)
+        for seq in [s for s in running if s.is_caught_up] + [s for s in running if not s.is_caught_up]:
+            if plan.budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._chunk_size(seq.num_pending_tokens, plan)
+            if self._grow_or_preempt(seq, seq.num_computed_tokens + n, plan):
+                plan.add(seq, n)
+        if not plan.preempted:  # blocks are short: admitting now would only preempt again next step
+            self._admit_waiting(plan)
+        return self._emit(plan)
+
+    def _chunk_size(self, num_pending: int, plan: _StepPlan) -> int:
+        n = min(num_pending, plan.budget)
+        if num_pending > 1 and plan.num_decodes > 0:
+            n = min(n, self.config.long_prefill_threshold)
+        return n
+
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, plan: _StepPlan) -> bool:
+        """Cover ``num_tokens`` positions for a running seq, preempting the lowest running
+        requests as needed. False if the seq itself was the one preempted."""
+        bm = self.block_manager
+        while not bm.can_append(seq, num_tokens):
+            victim = max(self._running.values(), key=Sequence.order_key)
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        bm.may_append(seq, num_tokens)
+        return True
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        bm = self.block_manager
+        for queue in self._waiting.values():  # highest class first
+            while queue and plan.budget > 0:
+                seq = queue[0]
+                hits = bm.match_prefix(seq)
+                num_cached = len(hits) * bm.block_size
+                num_preempted = len(plan.preempted)
+                while True:  # a preemption may refund budget, so the chunk is sized again
+                    n = self._chunk_size(seq.num_tokens - num_cached, plan)
+                    if len(self._running) < self.config.max_num_seqs and bm.can_allocate(hits, num_cached + n):
+                        break
+                    victim = max(self._running.values(), key=Sequence.order_key, default=None)
+                    if victim is None or victim.priority <= seq.priority:
+                        return  # the head waits; lower classes must not overtake it
+                    self._preempt(victim, plan)
+                queue.popleft()
+                self._start_running(seq, hits, n, plan)
+                if len(plan.preempted) > num_preempted:
+                    return  # the victims queue again; don't let a later candidate readmit them
+
+    def _start_running(self, seq: Sequence, hits: list[int], num_new: int, plan: _StepPlan) -> None:
+        num_cached = len(hits) * self.block_manager.block_size
+        self.block_manager.allocate(seq, hits, num_cached + num_new)
+        seq.num_computed_tokens = num_cached
+        seq.status = SeqStatus.RUNNING
+        self._running[seq.request_id] = seq
+        if seq.num_cached_tokens < 0:  # first admission, not a resumption
+            seq.num_cached_tokens = num_cached
+            plan.cached_tokens[seq.request_id] = num_cached
+        self._prefix_queries += seq.num_tokens
+        self._prefix_hits += num_cached
+        plan.add(seq, num_new)
+
+    def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
+        plan.drop(seq)
+        self.block_manager.deallocate(seq)
+        seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
+        seq.status = SeqStatus.WAITING
+        del self._running[seq.request_id]
+        self._waiting[seq.priority].appendleft(seq)
+        plan.preempted.append(seq.request_id)
+        self._num_preemptions += 1
+
+    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+        bm = self.block_manager
+        scheduled: list[ScheduledSeq] = []
+        for seq, n in plan.tokens.items():
+            start = seq.num_computed_tokens
+            token_ids = seq.token_ids[start : start + n]
+            num_drafts = n - len(token_ids)
+            token_ids.extend(seq.draft_token_ids[:num_drafts])
+            scheduled.append(
+                ScheduledSeq(
+                    request_id=seq.request_id,
+                    token_ids=token_ids,
+                    start_pos=start,
+                    block_table=seq.block_table[: bm.blocks_for(start + n)],
+                    sample=start + n >= seq.num_tokens,
+                    num_draft_tokens=num_drafts,
+                    params=seq.params,
+                    output_index=seq.num_output_tokens,
+                )
+            )
+        self._step += 1
+        self._in_flight = {seq.request_id: seq for seq in plan.tokens}
+        self._last_num_scheduled = sum(plan.tokens.values())
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            cached_tokens=plan.cached_tokens,
+            preempted=plan.preempted,
+            finished=finished,
+            step=self._step,
+        )
+
+    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, list[int]]) -> list[RequestUpdate]:
+        """Apply a step's results. ``sampled`` maps each request that sampled to its accepted
+        tokens: the draft tokens that verification accepted, then one new token.
+
+        Requests aborted or finished since ``schedule()`` are skipped. Everything is validated
+        before anything changes, so a malformed result leaves the scheduler as it was.
+        """
+        if self._in_flight is None or output.step != self._step:
+            raise ValueError("update_from_output takes the output of the latest schedule() call, once")
+        work: list[tuple[Sequence, ScheduledSeq, list[int] | None]] = []
+        sampling_ids = set()
+        for item in output.scheduled:
+            seq = self._in_flight[item.request_id]
+            if item.sample:
+                sampling_ids.add(item.request_id)
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            tokens = None
+            if item.sample:
+                tokens = self._checked_tokens(item, sampled.get(item.request_id))
+            work.append((seq, item, tokens))
+        unexpected = set(sampled) - sampling_ids
+        if unexpected:
+            raise ValueError(f"tokens for requests that did not sample this step: {sorted(unexpected)[:5]}")
+        self._in_flight = None
+
+        updates: list[RequestUpdate] = []
+        for seq, item, tokens in work:
+            if tokens is None:
+                seq.num_computed_tokens += len(item.token_ids)
+                self.block_manager.publish_full_blocks(seq)
+                continue
+            rejected = item.num_draft_tokens - (len(tokens) - 1)
+            seq.num_computed_tokens += len(item.token_ids) - rejected
+            seq.draft_token_ids = []  # drafted from an older last token; the drafter offers new ones
+            new_ids, reason, stop_id = self._append_tokens(seq, tokens)
+            self.block_manager.publish_full_blocks(seq)
+            updates.append(RequestUpdate(seq.request_id, new_ids, reason, stop_id))
+            if reason is not None:
+                self._finish(seq, reason)
+        return updates
+
+    @staticmethod
+    def _checked_tokens(item: ScheduledSeq, tokens: list[int] | None) -> list[int]:
+        if tokens is None:
+            raise ValueError(f"no sampled tokens for {item.request_id!r}, which sampled this step")
+        tokens = as_token_ids(tokens)
+        if not 1 <= len(tokens) <= item.num_draft_tokens + 1:
+            raise ValueError(f"{item.request_id!r}: expected 1..{item.num_draft_tokens + 1} tokens, got {len(tokens)}")
+        drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens :]
+        if tokens[:-1] != drafts[: len(tokens) - 1]:
+            raise ValueError(f"{item.request_id!r}: accepted tokens must be a prefix of the drafts")
+        return tokens
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], _StepEnd, int | None]:
+        """Append accepted tokens up to the first finishing one; returns (to stream, reason, stop id)."""
+        params = seq.params
+        new_ids: list[int] = []
+        for t in tokens:
+            seq.token_ids.append(t)
+            if (t == self.eos_token_id and not params.ignore_eos) or t in params.stop_token_ids:
+                return new_ids, "stop", t
+            new_ids.append(t)
+            if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                return new_ids, "length", None
+        return new_ids, None, None
+
+    # ---- introspection ----
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            running=len(self._running),
+            waiting=self.num_waiting,
+            kv_blocks_in_use=bm.num_used_blocks,
+            kv_blocks_cached=bm.num_cached_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_blocks_total=bm.num_blocks,
+            prefix_cache_queries=self._prefix_queries,
+            prefix_cache_hits=self._prefix_hits,
+            preemptions=self._num_preemptions,
+            num_scheduled_tokens=self._last_num_scheduled,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on any inconsistency. O(pool + requests): for tests."""
+        bm = self.block_manager
+        bm.check_invariants(seq.block_table for seq in self._running.values())
+        if len(self._running) > self.config.max_num_seqs:
+            raise AssertionError(f"{len(self._running)} running > max_num_seqs")
+        waiting = [seq for q in self._waiting.values() for seq in q]
+        if {s.request_id for s in waiting} | set(self._running) != set(self._requests):
+            raise AssertionError("waiting + running differ from the live requests")
+        if len(waiting) + len(self._running) != len(self._requests):
+            raise AssertionError("a request is queued twice or both waiting and running")
+        for seq in waiting:
+            if seq.status is not SeqStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+                raise AssertionError(f"waiting {seq.request_id} holds state")
+        for seq in self._running.values():
+            if seq.status is not SeqStatus.RUNNING or not 0 <= seq.num_computed_tokens < seq.num_tokens:
+                raise AssertionError(f"running {seq.request_id}: {seq.num_computed_tokens}/{seq.num_tokens} computed")
+            if len(seq.block_table) < bm.blocks_for(seq.num_computed_tokens):
+                raise AssertionError(f"running {seq.request_id} computed past its blocks")
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                raise AssertionError(f"running {seq.request_id} should have finished")

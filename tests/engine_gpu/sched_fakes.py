@@ -1,0 +1,107 @@
+"""A model stand-in for scheduler tests: a KV store of token ids in physical blocks.
+
+Each step writes the scheduled tokens into the blocks the plan names and samples a token that
+is a hash of the whole context read back *through the block tables*. So a wrong block table,
+a stale prefix-cache hit, a bad position or a lost token after preemption changes the output,
+and the correct output of any request is simply ``reference_output(prompt, n)``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from array import array
+
+from engine_gpu.sched_output import SchedulerOutput
+from engine_gpu.scheduler import Scheduler
+
+EOS = 2
+
+
+def next_token(context: list[int]) -> int:
+    """Deterministic function of the whole context; never EOS."""
+    return 100 + zlib.crc32(array("q", context).tobytes()) % 900
+
+
+def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+    context = list(prompt)
+    for _ in range(max_tokens):
+        context.append(next_token(context))
+    return context[len(prompt) :]
+
+
+class FakeModel:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+
+    def execute(self, plan: SchedulerOutput) -> dict[str, list[int]]:
+        """Verify drafts like a real runner: accept while they equal what it would sample."""
+        bs = self.block_size
+        contexts = {}
+        for item in plan.scheduled:  # read the cache as it was before this step's writes
+            past = [self.kv[item.block_table[p // bs]][p % bs] for p in range(item.start_pos)]
+            assert None not in past, f"{item.request_id} reads KV that was never written"
+            contexts[item.request_id] = [*past, *item.token_ids]
+        for item in plan.scheduled:
+            assert len(item.block_table) == -(-(item.start_pos + len(item.token_ids)) // bs)
+            for i, token in enumerate(item.token_ids):
+                pos = item.start_pos + i
+                self.kv[item.block_table[pos // bs]][pos % bs] = token
+        sampled = {}
+        for item in plan.scheduled:
+            if not item.sample:
+                continue
+            context = contexts[item.request_id]
+            last_real = len(context) - item.num_draft_tokens  # context[:last_real] are verified tokens
+            accepted: list[int] = []
+            for j in range(item.num_draft_tokens + 1):
+                predicted = next_token(context[: last_real + j])
+                accepted.append(predicted)
+                if j == item.num_draft_tokens or context[last_real + j] != predicted:
+                    break
+            sampled[item.request_id] = accepted
+        return sampled
+
+
+def check_plan(sched: Scheduler, plan: SchedulerOutput) -> None:
+    """What must hold for every plan, whatever the workload."""
+    cfg = sched.config
+    assert plan.num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert len(plan.scheduled) <= cfg.max_num_seqs
+    ids = [item.request_id for item in plan.scheduled]
+    assert len(set(ids)) == len(ids)
+    assert not set(ids) & set(plan.preempted)
+    for item in plan.scheduled:
+        assert item.token_ids, "an item with nothing to compute"
+        assert item.start_pos + len(item.token_ids) <= cfg.max_model_len
+        assert all(sched.block_manager.ref_count(b) > 0 for b in item.block_table)
+    assert sched.stats().num_scheduled_tokens == plan.num_scheduled_tokens
+
+
+class Driver:
+    """Schedule, execute on the fake model, update; collects streamed tokens per request."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.model = FakeModel(sched.block_manager.num_blocks, sched.config.block_size)
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, str] = {}
+
+    def step(self) -> SchedulerOutput:
+        plan = self.sched.schedule()
+        check_plan(self.sched, plan)
+        for item in plan.scheduled:  # the runner's RNG key: tokens streamed so far
+            assert item.output_index == len(self.outputs.get(item.request_id, []))
+        for update in self.sched.update_from_output(plan, self.model.execute(plan)):
+            self.outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+            if update.finish_reason is not None:
+                self.finished[update.request_id] = update.finish_reason
+        self.sched.check_invariants()
+        return plan
+
+    def run(self, max_steps: int = 10_000) -> list[SchedulerOutput]:
+        plans = []
+        while self.sched.has_unfinished():
+            assert len(plans) < max_steps, "no progress"
+            plans.append(self.step())
+        return plans
