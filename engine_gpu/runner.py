@@ -159,7 +159,7 @@ class ModelRunner:
         hidden = self.model(input_ids.unsqueeze(0), layout.positions.unsqueeze(0), attention)[0]  # [N, hidden]
         if keep_rows is None:
             return hidden
-        return hidden[torch.tensor(keep_rows, device=self.device)]
+        return hidden[torch.tensor(keep_rows, dtype=torch.int64, device=self.device)]  # int64 even when empty
 
     def _validate(self, batch: list[SeqBatchItem]) -> None:
         # Cheap O(items) checks: a bad block table would silently corrupt another sequence's KV.
