@@ -181,7 +181,9 @@ class RunningServer:
         return f"http://{self.host}:{self.port}"
 
     async def stop(self) -> None:
-        await self.runner.cleanup()
+        """Graceful shutdown (idempotent): stop accepting, end sessions with 1001, close engines."""
+        if self.runner.server is not None:
+            await self.runner.cleanup()
 
 
 async def start_server(app: web.Application, **runner_kwargs: Any) -> RunningServer:

@@ -192,9 +192,12 @@ class RealtimeConnection:
                     self._start(command)
                 elif isinstance(command, AbortGeneration):
                     await self._abort(command.response_id)
+            merged = self._outbox.coalesced
             for event in events:
                 self._observe(event)
                 self._outbox.put(event)
+            if self._outbox.coalesced > merged:
+                self._metrics.coalesced.inc(self._outbox.coalesced - merged)
             active = self.session.active_response_id
             if self._outbox.over_limit and active is not None and active != self._too_slow_cancelled:
                 self._too_slow_cancelled = active

@@ -7,8 +7,8 @@ gets fewer, longer deltas instead of a growing backlog. Past ``limit`` frames or
 the connection cancels the response (``over_limit``); the reader stops reading client events
 while the queue is above ``high`` (``wait_writable``), so a client cannot grow it either.
 
-Events are encoded when queued, except text deltas, which stay dicts until sent so that
-they can still be merged.
+Events are encoded when queued, except text deltas, which stay unencoded until sent so that
+they can still be merged (their texts are joined once, at send time, not copied per merge).
 """
 
 from __future__ import annotations
@@ -33,13 +33,26 @@ def _same_part(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(a.get(k) == b.get(k) for k in _DELTA_KEY_FIELDS)
 
 
+class _PendingDelta:
+    __slots__ = ("chars", "event", "texts")
+
+    def __init__(self, event: dict[str, Any]) -> None:
+        self.event = event
+        self.texts = [event["delta"]]
+        self.chars = len(event["delta"])
+
+    def frame_event(self) -> dict[str, Any]:
+        # A copy: the session may still hold the dict it emitted.
+        return {**self.event, "delta": "".join(self.texts)}
+
+
 class Outbox:
     def __init__(self, encode: Callable[[dict[str, Any]], Frame], *, high: int, limit: int, max_bytes: int) -> None:
         self._encode = encode
         self._high = high
         self._limit = limit
         self._max_bytes = max_bytes
-        self._items: deque[Frame | dict[str, Any]] = deque()
+        self._items: deque[Frame | _PendingDelta] = deque()
         self._bytes = 0
         self._closed = False
         self._nonempty = asyncio.Event()
@@ -68,13 +81,13 @@ class Outbox:
             return
         if _is_text_delta(event):
             last = self._items[-1] if self._items else None
-            if len(self._items) >= self._high and isinstance(last, dict) and _same_part(last, event):
-                last["delta"] += event["delta"]
+            if len(self._items) >= self._high and isinstance(last, _PendingDelta) and _same_part(last.event, event):
+                last.texts.append(event["delta"])
+                last.chars += len(event["delta"])
                 self._bytes += len(event["delta"])
                 self.coalesced += 1
                 return
-            # Copied: merging later must not change a dict the session still holds.
-            self._items.append(dict(event))
+            self._items.append(_PendingDelta(event))
             self._bytes += len(event["delta"]) + DELTA_OVERHEAD_BYTES
         else:
             frame = self._encode(event)
@@ -92,9 +105,9 @@ class Outbox:
             self._nonempty.clear()
             await self._nonempty.wait()
         item = self._items.popleft()
-        if isinstance(item, dict):
-            self._bytes -= len(item["delta"]) + DELTA_OVERHEAD_BYTES
-            frame = self._encode(item)
+        if isinstance(item, _PendingDelta):
+            self._bytes -= item.chars + DELTA_OVERHEAD_BYTES
+            frame = self._encode(item.frame_event())
         else:
             self._bytes -= len(item)
             frame = item
