@@ -1,0 +1,92 @@
+"""The ONNX Runtime edge backend: the GGUF's weights as an exported float32 decoder.
+
+Same behaviour as the llama.cpp backend (it shares the asyncio front, ``worker_front``, and the
+worker thread, ``llama_cpp_worker.LlamaWorker``); only the runtime differs (``onnx_runtime``).
+Decoding sequences of different lengths are batched in one onnxruntime run with left-padded
+caches and an attention mask; a prompt chunk runs on its own between decode steps. An abort
+lands before the next step. Onnxruntime releases the GIL while it runs, so the event loop keeps
+serving, and its workers never spin (see ``onnx_decoder``), so torch in the same process is not
+starved.
+
+Without ``onnx_path`` the backend finds the export in the cache, or exports it first (about a
+minute for the 135M model; progress goes to the log), with ``engine_edge.export_onnx``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from engine_edge.errors import ConfigError, ModelFileError
+from engine_edge.llama_cpp_worker import LlamaWorker
+from engine_edge.modelfile import check_gguf
+from engine_edge.onnx_decoder import CONTEXT_LENGTH_KEY, OnnxDecoder
+from engine_edge.onnx_runtime import OnnxBatch, OnnxContext, OnnxModel, end_of_generation_ids
+from engine_edge.tokenizer import Tokenizer
+from engine_edge.worker_front import WorkerFront, check_limits
+
+logger = logging.getLogger(__name__)
+
+# Most tokens per step: a prompt chunk this long takes ~0.2 s on two cores, which bounds how
+# long an abort or the other sequences' next token can wait (the worker caps chunks at 128
+# while others are decoding).
+BATCH_TOKENS = 256
+
+
+class OnnxBackend(WorkerFront):
+    """``engine_edge.types.Engine`` (and a drafter) over an onnxruntime session."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        n_ctx: int = 8192,
+        n_seq_max: int = 8,
+        n_threads: int = 0,
+        max_queued: int = 64,
+        onnx_path: Path | None = None,
+        tokenizer: Tokenizer | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        """``model_path`` is the GGUF (tokenizer, and the weights if it must export); ``n_ctx``
+        is the KV cells all sequences share; ``n_threads`` 0 lets onnxruntime use every core."""
+        check_limits(n_ctx, n_seq_max, n_threads, max_queued)
+        model_path = check_gguf(Path(model_path))
+        tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_gguf(model_path)
+        if onnx_path is None:
+            from engine_edge.export_onnx import ensure_onnx
+
+            onnx_path = ensure_onnx(model_path, progress=progress or (lambda message: logger.info("%s", message))).onnx_path
+        elif not Path(onnx_path).is_file():
+            raise ModelFileError(f"ONNX model {str(onnx_path)!r} does not exist; export it with "
+                                 "`python -m engine_edge.export_onnx`")
+        decoder = OnnxDecoder(Path(onnx_path), n_threads=n_threads)
+        if decoder.shape.vocab_size != tokenizer.vocab_size:
+            raise ConfigError(
+                f"tokenizer has {tokenizer.vocab_size} tokens but the ONNX model has {decoder.shape.vocab_size}; "
+                "they must come from the same model"
+            )
+        trained = decoder.metadata.get(CONTEXT_LENGTH_KEY, "")
+        n_ctx_seq = min(n_ctx, int(trained)) if trained.isdigit() else n_ctx
+        self.model_path = model_path
+        self.onnx_path = Path(onnx_path)
+        self.n_ctx = n_ctx
+        self.n_threads = n_threads
+        eog = end_of_generation_ids(tokenizer.eos_id, ((i, tokenizer.token_bytes(i)) for i in tokenizer.special_ids))
+        context = OnnxContext(decoder, n_ctx=n_ctx, n_ctx_seq=n_ctx_seq)
+        self._start_worker(
+            lambda commands: LlamaWorker(OnnxModel(eog), context, OnnxBatch(BATCH_TOKENS),  # type: ignore[arg-type]
+                                         tokenizer, commands, n_seq_max),
+            tokenizer=tokenizer, n_vocab=decoder.shape.vocab_size, n_ctx_seq=context.n_ctx_seq,
+            n_seq_max=n_seq_max, max_queued=max_queued, thread_name="onnx-worker",
+        )
+        self._context = context
+
+    async def kv_lengths(self) -> dict[int, int]:
+        """Cached positions per sequence slot (the drafter's slot is ``n_seq_max``); for tests and stats."""
+        context = self._context
+        return await self.run_on_worker(
+            lambda: {slot: context.seq_pos_max(slot) + 1 for slot in range(self._n_seq_max + 1)
+                     if context.seq_pos_max(slot) >= 0}
+        )

@@ -1,0 +1,181 @@
+"""The asyncio half of an edge backend whose model is owned by one worker thread.
+
+It validates requests, enforces admission limits and turns calls into ``worker_channel``
+commands; the worker (``engine_edge.llama_cpp_worker.LlamaWorker`` over any runtime with its
+model/context/batch surface) answers through futures and per-request event queues. A backend
+builds its runtime, then calls ``_start_worker``; everything the ``Engine`` protocol asks for
+is here. The same behaviour as ``LlamaCppBackend``, written once for backends to share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from engine_edge.base import Draft, EdgeBackend, check_draft_request, check_prompt
+from engine_edge.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    InvalidSamplingError,
+    OverloadedError,
+)
+from engine_edge.types import FinishEvent, Priority, SamplingParams, StreamEvent
+from engine_edge.worker_channel import (
+    AbortCmd,
+    CallCmd,
+    CloseCmd,
+    Command,
+    EventSink,
+    GenerateCmd,
+    ProposeCmd,
+    reject,
+)
+
+if TYPE_CHECKING:
+    from engine_edge.llama_cpp_worker import LlamaWorker
+    from engine_edge.tokenizer import Tokenizer
+
+T = TypeVar("T")
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_limits(n_ctx: int, n_seq_max: int, n_threads: int, max_queued: int) -> None:
+    """The constructor arguments every edge backend shares (``gateway.config.EdgeConfig`` bounds)."""
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 64:
+        raise ConfigError(f"n_ctx must be an integer >= 64, got {n_ctx!r}")
+    if isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int) or not 1 <= n_seq_max <= 64:
+        raise ConfigError(f"n_seq_max must be an integer in 1..64, got {n_seq_max!r}")
+    if n_threads < 0 or max_queued < 0:
+        raise ConfigError("n_threads and max_queued must be >= 0")
+
+
+class WorkerFront(EdgeBackend):
+    """``Engine`` + ``propose`` over a worker thread. Subclasses build the runtime, then ``_start_worker``."""
+
+    _tokenizer: Tokenizer
+    _worker: LlamaWorker
+    _thread: threading.Thread
+    n_vocab: int
+    n_ctx_seq: int
+
+    def _start_worker(
+        self, worker_factory: Callable[[queue.SimpleQueue[Command]], LlamaWorker], *, tokenizer: Tokenizer,
+        n_vocab: int, n_ctx_seq: int, n_seq_max: int, max_queued: int, thread_name: str,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.n_vocab = n_vocab
+        self.n_ctx_seq = n_ctx_seq
+        self._n_seq_max = n_seq_max
+        self._max_queued = max_queued
+        self._open: set[str] = set()  # request ids whose stream has not ended (touched on event loops only)
+        self._closed = False
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._worker = worker_factory(self._commands)
+        self._thread = threading.Thread(target=self._worker.run, name=thread_name, daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.n_ctx_seq - 1
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> AsyncIterator[StreamEvent]:
+        self._require_ready()
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(f"request_id must be a string of 1..{MAX_REQUEST_ID_CHARS} characters",
+                                      param="request_id")
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingError("params must be a SamplingParams", param="params")
+        prompt = check_prompt(prompt_ids, self.n_vocab, self.max_prompt_tokens)
+        if request_id in self._open:
+            raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")
+        if len(self._open) >= self._n_seq_max + self._max_queued:
+            raise OverloadedError(
+                f"the edge engine is busy ({len(self._open)} requests running or queued); retry shortly"
+            )
+        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._open.add(request_id)
+        self._commands.put(GenerateCmd(request_id, prompt, params, Priority(priority),
+                                       EventSink(asyncio.get_running_loop(), events)))
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                finished = isinstance(event, FinishEvent)
+                yield event
+        finally:
+            self._open.discard(request_id)
+            if not finished and not self._closed:  # the consumer left early: free the sequence
+                self._commands.put(AbortCmd(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        if request_id not in self._open or not self.ready:
+            return
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(AbortCmd(request_id, done))
+        await asyncio.wrap_future(done)
+
+    async def propose(self, context_ids: Sequence[int], k: int) -> Draft:
+        self._require_ready()
+        context = check_draft_request(context_ids, k, self.n_vocab, self.n_ctx_seq)
+        cmd = ProposeCmd(context, k)
+        self._commands.put(cmd)
+        return await asyncio.wrap_future(cmd.done)
+
+    def stats(self) -> dict[str, float]:
+        return {**self._worker.snapshot, "open_streams": float(len(self._open))}
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(CloseCmd())
+        await asyncio.to_thread(self._thread.join)
+        self._drain_after_close()
+
+    async def run_on_worker(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the worker thread between two steps (to inspect state it owns)."""
+        self._require_ready()
+        cmd = CallCmd(fn)
+        self._commands.put(cmd)
+        return await asyncio.wrap_future(cmd.done)
+
+    def _require_ready(self) -> None:
+        if not self.ready:
+            raise EngineUnavailableError("the edge engine is closed")
+
+    def _drain_after_close(self) -> None:
+        """Commands that raced with close(): end their streams and waiters instead of leaving them hanging."""
+        gone = EngineUnavailableError("the edge engine is closed")
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, GenerateCmd):
+                cmd.sink.put(FinishEvent("error", prompt_tokens=len(cmd.prompt), completion_tokens=0,
+                                         message=gone.message, tier="edge"))
+            elif isinstance(cmd, AbortCmd) and cmd.done is not None:
+                if cmd.done.set_running_or_notify_cancel():
+                    cmd.done.set_result(None)
+            elif isinstance(cmd, (ProposeCmd, CallCmd)):
+                reject(cmd.done, gone)
