@@ -1,0 +1,361 @@
+"""The one thread that owns a llama.cpp context: it admits requests into sequence slots and
+decodes a single batch per step for all of them, then samples and streams.
+
+A step is schedule (``plan_batch``: which tokens of which sequences), execute (one
+``llama_decode``) and update (sample, emit, finish). Commands from the asyncio front are
+read before every step, so an abort lands within one step and frees the sequence's KV at
+once. Slots ``0..n_slots-1`` hold requests; slot ``n_slots`` belongs to the drafter, whose KV
+stays cached between proposals so the next one re-reads only the context that changed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engine_edge.base import Draft
+from engine_edge.batch_plan import Active, Span, common_prefix, plan_batch
+from engine_edge.errors import EngineUnavailableError
+from engine_edge.sampling import greedy_with_prob, make_rng, sample
+from engine_edge.textstream import TextStream
+from engine_edge.types import FinishEvent, FinishReason, SamplingParams, TokenEvent
+from engine_edge.worker_channel import (
+    AbortCmd,
+    CallCmd,
+    CloseCmd,
+    Command,
+    GenerateCmd,
+    ProposeCmd,
+    reject,
+    resolve,
+)
+
+if TYPE_CHECKING:
+    from engine_edge.llama_cpp_runtime import LlamaContext, LlamaModel, TokenBatch
+    from engine_edge.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# While other sequences are decoding, a prompt enters at most this many tokens per step, so a
+# long prompt stretches one step to ~0.3 s on two cores instead of ~1 s (n_batch tokens).
+PREFILL_CHUNK_WHILE_DECODING = 128
+INTERNAL_ERROR = "internal error while generating; please retry"
+
+
+@dataclass(eq=False)
+class GenSeq:
+    cmd: GenerateCmd
+    slot: int
+    tokens: list[int]  # prompt, then sampled tokens; the last one is not in the KV yet
+    stream: TextStream
+    rng: np.random.Generator
+    reservation: int  # KV cells this sequence may grow to (counts against a unified pool)
+    n_cached: int = 0
+    n_generated: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.cmd.params
+
+
+@dataclass(eq=False)
+class DraftJob:
+    cmd: ProposeCmd
+    slot: int
+    tokens: list[int]  # context, then drafts; the last one is not in the KV yet
+    n_cached: int
+    reused: int
+    ids: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+
+
+class LlamaWorker:
+    """Owns ``ctx`` (and frees it with the model on exit). Call ``run`` on a dedicated thread."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        ctx: LlamaContext,
+        batch: TokenBatch,
+        tokenizer: Tokenizer,
+        commands: queue.SimpleQueue[Command],
+        n_slots: int,
+    ) -> None:
+        self._model = model
+        self._ctx = ctx
+        self._batch = batch
+        self._tokenizer = tokenizer
+        self._commands = commands
+        self._free_slots = list(range(n_slots - 1, -1, -1))  # pop() hands out the lowest first
+        self._draft_slot = n_slots
+        self._running: dict[str, GenSeq] = {}  # insertion order = admission order
+        self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, arrival, request id)
+        self._waiting_cmds: dict[str, GenerateCmd] = {}
+        self._arrivals = itertools.count()
+        self._draft_queue: deque[ProposeCmd] = deque()
+        self._draft_job: DraftJob | None = None
+        self._draft_cache: list[int] = []  # tokens whose KV the drafter slot holds
+        self._closing = False
+        self._counters = {"steps": 0, "tokens_generated": 0, "prompt_tokens": 0,
+                          "draft_tokens_reused": 0, "draft_prefill_tokens": 0, "errors": 0}
+        self.snapshot: dict[str, float] = {}  # replaced (never mutated) after every step
+        self._publish()
+
+    @property
+    def context(self) -> LlamaContext:
+        return self._ctx
+
+    # ---- main loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while not self._closing:
+                try:
+                    self._receive(block=self._idle())
+                    if self._closing:
+                        break
+                    self._admit()
+                    if self._running or self._draft_job is not None:
+                        self._step()
+                except Exception:  # a bug here must not take the server down: fail what ran, go on
+                    logger.exception("llama.cpp worker step failed")
+                    self._fail_all(INTERNAL_ERROR)
+                self._publish()
+        finally:
+            self._shutdown()
+
+    def _idle(self) -> bool:
+        return not (self._running or self._waiting or self._draft_job or self._draft_queue)
+
+    def _step(self) -> None:
+        active: list[Active] = [*([self._draft_job] if self._draft_job else []), *self._running.values()]
+        spans = plan_batch(active, self._batch.capacity, PREFILL_CHUNK_WHILE_DECODING)
+        fed = self._execute(spans)
+        if fed is not None:
+            self._update(fed)
+        self._counters["steps"] += 1
+
+    # ---- commands ----------------------------------------------------------------------------
+
+    def _receive(self, *, block: bool) -> None:
+        try:
+            cmd = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: Command) -> None:
+        if isinstance(cmd, GenerateCmd):
+            heapq.heappush(self._waiting, (int(cmd.priority), next(self._arrivals), cmd.request_id))
+            self._waiting_cmds[cmd.request_id] = cmd
+        elif isinstance(cmd, AbortCmd):
+            self._abort(cmd.request_id)
+            resolve(cmd.done, None)
+        elif isinstance(cmd, ProposeCmd):
+            self._draft_queue.append(cmd)
+        elif isinstance(cmd, CallCmd):
+            try:
+                resolve(cmd.done, cmd.fn())
+            except Exception as e:  # handed to the caller, who asked for this call
+                reject(cmd.done, e)
+        elif isinstance(cmd, CloseCmd):
+            self._closing = True
+
+    def _abort(self, request_id: str) -> None:
+        seq = self._running.get(request_id)
+        if seq is not None:
+            self._finish(seq, "abort", seq.stream.finish())
+            return
+        cmd = self._waiting_cmds.pop(request_id, None)
+        if cmd is not None:  # its heap entry is skipped when it surfaces
+            cmd.sink.put(FinishEvent("abort", prompt_tokens=len(cmd.prompt), completion_tokens=0, tier="edge"))
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def _reserved_cells(self) -> int:
+        job = self._draft_job
+        draft = len(job.tokens) + job.cmd.k if job is not None else len(self._draft_cache)
+        return draft + sum(s.reservation for s in self._running.values())
+
+    def _fits(self, cells: int) -> bool:
+        """With separate per-sequence caches this always holds; with a unified pool it keeps
+        the sum of what admitted sequences may grow to within the pool."""
+        if self._reserved_cells() + cells <= self._ctx.n_ctx:
+            return True
+        if self._draft_job is None and self._draft_cache:  # an idle drafter's cache is only an optimization
+            self._ctx.seq_rm(self._draft_slot)
+            self._draft_cache = []
+        return self._reserved_cells() + cells <= self._ctx.n_ctx
+
+    def _admit(self) -> None:
+        if self._draft_job is None and self._draft_queue:
+            if self._fits(len(self._draft_queue[0].context) + self._draft_queue[0].k):
+                self._start_draft(self._draft_queue.popleft())
+        while self._free_slots and self._waiting:
+            request_id = self._waiting[0][2]
+            cmd = self._waiting_cmds.get(request_id)
+            if cmd is None:  # aborted while waiting
+                heapq.heappop(self._waiting)
+                continue
+            reservation = min(len(cmd.prompt) + cmd.params.max_tokens - 1, self._ctx.n_ctx_seq)
+            if not self._fits(reservation):
+                return  # first come first served: later requests do not jump a big one
+            heapq.heappop(self._waiting)
+            del self._waiting_cmds[request_id]
+            seq = GenSeq(cmd, self._free_slots.pop(), list(cmd.prompt), TextStream(self._tokenizer, cmd.params.stop),
+                         make_rng(cmd.params.seed), reservation)
+            self._running[request_id] = seq
+            self._counters["prompt_tokens"] += len(cmd.prompt)
+
+    def _start_draft(self, cmd: ProposeCmd) -> None:
+        context = list(cmd.context)
+        # Keep the KV of the longest common prefix, but re-read at least the last context
+        # token: its logits are the first draft's distribution.
+        keep = min(common_prefix(self._draft_cache, context), len(context) - 1)
+        if not self._ctx.seq_rm(self._draft_slot, keep, -1):
+            self._ctx.seq_rm(self._draft_slot)
+            keep = 0
+        self._draft_cache = context[:keep]
+        self._draft_job = DraftJob(cmd, self._draft_slot, context, n_cached=keep, reused=keep)
+        self._counters["draft_tokens_reused"] += keep
+        self._counters["draft_prefill_tokens"] += len(context) - keep
+
+    # ---- execute and update ------------------------------------------------------------------
+
+    def _execute(self, spans: list[Span]) -> list[tuple[Span, int]] | None:
+        """Decode the spans; each comes back with the batch index of its logits (-1: none)."""
+        batch = self._batch
+        batch.clear()
+        fed: list[tuple[Span, int]] = []
+        try:
+            for span in spans:
+                index = -1
+                tokens, slot = span.seq.tokens, span.seq.slot
+                for pos in range(span.start, span.end):
+                    index = batch.add(tokens[pos], pos, slot, pos == span.end - 1 and span.wants_logits)
+                fed.append((span, index if span.wants_logits else -1))
+            rc = self._ctx.decode(batch)
+        except Exception:
+            logger.exception("llama_decode raised")
+            rc = -100
+        if rc == 0:
+            return fed
+        # rc 1 (no KV slot) restores the cache; other failures may leave partial KV behind.
+        # Either way the sequences in this batch cannot trust their cache: fail them.
+        logger.error("llama_decode returned %d for a batch of %d tokens", rc, batch.n_tokens)
+        for span in spans:
+            self._fail(span.seq, "the model context is full; retry later" if rc == 1 else INTERNAL_ERROR)
+        return None
+
+    def _update(self, fed: list[tuple[Span, int]]) -> None:
+        for span, index in fed:
+            seq = span.seq
+            seq.n_cached = span.end
+            if index < 0:
+                continue
+            try:
+                logits = self._ctx.logits(index)
+                if isinstance(seq, DraftJob):
+                    self._advance_draft(seq, logits)
+                elif isinstance(seq, GenSeq):
+                    self._advance_generation(seq, logits)
+            except Exception:
+                logger.exception("sampling failed")
+                self._fail(seq, INTERNAL_ERROR)
+
+    def _advance_generation(self, seq: GenSeq, logits: np.ndarray) -> None:
+        params = seq.params
+        picked = sample(logits, params, seq.rng)
+        token_id = picked.token_id
+        if token_id in params.stop_token_ids or (not params.ignore_eos and self._model.is_eog(token_id)):
+            self._finish(seq, "stop", seq.stream.finish())
+            return
+        text, stopped = seq.stream.push(token_id)
+        seq.n_generated += 1
+        self._counters["tokens_generated"] += 1
+        if not seq.cmd.sink.put(TokenEvent(token_id, text, picked.logprob, picked.top_logprobs)):
+            self._finish(seq, "abort", "")  # the consumer's loop is gone
+        elif stopped:
+            self._finish(seq, "stop", "")
+        elif seq.n_generated >= params.max_tokens:
+            self._finish(seq, "length", seq.stream.finish())
+        elif len(seq.tokens) >= self._ctx.n_ctx_seq:  # no cell left to store this token in
+            self._finish(seq, "length", seq.stream.finish())
+        else:
+            seq.tokens.append(token_id)
+
+    def _advance_draft(self, job: DraftJob, logits: np.ndarray) -> None:
+        token_id, prob = greedy_with_prob(logits)
+        job.ids.append(token_id)
+        job.probs.append(prob)
+        if len(job.ids) < job.cmd.k:
+            job.tokens.append(token_id)
+            return
+        self._draft_cache = job.tokens[: job.n_cached]
+        self._draft_job = None
+        resolve(job.cmd.done, Draft(tuple(job.ids), tuple(job.probs), reused_tokens=job.reused))
+
+    # ---- finishing -------------------------------------------------------------------------------
+
+    def _finish(self, seq: GenSeq, reason: FinishReason, tail: str, message: str = "") -> None:
+        self._ctx.seq_rm(seq.slot)  # the KV goes now, not when the slot is reused
+        del self._running[seq.cmd.request_id]
+        self._free_slots.append(seq.slot)
+        seq.cmd.sink.put(FinishEvent(reason, prompt_tokens=len(seq.cmd.prompt), completion_tokens=seq.n_generated,
+                                     text=tail, message=message, tier="edge"))
+
+    def _fail(self, seq: Active, message: str) -> None:
+        self._counters["errors"] += 1
+        if isinstance(seq, GenSeq):
+            if seq.cmd.request_id in self._running:
+                self._finish(seq, "error", "", message)
+        elif isinstance(seq, DraftJob):
+            self._ctx.seq_rm(self._draft_slot)
+            self._draft_cache = []
+            if self._draft_job is seq:
+                self._draft_job = None
+            reject(seq.cmd.done, EngineUnavailableError(message))
+
+    def _fail_all(self, message: str) -> None:
+        for seq in list(self._running.values()):
+            self._fail(seq, message)
+        if self._draft_job is not None:
+            self._fail(self._draft_job, message)
+
+    def _shutdown(self) -> None:
+        message = "the edge engine shut down"
+        self._fail_all(message)
+        for cmd in self._waiting_cmds.values():
+            cmd.sink.put(FinishEvent("error", prompt_tokens=len(cmd.prompt), completion_tokens=0,
+                                     message=message, tier="edge"))
+        self._waiting_cmds.clear()
+        for job in self._draft_queue:
+            reject(job.done, EngineUnavailableError(message))
+        self._draft_queue.clear()
+        self._publish()
+        self._batch.free()
+        self._ctx.free()
+        self._model.free()
+
+    def _publish(self) -> None:
+        cells = sum(s.n_cached for s in self._running.values())
+        cells += self._draft_job.n_cached if self._draft_job else len(self._draft_cache)
+        self.snapshot = {
+            "running": float(len(self._running)),
+            "waiting": float(len(self._waiting_cmds)),
+            "kv_cells_used": float(cells),
+            "kv_cells_total": float(self._ctx.n_ctx),
+            **{k: float(v) for k, v in self._counters.items()},
+        }
