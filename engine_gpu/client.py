@@ -1,0 +1,384 @@
+"""The gateway's side of the torch engine: an asyncio client of the engine core process.
+
+``EngineClient`` implements the ``Engine`` protocol (engine_edge/types.py) with tier "gpu".
+It spawns a core (``start``) or connects to one already running (``connect``, e.g. over TCP),
+sends requests as msgpack frames and routes each step's outputs to per-request queues. It
+imports no torch: the model lives in the core process only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import socket
+import sys
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine_edge import errors
+from engine_edge.tokenizer import Tokenizer
+from engine_edge.types import FinishEvent, Priority, SamplingParams, StreamEvent
+from engine_gpu.config import EngineConfig
+from engine_gpu.protocol import (
+    MAX_REQUEST_ID_CHARS,
+    AbortDone,
+    AbortRequest,
+    AddRequest,
+    ClientMessage,
+    ErrorReply,
+    Hello,
+    ProtocolError,
+    Rejected,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+    StepOutputs,
+    decode_core_message,
+    encode_frame,
+    error_from_code,
+    parse_listen,
+    read_frame,
+)
+from engine_gpu.tokenizer_source import tokenizer_for
+from gateway.config import REPO_ROOT, ModelConfig
+
+log = logging.getLogger("engine_gpu.client")
+
+CONNECT_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Live:
+    """A request the core accepted or is about to answer for."""
+
+    prompt_tokens: int
+    queue: asyncio.Queue[StreamEvent | errors.EngineError] = field(default_factory=asyncio.Queue)
+    completion_tokens: int = 0
+
+
+class EngineClient:
+    tier = "gpu"
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: Hello, *,
+                 address: str, tokenizer: Tokenizer | None = None,
+                 process: asyncio.subprocess.Process | None = None) -> None:
+        self.address = address
+        self.info = hello.info
+        self._reader = reader
+        self._writer = writer
+        self._tokenizer = tokenizer
+        self._process = process
+        self._stats: dict[str, float] = dict(hello.stats)
+        self._live: dict[str, _Live] = {}
+        self._unstarted: weakref.WeakValueDictionary[str, _Stream] = weakref.WeakValueDictionary()
+        self._waiters: dict[int, asyncio.Future[dict[str, float]]] = {}
+        self._seq = itertools.count(1)
+        self._ready = True
+        self._closed = False
+        self._max_model_len = int(hello.info.get("max_model_len", 0))
+        self._vocab_size = int(hello.info.get("vocab_size", 0))
+        self._read_task = asyncio.create_task(self._read_loop(), name="engine-client-reader")
+
+    # --- construction -------------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
+                    startup_timeout: float = 600.0) -> EngineClient:
+        """Spawn a core process for these configs, wait until its model is loaded, connect."""
+        from engine_gpu.core_process import config_args  # the module is torch-free until main() runs
+
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        # stdin is a pipe the core watches: if this process dies, the core sees EOF and exits.
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "engine_gpu.core_process", *config_args(model_cfg, engine_cfg),
+            "--exit-on-stdin-eof", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+        )
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(tokenizer_for, model_cfg))
+        try:
+            address = await asyncio.wait_for(_ready_address(process), startup_timeout)
+            tokenizer = await tokenizer_task
+            return await cls.connect(address, tokenizer=tokenizer, process=process)
+        except BaseException:
+            tokenizer_task.cancel()
+            await _stop_process(process)
+            raise
+
+    @classmethod
+    async def connect(cls, address: str, *, tokenizer: Tokenizer | None = None,
+                      process: asyncio.subprocess.Process | None = None,
+                      timeout: float = CONNECT_TIMEOUT_S) -> EngineClient:
+        """Connect to a running core ('unix:/path' or 'tcp:host:port'). Without a tokenizer, the
+        one the core's model config names is loaded here if its file is reachable from this machine."""
+        family, addr = parse_listen(address)
+        try:
+            if family == socket.AF_UNIX:
+                assert isinstance(addr, str)
+                reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(addr), timeout)
+            else:
+                host, port = addr
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            payload = await asyncio.wait_for(read_frame(reader), timeout)
+            hello = decode_core_message(payload) if payload is not None else None
+        except (OSError, TimeoutError, ProtocolError) as e:
+            raise errors.EngineUnavailableError(f"cannot reach the engine core at {address}: {e}") from e
+        if not isinstance(hello, Hello):
+            writer.close()
+            raise errors.EngineUnavailableError(f"the engine core at {address} did not greet us")
+        if tokenizer is None and hello.info.get("model_config"):
+            try:
+                tokenizer = await asyncio.to_thread(tokenizer_for, ModelConfig(**hello.info["model_config"]))
+            except (errors.ModelFileError, errors.ConfigError, OSError, TypeError) as e:
+                log.warning("engine at %s: its tokenizer is not loadable here (%s); pass one explicitly", address, e)
+        return cls(reader, writer, hello, address=address, tokenizer=tokenizer, process=process)
+
+    # --- Engine protocol ----------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise errors.ModelFileError("this engine client has no tokenizer; pass one to EngineClient.connect")
+        return self._tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                 priority: Priority = Priority.INTERACTIVE) -> _Stream:
+        stream = _Stream(self, request_id, prompt_ids, params, priority)
+        if isinstance(request_id, str):
+            self._unstarted[request_id] = stream
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        """Returns once the core confirmed the request's blocks are free (idempotent)."""
+        unstarted = self._unstarted.pop(request_id, None)
+        if unstarted is not None:
+            unstarted.aborted = True
+        if request_id not in self._live or not self._ready:
+            return
+        try:
+            await self._call(lambda seq: AbortRequest(request_id, seq))
+        except errors.EngineUnavailableError:
+            return  # the core is gone, and its blocks with it
+
+    def stats(self) -> dict[str, float]:
+        """The latest stats the core pushed (with every step's outputs, on abort and on request)."""
+        return dict(self._stats)
+
+    async def refresh_stats(self) -> dict[str, float]:
+        self._stats = await self._call(StatsRequest)
+        return self.stats()
+
+    async def close(self) -> None:
+        """Disconnect; a core this client spawned is stopped (its requests end with reason "error")."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._process is not None and self._ready:
+            try:
+                await self._send(Shutdown())
+            except errors.EngineUnavailableError:
+                pass  # already gone: nothing left to ask
+        self._ready = False  # from here on the connection ends on purpose: no warning
+        self._writer.close()
+        if self._process is not None:
+            await _stop_process(self._process)
+        self._read_task.cancel()
+        await asyncio.gather(self._read_task, return_exceptions=True)
+        self._fail_all("the engine client was closed")
+
+    async def shutdown_core(self) -> None:
+        """Stop a core this client connected to but did not spawn (e.g. a remote worker)."""
+        if self._ready:
+            await self._send(Shutdown())
+        await self.close()
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _validate(self, request_id: object, prompt_ids: Sequence[int], params: object, priority: object) -> None:
+        """Cheap checks that save a round trip; the core validates again."""
+        if not self._ready:
+            raise errors.EngineUnavailableError("the torch engine is not available")
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+            raise errors.InvalidRequestError(
+                f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters", param="request_id")
+        if request_id in self._live:
+            raise errors.DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")
+        if not isinstance(params, SamplingParams):
+            raise errors.InvalidSamplingError("params must be SamplingParams", param="params")
+        if not isinstance(priority, int) or priority not in {int(p) for p in Priority}:
+            raise errors.InvalidRequestError(f"unknown priority {priority!r}", param="priority")
+        if len(prompt_ids) == 0:
+            raise errors.EmptyPromptError("the prompt has no tokens", param="prompt")
+        if self._max_model_len and len(prompt_ids) + params.max_tokens > self._max_model_len:
+            raise errors.PromptTooLongError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"the context length of {self._max_model_len} tokens", param="max_tokens")
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < (self._vocab_size or 2**31):
+                raise errors.InvalidRequestError(f"token id {t!r} is outside the vocabulary", param="prompt")
+
+    async def _open(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                    priority: Priority) -> _Live:
+        self._validate(request_id, prompt_ids, params, priority)
+        live = self._live[request_id] = _Live(prompt_tokens=len(prompt_ids))
+        try:
+            await self._send(AddRequest(request_id, list(prompt_ids), params, Priority(priority)))
+        except BaseException:
+            self._live.pop(request_id, None)
+            raise
+        return live
+
+    async def _send(self, message: ClientMessage) -> None:
+        try:
+            self._writer.write(encode_frame(message))
+            await self._writer.drain()
+        except (ConnectionError, OSError) as e:
+            raise errors.EngineUnavailableError("lost the connection to the torch engine") from e
+
+    async def _call(self, make: Callable[[int], ClientMessage]) -> dict[str, float]:
+        """Send a message carrying a fresh seq and wait for the reply with that seq."""
+        seq = next(self._seq)
+        future: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+        self._waiters[seq] = future
+        try:
+            await self._send(make(seq))
+            return await future
+        finally:
+            self._waiters.pop(seq, None)
+
+    async def _read_loop(self) -> None:
+        reason = "the torch engine closed the connection"
+        try:
+            while (payload := await read_frame(self._reader)) is not None:
+                self._dispatch(decode_core_message(payload))
+        except ProtocolError as e:
+            reason = f"bad message from the torch engine: {e.message}"
+            log.error("%s", reason)
+        except (ConnectionError, OSError) as e:
+            reason = f"lost the torch engine: {e}"
+        finally:
+            self._fail_all(reason)
+
+    def _dispatch(self, msg: object) -> None:
+        match msg:
+            case StepOutputs():
+                self._stats = msg.stats
+                for out in msg.outputs:
+                    live = self._live.get(out.request_id)
+                    if live is None:
+                        continue
+                    for token in out.tokens:
+                        live.queue.put_nowait(token)
+                    live.completion_tokens += len(out.tokens)
+                    if out.finish is not None:
+                        live.queue.put_nowait(out.finish)
+                        del self._live[out.request_id]
+            case Rejected():
+                live = self._live.pop(msg.request_id, None)
+                if live is not None:
+                    live.queue.put_nowait(error_from_code(msg.code, msg.message, msg.param))
+            case AbortDone() | StatsReply():
+                self._stats = msg.stats
+                future = self._waiters.get(msg.seq)
+                if future is not None and not future.done():
+                    future.set_result(msg.stats)
+            case ErrorReply():
+                future = self._waiters.get(msg.seq) if msg.seq is not None else None
+                if future is not None and not future.done():
+                    future.set_exception(errors.EngineError(msg.message))
+                else:
+                    log.warning("torch engine reported %s: %s", msg.code, msg.message)
+            case _:
+                log.warning("unexpected message from the torch engine: %r", msg)
+
+    def _fail_all(self, reason: str) -> None:
+        if self._ready:
+            log.warning("torch engine unavailable: %s", reason)
+        self._ready = False
+        for live in self._live.values():
+            live.queue.put_nowait(FinishEvent("error", live.prompt_tokens, live.completion_tokens, 0,
+                                              message="the torch engine stopped", tier=self.tier))
+        self._live.clear()
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(errors.EngineUnavailableError("the torch engine stopped"))
+
+
+class _Stream:
+    """The async iterator ``generate`` returns. Nothing is sent before the first ``__anext__``,
+    which raises the request's typed error if the client or the core rejects it."""
+
+    def __init__(self, client: EngineClient, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                 priority: Priority) -> None:
+        self._client = client
+        self._args = (request_id, prompt_ids, params, priority)
+        self._live: _Live | None = None
+        self._done = False
+        self.aborted = False  # aborted before it started: it ends at once without reaching the core
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._done:
+            raise StopAsyncIteration
+        if self._live is None:
+            if self.aborted:
+                self._done = True
+                return FinishEvent("abort", len(self._args[1]), 0, tier=self._client.tier)
+            if self._client._unstarted.get(self._args[0]) is self:
+                del self._client._unstarted[self._args[0]]
+            self._live = await self._client._open(*self._args)
+        item = await self._live.queue.get()
+        if isinstance(item, errors.EngineError):
+            self._done = True
+            raise item
+        if isinstance(item, FinishEvent):
+            self._done = True
+        return item
+
+    async def aclose(self) -> None:
+        """Stopping early aborts the request, so its blocks do not run on for nobody."""
+        if self._live is not None and not self._done:
+            self._done = True
+            await self._client.abort(self._args[0])
+
+
+async def _ready_address(process: asyncio.subprocess.Process) -> str:
+    """The address from the core's ready line, or the typed error it reported."""
+    assert process.stdout is not None
+    line = await process.stdout.readline()
+    if not line:
+        code = await process.wait()
+        raise errors.EngineUnavailableError(f"the engine core exited with code {code} before it was ready (see its log)")
+    try:
+        report = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise errors.EngineUnavailableError(f"the engine core wrote an unreadable ready line: {line[:200]!r}") from e
+    if "address" in report:
+        return str(report["address"])
+    message = str(report.get("error", "unknown error"))
+    if report.get("code") == errors.ModelFileError.code:
+        raise errors.ModelFileError(message)
+    if report.get("code") == "config_error":
+        raise errors.ConfigError(message)
+    raise errors.EngineUnavailableError(f"the engine core failed to start: {message}")
+
+
+async def _stop_process(process: asyncio.subprocess.Process) -> None:
+    if process.stdin is not None and not process.stdin.is_closing():
+        process.stdin.close()  # the core exits on its own when its stdin closes
+    try:
+        await asyncio.wait_for(process.wait(), SHUTDOWN_TIMEOUT_S)
+    except TimeoutError:
+        log.warning("engine core %d did not stop in %.0f s; killing it", process.pid, SHUTDOWN_TIMEOUT_S)
+        process.kill()
+        await process.wait()

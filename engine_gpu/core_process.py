@@ -1,0 +1,363 @@
+"""The engine core: LLMEngine's step loop in a process of its own, serving clients over a socket.
+
+One thread, one selector. While requests are unfinished the loop polls the sockets without
+waiting, handles every message that arrived since the last step (adds, aborts, stats), then
+runs one step and sends each client its requests' new tokens with fresh stats. When idle it
+blocks in ``select`` until a message arrives: no busy spin. An abort frees the request's blocks
+before the next step; a client that disconnects has its requests aborted.
+
+Run by ``EngineClient.start`` (``--model-json/--engine-json``, ready line on stdout, exits when
+its parent's stdin pipe closes), or by hand as a worker other machines connect to::
+
+    python -m engine_gpu.core_process --config configs/default.toml --listen tcp:0.0.0.0:7100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import selectors
+import shutil
+import socket
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from typing import Protocol
+
+from engine_edge.configtools import build
+from engine_edge.errors import ConfigError, EngineError
+from engine_edge.types import Priority, SamplingParams
+from engine_gpu.config import EngineConfig
+from engine_gpu.outputs import RequestOutput
+from engine_gpu.protocol import (
+    AbortDone,
+    AbortRequest,
+    AddRequest,
+    CoreMessage,
+    ErrorReply,
+    FrameDecoder,
+    Hello,
+    ProtocolError,
+    Rejected,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+    StepOutputs,
+    decode_client_message,
+    encode_frame,
+    parse_listen,
+)
+from gateway.config import ModelConfig
+
+log = logging.getLogger("engine_gpu.core")
+
+RECV_BYTES = 1 << 20
+MAX_OUTBUF_BYTES = 64 * 1024 * 1024  # a client this far behind is dropped (its requests aborted)
+
+
+class StepEngine(Protocol):
+    """What the loop needs of LLMEngine (kept narrow so the loop reads on its own)."""
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    priority: Priority) -> None: ...
+    def abort_request(self, request_id: str, reason: str = "abort", message: str = "") -> RequestOutput | None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished(self) -> bool: ...
+    def stats(self) -> dict[str, float]: ...
+    def info(self) -> dict[str, object]: ...
+
+
+def open_listener(listen: str) -> tuple[socket.socket, str, str | None]:
+    """Bound, listening, non-blocking socket; its actual address; a temp dir to remove at exit."""
+    tmpdir = None
+    if not listen:
+        tmpdir = tempfile.mkdtemp(prefix="engine-core-")
+        listen = f"unix:{tmpdir}/core.sock"
+    family, addr = parse_listen(listen)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    if family == socket.AF_UNIX:
+        assert isinstance(addr, str)
+        if os.path.exists(addr):
+            os.unlink(addr)  # a stale socket file from a core that died
+    else:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(64)
+    sock.setblocking(False)
+    if family == socket.AF_UNIX:
+        return sock, listen, tmpdir
+    host, port = sock.getsockname()[:2]
+    return sock, f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}", tmpdir
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    cid: int
+    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+    outbuf: bytearray = field(default_factory=bytearray)
+    requests: dict[str, str] = field(default_factory=dict)  # engine id -> client's request id
+    closed: bool = False
+
+
+class CoreServer:
+    def __init__(self, engine: StepEngine, listener: socket.socket, *, stop_fd: int | None = None) -> None:
+        self.engine = engine
+        self._listener = listener
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(listener, selectors.EVENT_READ, self._accept)
+        if stop_fd is not None:
+            self._sel.register(stop_fd, selectors.EVENT_READ, lambda _mask: self._on_stop_fd(stop_fd))
+        self._owners: dict[str, _Conn] = {}  # engine request id -> connection that added it
+        self._conns: set[_Conn] = set()
+        self._next_cid = 0
+        self._stopping = False
+
+    # --- loop ------------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        while not self._stopping:
+            busy = self.engine.has_unfinished()
+            for key, mask in self._sel.select(0 if busy else None):
+                if isinstance(key.data, _Conn):
+                    self._on_conn_event(key.data, mask)
+                else:
+                    key.data(mask)
+            if self._stopping or not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # a failed step must not take every other client down with it
+                log.exception("engine step failed; failing all in-flight requests")
+                outputs = [o for rid in list(self._owners)
+                           if (o := self.engine.abort_request(rid, "error", "the engine failed")) is not None]
+            self._publish(outputs)
+        log.info("engine core stopping")
+        for conn in list(self._conns):
+            self._flush(conn)
+            self._close(conn)
+        self._sel.close()
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        per_conn: dict[_Conn, list[RequestOutput]] = {}
+        for out in outputs:
+            conn = self._owners.get(out.request_id)
+            if conn is None:
+                continue
+            per_conn.setdefault(conn, []).append(replace(out, request_id=conn.requests[out.request_id]))
+            if out.finish is not None:
+                del self._owners[out.request_id]
+                del conn.requests[out.request_id]
+        stats = self.engine.stats()
+        idle = not self.engine.has_unfinished()
+        # On going idle every client hears it, so a gateway's stats never stay stuck at "busy".
+        for conn in list(self._conns) if idle else list(per_conn):
+            self._send(conn, StepOutputs(per_conn.get(conn, []), stats))
+
+    # --- sockets ---------------------------------------------------------------------------
+
+    def _accept(self, _mask: int) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._next_cid += 1
+            conn = _Conn(sock, self._next_cid)
+            self._conns.add(conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+            log.info("client %d connected", conn.cid)
+            self._send(conn, Hello(self.engine.info(), self.engine.stats()))
+
+    def _on_conn_event(self, conn: _Conn, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE:
+            self._flush(conn)
+        if mask & selectors.EVENT_READ and not conn.closed:
+            self._on_readable(conn)
+
+    def _on_readable(self, conn: _Conn) -> None:
+        # Drain everything the client sent: all messages that arrived are handled before the next step.
+        while not conn.closed:
+            try:
+                data = conn.sock.recv(RECV_BYTES)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                log.info("client %d: %s", conn.cid, e)
+                self._close(conn)
+                return
+            if not data:
+                self._close(conn)
+                return
+            try:
+                frames = conn.decoder.feed(data)
+            except ProtocolError as e:
+                self._send(conn, ErrorReply(None, e.code, e.message))
+                self._flush(conn)
+                log.warning("client %d: %s; closing its connection", conn.cid, e.message)
+                self._close(conn)
+                return
+            for payload in frames:
+                self._handle(conn, payload)
+
+    def _send(self, conn: _Conn, message: CoreMessage) -> None:
+        if conn.closed:
+            return
+        conn.outbuf += encode_frame(message)
+        if len(conn.outbuf) > MAX_OUTBUF_BYTES:
+            log.warning("client %d is not reading its outputs; dropping it", conn.cid)
+            self._close(conn)
+            return
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        try:
+            while conn.outbuf:
+                sent = conn.sock.send(conn.outbuf)
+                del conn.outbuf[:sent]
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            log.info("client %d: %s", conn.cid, e)
+            self._close(conn)
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
+        if self._sel.get_key(conn.sock).events != events:
+            self._sel.modify(conn.sock, events, conn)
+
+    def _close(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        for engine_id in list(conn.requests):
+            self.engine.abort_request(engine_id)  # frees its blocks; nobody is left to tell
+            self._owners.pop(engine_id, None)
+        conn.requests.clear()
+        self._conns.discard(conn)
+        self._sel.unregister(conn.sock)
+        conn.sock.close()
+        log.info("client %d disconnected", conn.cid)
+
+    def _on_stop_fd(self, fd: int) -> None:
+        if not os.read(fd, 4096):  # the parent closed our stdin: it exited or wants us gone
+            self._stopping = True
+
+    # --- messages --------------------------------------------------------------------------
+
+    def _handle(self, conn: _Conn, payload: bytes) -> None:
+        try:
+            msg = decode_client_message(payload)
+        except ProtocolError as e:
+            if e.request_id is not None:
+                self._send(conn, Rejected(e.request_id, e.code, e.message, e.param))
+            else:
+                self._send(conn, ErrorReply(e.seq, e.code, e.message))
+            return
+        match msg:
+            case AddRequest():
+                self._add(conn, msg)
+            case AbortRequest():
+                engine_id = f"{conn.cid}/{msg.request_id}"
+                if engine_id in conn.requests:
+                    out = self.engine.abort_request(engine_id)
+                    del conn.requests[engine_id]
+                    self._owners.pop(engine_id, None)
+                    if out is not None:
+                        self._send(conn, StepOutputs([replace(out, request_id=msg.request_id)], self.engine.stats()))
+                self._send(conn, AbortDone(msg.seq, msg.request_id, self.engine.stats()))
+            case StatsRequest():
+                self._send(conn, StatsReply(msg.seq, self.engine.stats()))
+            case Shutdown():
+                log.info("client %d asked the core to shut down", conn.cid)
+                self._stopping = True
+
+    def _add(self, conn: _Conn, msg: AddRequest) -> None:
+        # Request ids are the client's own: namespacing them per connection keeps clients apart.
+        engine_id = f"{conn.cid}/{msg.request_id}"
+        try:
+            self.engine.add_request(engine_id, msg.prompt_ids, msg.params, msg.priority)
+        except EngineError as e:
+            self._send(conn, Rejected(msg.request_id, e.code, e.message, e.param))
+            return
+        conn.requests[engine_id] = msg.request_id
+        self._owners[engine_id] = conn
+
+
+# --- process entry point --------------------------------------------------------------------
+
+def _configs(args: argparse.Namespace) -> tuple[ModelConfig, EngineConfig]:
+    if args.config:
+        from gateway.config import load_config
+
+        config = load_config(args.config)
+        engine_cfg = config.engine
+        model_cfg = config.model(engine_cfg.model)
+    else:
+        model_cfg = build(ModelConfig, json.loads(args.model_json), "model")
+        engine_cfg = build(EngineConfig, json.loads(args.engine_json), "engine")
+    if args.listen is not None:
+        engine_cfg = replace(engine_cfg, listen=args.listen)
+    return model_cfg, engine_cfg
+
+
+def config_args(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> list[str]:
+    """Command-line arguments that hand both configs to a core process (used by EngineClient.start)."""
+    return ["--model-json", json.dumps(asdict(model_cfg)), "--engine-json", json.dumps(asdict(engine_cfg))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine_gpu.core_process", description=__doc__.split("\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="gateway TOML config; serves its [engine] section")
+    source.add_argument("--model-json", help="ModelConfig as JSON (with --engine-json)")
+    parser.add_argument("--engine-json", default="{}", help="EngineConfig as JSON")
+    parser.add_argument("--listen", default=None, help="override engine.listen: unix:/path or tcp:host:port")
+    parser.add_argument("--exit-on-stdin-eof", action="store_true", help="stop when the parent closes our stdin")
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="engine-core %(asctime)s %(levelname)s %(message)s")
+    # The ready line is the only thing on the real stdout; anything a library prints goes to stderr.
+    ready_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+    def report(**fields: object) -> None:
+        ready_out.write(json.dumps(fields) + "\n")
+        ready_out.flush()
+
+    tmpdir = None
+    try:
+        model_cfg, engine_cfg = _configs(args)
+        listener, address, tmpdir = open_listener(engine_cfg.listen)
+        from engine_gpu.engine import LLMEngine  # torch is imported only once the configs are valid
+
+        engine = LLMEngine.from_config(model_cfg, engine_cfg)
+    except (EngineError, ConfigError, OSError) as e:
+        log.error("engine core failed to start: %s", e)
+        report(error=str(e), code="config_error" if isinstance(e, ConfigError) else getattr(e, "code", "start_failed"))
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        return 1
+    log.info("engine core ready on %s", address)
+    report(address=address)
+    server = CoreServer(engine, listener, stop_fd=sys.stdin.fileno() if args.exit_on_stdin_eof else None)
+    try:
+        server.serve_forever()
+    finally:
+        listener.close()
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        elif address.startswith("unix:"):
+            os.unlink(address[len("unix:"):])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

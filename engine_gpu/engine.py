@@ -1,0 +1,207 @@
+"""The in-process torch engine: a scheduler, a model runner and per-request text streams.
+
+``step()`` is schedule, execute, update; timing, detokenization and stop strings wrap it.
+The core process runs this loop behind a socket; benchmarks and exactness tests drive it
+directly, with no process in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+
+from engine_edge.errors import EmptyPromptError, InvalidRequestError
+from engine_edge.textstream import TextStream
+from engine_edge.tokenizer import Tokenizer
+from engine_edge.types import FinishEvent, FinishReason, Priority, SamplingParams, TokenEvent
+from engine_gpu.config import EngineConfig
+from engine_gpu.outputs import RequestOutput
+from engine_gpu.runner import ModelRunner, SampledToken, SeqBatchItem
+from engine_gpu.sched_output import RequestUpdate, SchedulerOutput
+from engine_gpu.scheduler import Scheduler
+from engine_gpu.tokenizer_source import tokenizer_for
+from gateway.config import ModelConfig
+
+log = logging.getLogger("engine_gpu.engine")
+
+STEP_TIME_EMA = 0.1  # weight of the newest step in the smoothed step time
+
+
+@dataclass
+class _Request:
+    """What the engine keeps per request besides the scheduler's state."""
+
+    stream: TextStream
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int = 0  # sampled tokens, the EOS or stop token included
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
+                 *, model_cfg: ModelConfig | None = None) -> None:
+        if config.max_model_len > runner.max_position:
+            # Positions past what the model was built for would run, but produce garbage.
+            log.info("max_model_len %d capped at the model's %d positions", config.max_model_len, runner.max_position)
+            config = replace(config, max_model_len=runner.max_position)
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_cfg = model_cfg
+        self.last_plan: SchedulerOutput | None = None  # the latest step's plan, for benchmarks and logs
+        self.scheduler = Scheduler(config, runner.num_blocks, eos_token_id=tokenizer.eos_id)
+        self._requests: dict[str, _Request] = {}
+        self._steps = 0
+        self._last_step_s = 0.0
+        self._avg_step_s = 0.0
+        self._generated = 0
+
+    @classmethod
+    def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> LLMEngine:
+        started = time.perf_counter()
+        log.info("loading tokenizer of %s", model_cfg.id)
+        tokenizer = tokenizer_for(model_cfg)
+        log.info("loading model %s (%s, %s on %s)", model_cfg.id, model_cfg.format, engine_cfg.dtype, engine_cfg.device)
+        runner = ModelRunner.from_config(model_cfg, engine_cfg)
+        log.info("model loaded in %.1f s: %d KV blocks of %d tokens", time.perf_counter() - started,
+                 runner.num_blocks, runner.block_size)
+        return cls(runner, tokenizer, engine_cfg, model_cfg=model_cfg)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                    priority: Priority = Priority.INTERACTIVE) -> None:
+        """Queue a request; raises EmptyPromptError, PromptTooLongError, OverloadedError,
+        DuplicateRequestError or InvalidRequestError (token outside the vocabulary)."""
+        if not prompt_ids:
+            raise EmptyPromptError("the prompt has no tokens", param="prompt")
+        vocab = self.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
+        stream = TextStream(self.tokenizer, params.stop)
+        self.scheduler.add_request(request_id, list(prompt_ids), params, priority, arrival=time.monotonic())
+        self._requests[request_id] = _Request(stream, prompt_tokens=len(prompt_ids))
+
+    def abort_request(self, request_id: str, reason: FinishReason = "abort", message: str = "") -> RequestOutput | None:
+        """Free the request's blocks now; its final output, or None if it is not live."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        return RequestOutput(request_id, [], self._finish(req, reason, text="", message=message))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        plan = self.last_plan = self.scheduler.schedule()
+        sampled = self.runner.execute(self._batch(plan))
+        by_id = {s.request_id: tok for s, tok in zip(plan.scheduled, sampled, strict=True) if tok is not None}
+        updates = self.scheduler.update_from_output(plan, {rid: [tok.token_id] for rid, tok in by_id.items()})
+        outputs = self._outputs(plan, updates, by_id)
+        self._record_step(time.perf_counter() - started)
+        return outputs
+
+    def _batch(self, plan: SchedulerOutput) -> list[SeqBatchItem]:
+        return [
+            SeqBatchItem(request_id=s.request_id, token_ids=s.token_ids, start_pos=s.start_pos,
+                         block_table=s.block_table, sample=s.sample, params=s.params, output_index=s.output_index)
+            for s in plan.scheduled
+        ]
+
+    def _outputs(self, plan: SchedulerOutput, updates: list[RequestUpdate],
+                 sampled: dict[str, SampledToken]) -> list[RequestOutput]:
+        for request_id, cached in plan.cached_tokens.items():
+            if request_id in self._requests:
+                self._requests[request_id].cached_tokens = cached
+        outputs = []
+        for update in updates:
+            req = self._requests.get(update.request_id)
+            if req is None:
+                continue
+            out = RequestOutput(update.request_id)
+            reason: FinishReason | None = update.finish_reason
+            chosen = sampled.get(update.request_id)
+            for token_id in update.new_token_ids:
+                text, stopped = req.stream.push(token_id)
+                req.completion_tokens += 1
+                if chosen is not None and chosen.token_id == token_id:
+                    out.tokens.append(TokenEvent(token_id, text, chosen.logprob, tuple(chosen.top_logprobs)))
+                else:
+                    out.tokens.append(TokenEvent(token_id, text, 0.0))
+                if stopped:
+                    # A stop string ended it: the scheduler frees the blocks; later tokens are dropped.
+                    self.scheduler.finish_request(update.request_id, "stop")
+                    reason = "stop"
+                    break
+            if update.stop_token_id is not None:
+                req.completion_tokens += 1
+            self._generated += len(out.tokens)
+            if reason is not None:
+                del self._requests[update.request_id]
+                out.finish = self._finish(req, reason, text=req.stream.finish())
+            outputs.append(out)
+        return outputs
+
+    def _finish(self, req: _Request, reason: FinishReason, *, text: str, message: str = "") -> FinishEvent:
+        return FinishEvent(reason, req.prompt_tokens, req.completion_tokens, req.cached_tokens,
+                           text=text, message=message, tier="gpu")
+
+    def _record_step(self, seconds: float) -> None:
+        self._steps += 1
+        self._last_step_s = seconds
+        self._avg_step_s = seconds if self._steps == 1 else (1 - STEP_TIME_EMA) * self._avg_step_s + STEP_TIME_EMA * seconds
+
+    # --- introspection ----------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    def stats(self) -> dict[str, float]:
+        out = self.scheduler.stats().as_dict()
+        out.update(step_time_ms=self._last_step_s * 1e3, step_time_ms_avg=self._avg_step_s * 1e3,
+                   steps=float(self._steps), generated_tokens=float(self._generated))
+        return out
+
+    def info(self) -> dict[str, object]:
+        """Static facts a client needs to validate requests cheaply before sending them."""
+        return {
+            "tier": "gpu",
+            "model": self.model_cfg.id if self.model_cfg else "",
+            "model_config": asdict(self.model_cfg) if self.model_cfg else {},
+            "vocab_size": self.vocab_size,
+            "max_model_len": self.max_model_len,
+            "eos_id": self.tokenizer.eos_id,
+            "block_size": self.runner.block_size,
+            "num_blocks": self.runner.num_blocks,
+        }
+
+    # --- convenience for benchmarks and tests ------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 *, prefix: str = "gen") -> list[list[int]]:
+        """Run prompts to completion in one batch; the generated token ids of each, in order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in tokens:
+                    tokens[out.request_id] += [t.token_id for t in out.tokens]
+                    if out.finish is not None:
+                        pending.discard(out.request_id)
+        return [tokens[rid] for rid in ids]

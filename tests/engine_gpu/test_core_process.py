@@ -1,0 +1,252 @@
+"""The engine core as a real process on a tiny checkpoint, driven through EngineClient:
+streaming, abort freeing blocks, typed rejections, bad messages, TCP, and the core dying."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import msgpack
+import pytest
+from tiny_engine import write_tiny_model
+
+from engine_edge import errors
+from engine_edge.types import Engine, FinishEvent, Priority, SamplingParams, TokenEvent
+from engine_gpu.client import EngineClient
+from engine_gpu.config import EngineConfig
+from engine_gpu.core_process import config_args
+from engine_gpu.protocol import (
+    HEADER,
+    AddRequest,
+    ErrorReply,
+    Hello,
+    Rejected,
+    StatsReply,
+    StatsRequest,
+    StepOutputs,
+    decode_core_message,
+    encode_frame,
+    read_frame,
+)
+from gateway.config import REPO_ROOT, ModelConfig
+
+CONFIG = EngineConfig(dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=64, threads=1)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+def prompt(n: int, offset: int = 0) -> list[int]:
+    return [3 + (5 * i + offset) % 90 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_cfg(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def core_process(model_cfg: ModelConfig) -> Iterator[tuple[str, int]]:
+    """One core process for the module (spawned as EngineClient.start does), on a private unix socket."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine_gpu.core_process", *config_args(model_cfg, CONFIG), "--exit-on-stdin-eof"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    ready = json.loads(proc.stdout.readline())
+    assert ready["address"].startswith("unix:")
+    yield ready["address"], proc.pid
+    proc.stdin.close()  # the core exits when its parent's pipe closes
+    assert proc.wait(timeout=30) == 0
+    assert not Path(ready["address"][len("unix:"):]).exists()
+
+
+@pytest.fixture
+def core_address(core_process: tuple[str, int]) -> str:
+    return core_process[0]
+
+
+@pytest.fixture
+async def client(core_address: str) -> AsyncIterator[EngineClient]:
+    c = await EngineClient.connect(core_address)
+    yield c
+    await c.close()
+
+
+async def collect(stream: AsyncIterator[object]) -> tuple[list[TokenEvent], FinishEvent]:
+    items = [e async for e in stream]
+    assert all(isinstance(e, TokenEvent) for e in items[:-1]) and isinstance(items[-1], FinishEvent)
+    return items[:-1], items[-1]  # type: ignore[return-value]
+
+
+async def test_streams_tokens_with_text_and_usage(client: EngineClient) -> None:
+    assert isinstance(client, Engine) and client.tier == "gpu" and client.ready
+    tokens, finish = await collect(client.generate("a", prompt(30), replace(GREEDY, logprobs=2)))
+    assert (finish.reason, finish.prompt_tokens, finish.completion_tokens, finish.tier) == ("length", 30, 8, "gpu")
+    ids = [t.token_id for t in tokens]
+    assert "".join(t.text for t in tokens) + finish.text == client.tokenizer.decode(ids, skip_special=True)
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0][0] == t.token_id for t in tokens)
+    # the same prompt again: same tokens, and the prompt's full blocks come from the prefix cache
+    again, finish2 = await collect(client.generate("b", prompt(30), GREEDY))
+    assert [t.token_id for t in again] == ids and finish2.cached_tokens == 16
+
+
+async def test_concurrent_streams_are_routed_to_their_requests(client: EngineClient) -> None:
+    solo = [await collect(client.generate(f"solo{i}", prompt(10 + 9 * i, i), GREEDY)) for i in range(4)]
+    together = await asyncio.gather(*(collect(client.generate(f"t{i}", prompt(10 + 9 * i, i), GREEDY))
+                                      for i in range(4)))
+    assert [[t.token_id for t in toks] for toks, _ in together] == [[t.token_id for t in toks] for toks, _ in solo]
+
+
+async def test_abort_frees_blocks_before_it_returns(client: EngineClient) -> None:
+    stream = client.generate("long", prompt(100), LONG)
+    first = await anext(stream)
+    assert isinstance(first, TokenEvent)
+    assert (await client.refresh_stats())["kv_blocks_in_use"] > 0
+    await client.abort("long")
+    assert client.stats()["kv_blocks_in_use"] == 0 and client.stats()["running"] == 0
+    rest = [e async for e in stream]
+    assert isinstance(rest[-1], FinishEvent) and rest[-1].reason == "abort"
+    assert rest[-1].completion_tokens < 400
+    await client.abort("long")  # idempotent
+    await client.abort("never-existed")
+
+
+async def test_abort_before_the_stream_starts(client: EngineClient) -> None:
+    stream = client.generate("lazy", prompt(20), LONG)
+    await client.abort("lazy")
+    assert [e async for e in stream] == [FinishEvent("abort", 20, 0, tier="gpu")]
+    assert (await client.refresh_stats())["running"] == 0
+
+
+async def test_closing_a_stream_early_aborts_it(client: EngineClient) -> None:
+    stream = client.generate("closed", prompt(40), LONG)
+    await anext(stream)
+    await stream.aclose()
+    stats = await client.refresh_stats()
+    assert stats["kv_blocks_in_use"] == 0 and stats["running"] == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt_ids", "params", "error"),
+    [
+        ([], GREEDY, errors.EmptyPromptError),
+        ([*prompt(10), 96], GREEDY, errors.InvalidRequestError),
+        (prompt(400), replace(GREEDY, max_tokens=200), errors.PromptTooLongError),
+    ],
+)
+async def test_client_side_validation_raises_typed_errors(client: EngineClient, prompt_ids: list[int],
+                                                          params: SamplingParams, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        await anext(client.generate("bad", prompt_ids, params))
+
+
+async def test_core_rejections_raise_the_typed_error_from_the_first_anext(client: EngineClient) -> None:
+    client._max_model_len = 0  # skip the client's own check so the core has to refuse it
+    with pytest.raises(errors.PromptTooLongError):
+        await anext(client.generate("too-long", prompt(400), replace(GREEDY, max_tokens=200)))
+    stream = client.generate("dup", prompt(10), LONG)
+    await anext(stream)
+    with pytest.raises(errors.DuplicateRequestError):  # refused by the client, which knows it is live
+        await anext(client.generate("dup", prompt(10), GREEDY))
+    await stream.aclose()
+
+
+async def raw_connection(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_unix_connection(address[len("unix:"):])
+    assert isinstance(decode_core_message(await read_frame(reader) or b""), Hello)
+    return reader, writer
+
+
+async def reply(reader: asyncio.StreamReader) -> object:
+    """The next message that is not a step's outputs (those stream in between for live requests)."""
+    while isinstance(answer := decode_core_message(await asyncio.wait_for(read_frame(reader), 10) or b""),
+                     StepOutputs):
+        pass
+    return answer
+
+
+async def test_bad_messages_get_error_replies_and_the_loop_goes_on(core_address: str, client: EngineClient) -> None:
+    reader, writer = await raw_connection(core_address)
+    for junk in (b"\xc1\xc1", msgpack.packb([1, 2]), msgpack.packb({"t": "launch", "seq": 4}),
+                 msgpack.packb({"t": "abort", "id": 7, "seq": 5})):
+        writer.write(HEADER.pack(len(junk)) + junk)
+        answer = await reply(reader)
+        assert isinstance(answer, ErrorReply) and answer.code == "bad_message"
+    assert answer.seq == 5  # type: ignore[union-attr]
+    writer.write(encode_frame(StatsRequest(9)))
+    assert isinstance(await reply(reader), StatsReply)  # the same connection still works
+    add = AddRequest("twice", prompt(10), LONG, Priority.BATCH)
+    writer.write(encode_frame(add) + encode_frame(add))  # both arrive before the next step
+    answer = await reply(reader)
+    assert isinstance(answer, Rejected) and (answer.request_id, answer.code) == ("twice", "duplicate_request_id")
+    writer.write(HEADER.pack(1 << 30))  # an oversized frame cannot be skipped: error, then close
+    answer = await reply(reader)
+    assert isinstance(answer, ErrorReply) and answer.code == "frame_too_large"
+    while await reader.read(1 << 16):  # outputs already queued for "twice", then the end
+        pass
+    writer.close()
+    _, finish = await collect(client.generate("after", prompt(12), GREEDY))  # others are unaffected
+    assert finish.reason == "length"
+
+
+async def test_a_vanished_client_has_its_requests_aborted(core_address: str, client: EngineClient) -> None:
+    other = await EngineClient.connect(core_address)
+    stream = other.generate("orphan", prompt(60), LONG)
+    await anext(stream)
+    other._writer.transport.abort()  # drop the socket without a word
+    await asyncio.sleep(0)
+    for _ in range(100):  # the core notices between steps; poll its stats, not the clock
+        if (await client.refresh_stats())["running"] == 0:
+            break
+    stats = await client.refresh_stats()
+    assert stats["running"] == 0 and stats["kv_blocks_in_use"] == 0
+    await other.close()
+
+
+async def test_start_over_tcp_then_the_core_dies(model_cfg: ModelConfig) -> None:
+    c = await EngineClient.start(model_cfg, replace(CONFIG, listen="tcp:127.0.0.1:0"))
+    try:
+        assert c.address.startswith("tcp:127.0.0.1:") and not c.address.endswith(":0")
+        second = await EngineClient.connect(c.address, tokenizer=c.tokenizer)  # another machine would do this
+        _, finish = await collect(second.generate("over-tcp", prompt(20), GREEDY))
+        assert finish.reason == "length"
+        await second.close()
+
+        streams = [c.generate(f"doomed{i}", prompt(30, i), LONG) for i in range(3)]
+        for s in streams:
+            await anext(s)
+        assert c._process is not None
+        os.kill(c._process.pid, signal.SIGKILL)
+        for s in streams:
+            events = [e async for e in s]
+            assert isinstance(events[-1], FinishEvent) and events[-1].reason == "error"
+        assert not c.ready
+        with pytest.raises(errors.EngineUnavailableError):
+            await anext(c.generate("late", prompt(5), GREEDY))
+        await c.abort("doomed0")  # returns: nothing is left to free
+    finally:
+        await c.close()
+
+
+async def test_start_reports_a_missing_model_as_a_typed_error(tmp_path: Path) -> None:
+    bad = ModelConfig(id="gone", source=str(tmp_path / "nope"), format="safetensors")
+    with pytest.raises(errors.ModelFileError):
+        await EngineClient.start(bad, CONFIG)
+
+
+async def test_an_idle_core_blocks_instead_of_spinning(core_process: tuple[str, int], client: EngineClient) -> None:
+    psutil = pytest.importorskip("psutil")
+    await collect(client.generate("warm", prompt(10), GREEDY))
+    proc = psutil.Process(core_process[1])
+    before = proc.cpu_times()
+    await asyncio.sleep(1.0)  # measuring idle CPU over a wall-clock interval, not waiting for an event
+    after = proc.cpu_times()
+    assert (after.user + after.system) - (before.user + before.system) < 0.1

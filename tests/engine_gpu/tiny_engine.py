@@ -1,0 +1,42 @@
+"""A tiny random Llama checkpoint with a tokenizer, ready for LLMEngine and the core process.
+
+The checkpoint comes from tiny_checkpoint.py; the tokenizer is a byte-level BPE without merges
+whose ids 3.. are the printable ASCII bytes, so any generated id decodes to text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tiny_checkpoint import random_weights, tiny_config, write_hf_checkpoint
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from engine_edge.tokenizer_load import byte_decoder
+from gateway.config import ModelConfig
+
+SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: the tiny config's BOS is 1 and EOS is 2
+
+
+def write_tiny_tokenizer(directory: Path, vocab_size: int) -> Path:
+    char_of_byte = {b: c for c, b in byte_decoder().items()}
+    vocab = {name: i for i, name in enumerate(SPECIALS)}
+    for i in range(len(SPECIALS), vocab_size):
+        vocab[char_of_byte[32 + (i - len(SPECIALS)) % 95]] = i
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(name, special=True) for name in SPECIALS])
+    path = directory / "tokenizer.json"
+    backend.save(str(path))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return path
+
+
+def write_tiny_model(directory: Path, *, seed: int = 0, **overrides: Any) -> ModelConfig:
+    """Checkpoint + tokenizer in ``directory``; the ModelConfig that names them."""
+    config = tiny_config(**overrides)
+    write_hf_checkpoint(directory, config, random_weights(config, seed=seed))
+    tokenizer = write_tiny_tokenizer(directory, config["vocab_size"])
+    return ModelConfig(id="tiny", source=str(directory), format="safetensors", tokenizer=str(tokenizer))
