@@ -2,7 +2,7 @@
 
 Randomness is counter-based: a seeded request's uniform for its n-th output token is a pure
 function of (seed, n), and every row is filtered and sampled independently (inverse CDF over its
-own float64 cumulative sum). So the same seed gives the same tokens whatever else shares the
+own cumulative sum). So the same seed gives the same tokens whatever else shares the
 batch, and no global RNG is touched. Unseeded rows draw their seed from this sampler's own
 ``random.Random``. Reported logprobs are under the unmodified model distribution (temperature 1,
 no top-k/top-p), as the OpenAI API reports them.
@@ -15,6 +15,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine_edge.types import SamplingParams
@@ -41,35 +42,61 @@ def uniform_for(seed: int, output_index: int) -> float:
     return (_splitmix64(_splitmix64(seed) ^ output_index) >> 11) * 2.0**-53
 
 
+# Top-p first looks for its cut among the CANDIDATES most likely tokens (topk is cheap); only rows
+# whose nucleus is wider sort the whole vocabulary. torch's CPU sort is ~25x slower than numpy's
+# SIMD sort on these machines, so that fallback sorts with numpy on CPU.
+CANDIDATES = 256
+
+
 def sampling_probs(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
     """Filtered, renormalised probabilities in vocab order.
 
     logits [n, V] float32; temperature [n] (> 0); top_k [n] (0 = off); top_p [n] in (0, 1].
-    Top-k keeps the k highest logits; top-p then keeps the smallest prefix of the remaining
-    tokens (by descending probability) whose mass reaches top_p, always at least one token.
+    Top-k keeps the tokens at least as likely as the k-th; top-p then keeps the smallest
+    most-likely-first prefix whose mass reaches top_p (always at least one token). Both cut by a
+    probability threshold, so tokens tied at the cut are kept or dropped together.
     """
-    scaled = logits / temperature[:, None]
-    vocab = logits.shape[1]
-    needs_sort = (top_k > 0) | (top_p < 1.0)
-    if not bool(needs_sort.any()):
-        return torch.softmax(scaled, dim=-1)
-    probs = torch.softmax(scaled, dim=-1)
-    rows = needs_sort.nonzero().squeeze(1)
-    # stable: ties keep vocab order, so the kept set never depends on the batch
-    values, order = scaled[rows].sort(dim=-1, descending=True, stable=True)
-    ranks = torch.arange(vocab, device=logits.device)
-    k = torch.where(top_k[rows] > 0, top_k[rows], vocab)
-    keep = ranks[None, :] < k[:, None]
-    values = values.masked_fill(~keep, float("-inf"))
-    sorted_probs = torch.softmax(values, dim=-1)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    keep &= mass_before < top_p[rows][:, None]
-    sorted_probs = torch.where(keep, sorted_probs, 0.0)
-    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    probs[rows] = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    with_k = (top_k > 0).nonzero().squeeze(1)
+    if with_k.numel():
+        k = top_k[with_k].clamp(max=logits.shape[1])
+        kth = probs[with_k].topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [r, 1]
+        probs[with_k] = _keep_at_least(probs[with_k], kth)
+    with_p = (top_p < 1.0).nonzero().squeeze(1)
+    if with_p.numel():
+        probs[with_p] = _keep_at_least(probs[with_p], _nucleus_floor(probs[with_p], top_p[with_p]))
     return probs
+
+
+def _keep_at_least(probs: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    kept = torch.where(probs >= floor, probs, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[r, 1]: the probability of the last token of each row's top-p nucleus."""
+    floor = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
+    width = min(CANDIDATES, probs.shape[1])
+    head = probs.topk(width, dim=-1).values  # descending
+    cut, reached = _cut(head, top_p)
+    floor[reached] = cut[reached]
+    rest = (~reached).nonzero().squeeze(1)
+    if rest.numel():
+        if probs.device.type == "cpu":
+            ordered = torch.from_numpy(np.ascontiguousarray(np.sort(probs[rest].numpy(), axis=-1)[:, ::-1]))
+        else:
+            ordered = probs[rest].sort(dim=-1, descending=True).values
+        floor[rest] = _cut(ordered, top_p[rest])[0]
+    return floor
+
+
+def _cut(descending: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Value at the first index whose cumulative mass reaches top_p [r, 1], and whether it was reached."""
+    cumulative = torch.cumsum(descending, dim=-1)
+    index = (cumulative < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(max=descending.shape[1] - 1)
+    return descending.gather(1, index), cumulative[:, -1] >= top_p
 
 
 class Sampler:
@@ -114,10 +141,10 @@ class Sampler:
             uniform_for(p.seed if p.seed is not None else self._rng.getrandbits(63), output_indices[i])
             for p, i in zip(chosen_params, rows, strict=True)
         ]
-        cdf = torch.cumsum(probs.to(torch.float64), dim=-1)  # [r, V]
+        cdf = torch.cumsum(probs, dim=-1)  # [r, V]
         total = cdf[:, -1]
         # strictly below the total even after rounding, so the pick is never past the last kept token
-        targets = torch.minimum(torch.tensor(uniforms, dtype=torch.float64, device=device) * total,
+        targets = torch.minimum(torch.tensor(uniforms, dtype=torch.float32, device=device) * total,
                                 torch.nextafter(total, torch.zeros_like(total)))
         # first index whose cumulative mass exceeds the target: a token with positive probability
         return torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)

@@ -1,0 +1,157 @@
+"""The paged path (block tables, chunked prefill, mixed batches) against the contiguous forward."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from tiny_checkpoint import random_weights, tiny_config, write_hf_checkpoint
+
+from engine_edge.errors import ConfigError
+from engine_edge.types import SamplingParams
+from engine_gpu.attention import SMALL_QUERY, TorchAttentionBackend, get_attention_backend
+from engine_gpu.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
+from engine_gpu.loader import load_safetensors, read_hf_args
+from engine_gpu.model import LlamaModel
+from engine_gpu.runner import ModelRunner, SeqBatchItem
+
+TOL = 1e-4
+BLOCK = 8
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
+    config = tiny_config()
+    directory = write_hf_checkpoint(tmp_path_factory.mktemp("hf"), config, random_weights(config, seed=3))
+    return load_safetensors(directory, dtype=torch.float32)
+
+
+def make_runner(model: LlamaModel, num_blocks: int = 64) -> ModelRunner:
+    cache = PagedKVCache.for_model(model.args, block_size=BLOCK, dtype=torch.float32, device="cpu",
+                                   num_blocks=num_blocks)
+    return ModelRunner(model, cache, device="cpu", dtype=torch.float32, attention_backend="torch")
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def reference(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.forward_contiguous(torch.tensor([ids]))[0][0]  # [T, vocab]
+
+
+def item(rid: str, ids: list[int], start: int, table: list[int]) -> SeqBatchItem:
+    return SeqBatchItem(rid, ids, start, table, True, GREEDY, 0)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and (a - b).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("chunks", [[40], [5, 17, 3, 1, 14], [8, 8, 8, 8, 8], [1] * 12 + [28]])
+def test_chunked_prefill_matches_contiguous(model: LlamaModel, chunks: list[int]) -> None:
+    runner = make_runner(model)
+    ids = tokens(sum(chunks), seed=1)
+    table = [17, 3, 40, 9, 22]  # scattered physical blocks
+    got, pos = [], 0
+    for n in chunks:
+        got.append(runner.execute_logits([item("a", ids[pos:pos + n], pos, table)])[0])
+        pos += n
+    assert close(torch.cat(got), reference(model, ids))
+
+
+def test_mixed_batch_at_different_positions(model: LlamaModel) -> None:
+    """One step holding a prompt chunk, a first chunk, decodes and a multi-token (draft-like) item."""
+    runner = make_runner(model)
+    seqs = {name: tokens(n, seed=i) for i, (name, n) in enumerate([("a", 50), ("b", 30), ("c", 21), ("d", 9)])}
+    tables = {"a": [1, 2, 3, 4, 5, 6, 7], "b": [10, 11, 12, 13], "c": [20, 21, 22], "d": [30, 31]}
+    # warm-up steps put different amounts of each sequence in the cache
+    cached = {"a": 20, "b": 29, "c": 12, "d": 0}
+    runner.execute_logits([item(n, seqs[n][:k], 0, tables[n]) for n, k in cached.items() if k])
+    step = [
+        item("a", seqs["a"][20:50], 20, tables["a"]),  # long chunk (own SDPA group)
+        item("b", seqs["b"][29:30], 29, tables["b"]),  # decode
+        item("d", seqs["d"][0:9], 0, tables["d"]),  # a whole short prompt
+        item("c", seqs["c"][12:16], 12, tables["c"]),  # 4 tokens, like 1 + 3 drafts
+    ]
+    assert len(step[0].token_ids) > SMALL_QUERY
+    got = runner.execute_logits(step)
+    for it, logits in zip(step, got, strict=True):
+        full = reference(model, seqs[it.request_id][: it.start_pos + len(it.token_ids)])
+        assert close(logits, full[it.start_pos:]), it.request_id
+
+
+def test_shared_prefix_blocks(model: LlamaModel) -> None:
+    """Two sequences read the same physical prefix blocks, written once by the first."""
+    runner = make_runner(model)
+    prefix = tokens(16, seed=5)  # exactly two blocks
+    a = prefix + tokens(7, seed=6)
+    b = prefix + tokens(12, seed=7)
+    runner.execute_logits([item("a", a, 0, [4, 9, 2])])
+    # b reuses blocks 4 and 9 and computes only its own suffix, batched with a's decode
+    got_b, got_a = runner.execute_logits([item("b", b[16:], 16, [4, 9, 11, 12]), item("a", [33], 23, [4, 9, 2])])
+    assert close(got_b, reference(model, b)[16:])
+    assert close(got_a, reference(model, [*a, 33])[23:])
+
+
+def test_kv_lands_in_the_slot_the_block_table_names(model: LlamaModel) -> None:
+    runner = make_runner(model)
+    ids = tokens(13, seed=8)
+    table = [6, 2]
+    runner.execute_logits([item("a", ids, 0, table)])
+    with torch.inference_mode():
+        _, past = model.forward_contiguous(torch.tensor([ids]))
+    k_ref = past[1][0][0].transpose(0, 1)  # layer 1: [T, KVH, D]
+    k_cache, _ = runner.kv_cache.layer(1)
+    for pos in range(13):
+        slot = k_cache[table[pos // BLOCK], pos % BLOCK]
+        assert (slot - k_ref[pos]).abs().max().item() < TOL
+    assert k_cache[0].abs().sum().item() == 0  # untouched blocks stay untouched
+
+
+def test_padded_decode_group_with_unequal_lengths(model: LlamaModel) -> None:
+    runner = make_runner(model)
+    seqs = [tokens(n, seed=10 + n) for n in (3, 17, 33)]
+    tables = [[0], [5, 6, 7], [8, 9, 10, 11, 12]]
+    runner.execute_logits([item(str(i), s[:-2], 0, t) for i, (s, t) in enumerate(zip(seqs, tables, strict=True))])
+    # 2, 1 and 2 new tokens: one padded SDPA group
+    step = [item("0", seqs[0][-2:], 1, tables[0]), item("1", seqs[1][-2:-1], 15, tables[1]),
+            item("2", seqs[2][-2:], 31, tables[2])]
+    got = runner.execute_logits(step)
+    assert close(got[0], reference(model, seqs[0])[1:])
+    assert close(got[1], reference(model, seqs[1][:-1])[15:])
+    assert close(got[2], reference(model, seqs[2])[31:])
+
+
+def test_pool_sizing() -> None:
+    config = tiny_config()
+    args = read_hf_args(config, "tiny")
+    per_block = bytes_per_block(args, 16, torch.bfloat16)
+    assert per_block == 2 * 2 * 16 * 2 * 16 * 2  # K+V, layers, tokens, KV heads, head dim, bytes
+    assert blocks_for_budget(args, block_size=16, dtype=torch.bfloat16, kv_cache_mib=1) == 2**20 // per_block
+    cache = PagedKVCache.for_model(args, block_size=16, dtype=torch.bfloat16, device="cpu", kv_cache_mib=1)
+    assert cache.num_blocks == 2**20 // per_block
+    assert cache.num_bytes <= 2**20
+    assert PagedKVCache.for_model(args, block_size=16, dtype=torch.bfloat16, device="cpu", num_blocks=5).num_blocks == 5
+
+
+def test_backend_choice_on_cpu_never_imports_flash_attn() -> None:
+    kwargs = {"device": "cpu", "block_size": 16, "num_heads": 4, "num_kv_heads": 2}
+    assert isinstance(get_attention_backend("auto", **kwargs), TorchAttentionBackend)
+    assert isinstance(get_attention_backend("torch", **kwargs), TorchAttentionBackend)
+    with pytest.raises(ConfigError, match="cuda"):
+        get_attention_backend("flash_attn", **kwargs)
+    with pytest.raises(ConfigError, match=r"engine\.attention"):
+        get_attention_backend("xformers", **kwargs)
+    assert "flash_attn" not in sys.modules
+
+
+def test_flash_backend_rejects_small_pages() -> None:
+    from engine_gpu.attention_flash import FlashAttentionBackend
+
+    with pytest.raises(ConfigError, match="multiple of 256"):
+        FlashAttentionBackend(16)
+
