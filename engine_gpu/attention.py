@@ -1,6 +1,8 @@
-"""Attention objects the model layers call, and the backend registry.
+"""Paged attention objects the model layers call in the engine, and the backend registry.
 
-- ``ContiguousAttention``: past key/values as whole tensors; the reference and ONNX-export path.
+(``ContiguousAttention``, the past-key/value attention of the reference and ONNX-export path,
+lives with the model in engine_gpu.model and is re-exported here.)
+
 - ``TorchPagedAttention``: the engine's paged path in plain torch (any device). Each step's index
   tensors are built once (``prepare``) and shared by all layers; per layer it writes the new K/V
   into their slots, gathers each sequence's blocks through its block table and runs SDPA with a
@@ -20,7 +22,9 @@ import torch.nn.functional as F
 
 from engine_edge.errors import ConfigError
 from engine_gpu.kv_cache import PagedKVCache
-from engine_gpu.model import Attention, PastKV
+from engine_gpu.model import Attention, ContiguousAttention
+
+__all__ = ["ContiguousAttention", "PagedLayout", "TorchPagedAttention", "get_attention_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -29,40 +33,6 @@ log = logging.getLogger(__name__)
 SMALL_QUERY = 16
 
 BACKENDS = ("auto", "torch", "flash_attn")
-
-
-class ContiguousAttention:
-    """Attention over ``past_kv`` plus the new tokens; collects the new past in ``present``."""
-
-    def __init__(self, past_kv: PastKV | None, num_layers: int, key_mask: torch.Tensor | None = None) -> None:
-        self.past = past_kv
-        self.present: PastKV = []
-        self.num_layers = num_layers
-        # [B, S] (1 = real key, 0 = padding): lets sequences of different lengths share a batch
-        # by left-padding their pasts (the ONNX edge backend's batched decode).
-        self.key_mask = key_mask
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [B, T, H, D]; k, v: [B, T, KVH, D]
-        k = k.transpose(1, 2)  # [B, KVH, T, D]
-        v = v.transpose(1, 2)
-        if self.past:
-            past_k, past_v = self.past[layer]
-            k = torch.cat((past_k, k), dim=2)  # [B, KVH, S, D]
-            v = torch.cat((past_v, v), dim=2)
-        self.present.append((k, v))
-        groups = q.shape[2] // k.shape[1]
-        # GQA by expand+flatten (no Python shape ints, so the trace stays dynamic).
-        k_rep = k.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(1, 2)  # [B, H, S, D]
-        v_rep = v.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(1, 2)
-        t, s = q.shape[1], k.shape[2]
-        rows = torch.arange(t, device=q.device).unsqueeze(1)
-        cols = torch.arange(s, device=q.device).unsqueeze(0)
-        mask = cols <= rows + (s - t)  # [T, S]: causal, offset by the cached prefix
-        if self.key_mask is not None:
-            mask = mask & self.key_mask.bool()[:, None, None, :]  # [B, 1, T, S]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_rep, v_rep, attn_mask=mask)
-        return out.transpose(1, 2)  # [B, T, H, D]
 
 
 @dataclass(frozen=True)

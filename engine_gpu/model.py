@@ -2,9 +2,10 @@
 
 Layers never own a KV cache: each calls an attention object ``attention(layer, q, k, v)``.
 The engine passes a paged attention step (engine_gpu.attention) over a flattened varlen batch
-([1, N] tokens); ``forward_contiguous`` passes a contiguous past-key/value attention, which is
-plain tensor code that torch.onnx.export can trace. Q/K/V and gate/up are fused into one matmul
-each because per-op overhead dominates small-batch decode on CPU.
+([1, N] tokens); ``forward_contiguous`` passes ``ContiguousAttention`` (past key/values as whole
+tensors), plain tensor code that torch.onnx.export traces with dynamic batch and past length.
+Q/K/V and gate/up are fused into one matmul each because per-op overhead dominates small-batch
+decode on CPU.
 """
 
 from __future__ import annotations
@@ -72,6 +73,40 @@ class Attention(Protocol):
     """What a layer calls: q [B, T, H, D], k/v [B, T, KVH, D] (RoPE applied) -> [B, T, H, D]."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class ContiguousAttention:
+    """Attention over ``past_kv`` plus the new tokens; collects the new past in ``present``."""
+
+    def __init__(self, past_kv: PastKV | None, num_layers: int, key_mask: torch.Tensor | None = None) -> None:
+        self.past = past_kv
+        self.present: PastKV = []
+        self.num_layers = num_layers
+        # [B, S] (1 = real key, 0 = padding): lets sequences of different lengths share a batch
+        # by left-padding their pasts (the ONNX edge backend's batched decode).
+        self.key_mask = key_mask
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [B, T, H, D]; k, v: [B, T, KVH, D]
+        k = k.transpose(1, 2)  # [B, KVH, T, D]
+        v = v.transpose(1, 2)
+        if self.past:
+            past_k, past_v = self.past[layer]
+            k = torch.cat((past_k, k), dim=2)  # [B, KVH, S, D]
+            v = torch.cat((past_v, v), dim=2)
+        self.present.append((k, v))
+        groups = q.shape[2] // k.shape[1]
+        # GQA by expand+flatten (no Python shape ints, so the trace stays dynamic).
+        k_rep = k.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(1, 2)  # [B, H, S, D]
+        v_rep = v.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(1, 2)
+        t, s = q.shape[1], k.shape[2]
+        rows = torch.arange(t, device=q.device).unsqueeze(1)
+        cols = torch.arange(s, device=q.device).unsqueeze(0)
+        mask = cols <= rows + (s - t)  # [T, S]: causal, offset by the cached prefix
+        if self.key_mask is not None:
+            mask = mask & self.key_mask.bool()[:, None, None, :]  # [B, 1, T, S]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_rep, v_rep, attn_mask=mask)
+        return out.transpose(1, 2)  # [B, T, H, D]
 
 
 class RMSNorm(nn.Module):
@@ -156,8 +191,6 @@ class LlamaModel(nn.Module):
 
         ``position_offset`` defaults to the past length; all rows share it (no padding).
         """
-        from engine_gpu.attention import ContiguousAttention
-
         if position_offset is None:
             position_offset = past_kv[0][0].shape[2] if past_kv else 0
         steps = torch.arange(input_ids.shape[1], device=input_ids.device)
