@@ -35,11 +35,13 @@ from engine_edge.errors import EngineError, ModelFileError
 from engine_edge.modelfile import check_gguf, default_gguf_path
 from engine_edge.onnx_cache import (
     EXPORTER_VERSION,
+    MANIFEST_SUFFIX,
     Manifest,
     check_cached,
     default_onnx_path,
     file_sha256,
     hash_outputs,
+    manifest_path,
 )
 from engine_edge.onnx_decoder import CONTEXT_LENGTH_KEY
 
@@ -75,7 +77,7 @@ def ensure_onnx(
     source_sha = file_sha256(gguf_path)
     onnx_path = Path(out).expanduser().absolute() if out is not None else default_onnx_path(source_sha)
     if onnx_path.is_dir():
-        raise ModelFileError(f"--out {str(onnx_path)!r} is a directory; give the path of the .onnx file to write")
+        raise ModelFileError(f"the ONNX output {str(onnx_path)!r} is a directory; give the path of the .onnx file")
     try:
         onnx_path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -136,7 +138,7 @@ def _export(gguf_path: Path, onnx_path: Path, source_sha: str, say: Progress, *,
             say("verifying against the torch model")
             diff = verify_export(model, staged)
             say(f"verified in {time.perf_counter() - t:.1f} s: max |Δlogit| {diff:.2e}")
-        files = hash_outputs(staged)
+        files = hash_outputs(staging)
         _install(staging, onnx_path, files)
         Manifest(source_sha, EXPORTER_VERSION, files, OPSET, "dynamo", torch.__version__).write(onnx_path)
         return diff
@@ -145,11 +147,15 @@ def _export(gguf_path: Path, onnx_path: Path, source_sha: str, say: Progress, *,
 
 
 def _install(staging: Path, onnx_path: Path, files: dict[str, str]) -> None:
-    """Move the staged files over the target, after removing what an older export left there."""
+    """Move the staged files over the target, after removing what an older export left there.
+
+    The manifest goes first: until the new one is written there is no cache hit.
+    """
     folder = onnx_path.parent
-    for old in folder.iterdir():
-        if old.is_file() and old.name.startswith(onnx_path.name) and not old.name.endswith(".lock"):
-            old.unlink()  # the manifest included: until the new one is written there is no cache hit
+    old = Manifest.read(onnx_path)
+    stale = {manifest_path(onnx_path).name, onnx_path.name, onnx_path.name + ".data", *(old.files if old else ())}
+    for name in sorted(stale, key=lambda n: not n.endswith(MANIFEST_SUFFIX)):
+        (folder / name).unlink(missing_ok=True)
     for name in files:
         os.replace(staging / name, folder / name)
 

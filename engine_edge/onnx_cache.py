@@ -82,19 +82,10 @@ class Manifest:
         return manifest if files_ok else None
 
 
-def hash_outputs(onnx_path: Path) -> dict[str, str]:
-    """Hashes of ``model.onnx`` and every external-data file the exporter put beside it.
-
-    The export writes into a folder of its own, so every other regular file there except
-    manifests is part of the export.
-    """
-    folder = onnx_path.parent
-    names = sorted(
-        p.name for p in folder.iterdir()
-        if p.is_file() and not p.name.endswith((MANIFEST_SUFFIX, ".tmp", ".lock"))
-        and (p.name == onnx_path.name or p.name.startswith(onnx_path.name))
-    )
-    return {name: file_sha256(folder / name) for name in names}
+def hash_outputs(folder: Path) -> dict[str, str]:
+    """Hashes of every file an export wrote into its (otherwise empty) staging folder:
+    the .onnx file and, for big models, its external data."""
+    return {p.name: file_sha256(p) for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 @dataclass(frozen=True)

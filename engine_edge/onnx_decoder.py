@@ -16,10 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine_edge.errors import ModelFileError
+
+if TYPE_CHECKING:
+    import onnxruntime
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
@@ -73,7 +77,7 @@ class _LastBatch:
     mask: np.ndarray  # [B, M]
 
 
-def _session_options(n_threads: int) -> object:
+def session_options(n_threads: int) -> onnxruntime.SessionOptions:
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -97,7 +101,7 @@ class OnnxDecoder:
 
         try:
             self._session = ort.InferenceSession(
-                str(onnx_path), sess_options=_session_options(n_threads), providers=["CPUExecutionProvider"]
+                str(onnx_path), sess_options=session_options(n_threads), providers=["CPUExecutionProvider"]
             )
         except (ort_errors.InvalidProtobuf, ort_errors.InvalidGraph, ort_errors.NoSuchFile, ort_errors.Fail) as e:
             raise ModelFileError(f"cannot load ONNX model {str(onnx_path)!r}: {e}") from e

@@ -125,3 +125,13 @@ def test_end_of_generation_ids_match_llama_cpp() -> None:
         model.free()
     ours = end_of_generation_ids(tokenizer.eos_id, ((i, tokenizer.token_bytes(i)) for i in tokenizer.special_ids))
     assert ours == llama_eog
+
+
+def test_sessions_never_spin_their_workers() -> None:
+    """Spinning onnxruntime workers starve torch and the event loop in the same process."""
+    from engine_edge.onnx_decoder import session_options
+
+    opts = session_options(2)
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert opts.get_session_config_entry("session.inter_op.allow_spinning") == "0"
+    assert opts.intra_op_num_threads == 2
