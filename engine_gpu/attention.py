@@ -158,14 +158,21 @@ class TorchAttentionBackend:
 
 
 def get_attention_backend(
-    name: str, *, device: torch.device | str, block_size: int, num_heads: int, num_kv_heads: int
+    name: str,
+    *,
+    device: torch.device | str,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> AttentionBackend:
-    """'torch', 'flash_attn' (CUDA only, imported lazily) or 'auto' (flash-attn when usable)."""
+    """'torch', 'flash_attn' (CUDA, fp16/bf16 only, imported lazily) or 'auto' (flash-attn when usable)."""
     if name not in BACKENDS:
         raise ConfigError(f"engine.attention must be one of {list(BACKENDS)}, got {name!r}")
     device = torch.device(device)
+    half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        usable = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+        usable = device.type == "cuda" and half and importlib.util.find_spec("flash_attn") is not None
         if usable and block_size % 256 == 0:
             name = "flash_attn"
         else:
@@ -175,6 +182,8 @@ def get_attention_backend(
     if name == "flash_attn":
         if device.type != "cuda":
             raise ConfigError("engine.attention = 'flash_attn' needs engine.device = 'cuda'")
+        if not half:
+            raise ConfigError("engine.attention = 'flash_attn' needs engine.dtype 'bfloat16' or 'float16'")
         from engine_gpu.attention_flash import FlashAttentionBackend
 
         return FlashAttentionBackend(block_size)

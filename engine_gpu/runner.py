@@ -88,7 +88,7 @@ class ModelRunner:
         if isinstance(attention_backend, str):
             attention_backend = get_attention_backend(
                 attention_backend, device=self.device, block_size=kv_cache.block_size,
-                num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, dtype=dtype,
             )
         self.attention_backend = attention_backend
         self.sampler = sampler or Sampler()

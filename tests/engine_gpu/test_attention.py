@@ -149,9 +149,52 @@ def test_backend_choice_on_cpu_never_imports_flash_attn() -> None:
     assert "flash_attn" not in sys.modules
 
 
-def test_flash_backend_rejects_small_pages() -> None:
+def test_flash_backend_rejects_small_pages_and_fp32() -> None:
     from engine_gpu.attention_flash import FlashAttentionBackend
 
     with pytest.raises(ConfigError, match="multiple of 256"):
         FlashAttentionBackend(16)
+    with pytest.raises(ConfigError, match="bfloat16"):
+        get_attention_backend("flash_attn", device="cuda", block_size=256, num_heads=4, num_kv_heads=2,
+                              dtype=torch.float32)
+
+
+def fake_flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
+                      block_table: torch.Tensor) -> torch.Tensor:
+    """flash_attn_varlen_func's documented paged contract, in slow torch, for CPU tests."""
+    assert causal and block_table.dtype == torch.int32 and cu_seqlens_q.dtype == torch.int32
+    assert k.shape[1] % 256 == 0
+    outs = []
+    for b in range(len(cu_seqlens_q) - 1):
+        qb = q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]  # [Tq, H, D]
+        lk = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        assert qb.shape[0] <= max_seqlen_q and lk <= max_seqlen_k
+        blocks = block_table[b, : -(-lk // k.shape[1])].long()
+        groups = q.shape[1] // k.shape[2]
+        kb = k[blocks].flatten(0, 1)[:lk].repeat_interleave(groups, dim=1)  # [Lk, H, D]
+        vb = v[blocks].flatten(0, 1)[:lk].repeat_interleave(groups, dim=1)
+        scores = torch.einsum("thd,shd->hts", qb, kb) * q.shape[-1] ** -0.5
+        tq = qb.shape[0]
+        # bottom-right aligned causal mask, as flash-attn documents
+        allowed = torch.arange(lk)[None, :] <= torch.arange(tq)[:, None] + (lk - tq)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        outs.append(torch.einsum("hts,shd->thd", scores.softmax(-1), vb))
+    return torch.cat(outs)
+
+
+def test_flash_backend_call_convention(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packs the batch the way flash-attn's paged varlen kernel reads it (checked with a stand-in)."""
+    import types
+
+    from engine_gpu.attention_flash import FlashAttentionBackend
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_flash_varlen))
+    cache = PagedKVCache.for_model(model.args, block_size=256, dtype=torch.float32, device="cpu", num_blocks=6)
+    runner = ModelRunner(model, cache, device="cpu", dtype=torch.float32, attention_backend=FlashAttentionBackend(256))
+    a, b = tokens(300, seed=21), tokens(40, seed=22)
+    runner.execute_logits([item("a", a[:270], 0, [4, 1]), item("b", b[:39], 0, [2])])
+    got_a, got_b = runner.execute_logits([item("a", a[270:], 270, [4, 1]), item("b", b[39:], 39, [2])])
+    assert close(got_a, reference(model, a)[270:])
+    assert close(got_b, reference(model, b)[39:])
 
