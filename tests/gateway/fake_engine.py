@@ -85,6 +85,7 @@ class FakeEngine:
         self.prefix_cache_hits = 0
         self.started: list[tuple[str, Priority]] = []  # (request id, priority) of every admitted request
         self.aborts: list[str] = []  # request ids aborted while running
+        self.finished: dict[str, str] = {}  # request id -> finish reason, once its last event is made
         self.closed = False
         self.admitted = asyncio.Condition()  # notified on every admission (tests wait on it)
 
@@ -99,6 +100,11 @@ class FakeEngine:
     @property
     def blocks_in_use(self) -> int:
         return sum(r.blocks for r in self._requests.values())
+
+    def blocks_of(self, request_id: str) -> int:
+        """KV blocks a request holds now (0 once it finished or was aborted)."""
+        request = self._requests.get(request_id)
+        return request.blocks if request is not None else 0
 
     @property
     def running(self) -> int:
@@ -171,6 +177,7 @@ class FakeEngine:
                 reason = "length" if len(texts) >= params.max_tokens else "stop"
             request.events.put_nowait(FinishEvent(reason, len(prompt), produced, cached_tokens=cached,
                                                   tier=self.tier))
+            self.finished[request_id] = reason
         finally:
             request.blocks = 0
             self._requests.pop(request_id, None)
