@@ -23,11 +23,20 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
+# The tiers name a few numbers differently; these become one series each. The edge tier counts
+# KV in llama.cpp cells (a "block" of one token).
+STAT_ALIASES = {
+    "running": "running_requests",
+    "waiting": "waiting_requests",
+    "kv_cells_used": "kv_blocks_in_use",
+    "kv_cells_total": "kv_blocks_total",
+}
 
 
 class EngineStatsCollector(Collector):
-    """Exports each numeric ``Engine.stats()`` key ``k`` as gauge ``engine_<k>{tier=...}``,
-    e.g. ``engine_kv_blocks_in_use``, ``engine_running_requests``, ``engine_prefix_cache_hits``."""
+    """Exports each numeric ``Engine.stats()`` key ``k`` as gauge ``engine_<k>{tier=...}`` (after
+    ``STAT_ALIASES``), e.g. ``engine_kv_blocks_in_use``, ``engine_running_requests``,
+    ``engine_prefix_cache_hits``."""
 
     def __init__(self, engines: Callable[[], Mapping[str, Engine]]) -> None:
         self._engines = engines
@@ -40,7 +49,7 @@ class EngineStatsCollector(Collector):
             for key, value in sorted(engine.stats().items()):
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue
-                name = "engine_" + _NAME_UNSAFE.sub("_", key)
+                name = "engine_" + _NAME_UNSAFE.sub("_", STAT_ALIASES.get(key, key))
                 family = families.get(name)
                 if family is None:
                     family = families[name] = GaugeMetricFamily(name, f"Engine.stats()['{key}']", labels=["tier"])

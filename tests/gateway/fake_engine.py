@@ -192,8 +192,8 @@ class FakeEngine:
 
     def stats(self) -> dict[str, float]:
         return {
-            "running_requests": float(len(self._requests)),
-            "waiting_requests": 0.0,
+            "running": float(len(self._requests)),  # the names the real tiers use
+            "waiting": 0.0,
             "kv_blocks_in_use": float(self.blocks_in_use),
             "kv_blocks_total": float(self.num_blocks),
             "prefix_cache_hits": float(self.prefix_cache_hits),
