@@ -105,6 +105,8 @@ class WorkerFront(EdgeBackend):
                                       param="request_id")
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingError("params must be a SamplingParams", param="params")
+        if priority not in Priority.__members__.values():
+            raise InvalidRequestError(f"priority must be one of {[int(p) for p in Priority]}", param="priority")
         prompt = check_prompt(prompt_ids, self.n_vocab, self.max_prompt_tokens)
         if request_id in self._open:
             raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")

@@ -33,7 +33,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def backend() -> Iterator[LlamaCppBackend]:
-    engine = create_backend("llama_cpp", default_gguf_path(), n_ctx=8192, n_seq_max=8)
+    # One thread: llama.cpp's threads meet at a barrier after every graph node, so on a CPU
+    # shared with other test runs two threads can be 10x slower than one. The "small"
+    # backend below keeps the default (all cores).
+    engine = create_backend("llama_cpp", default_gguf_path(), n_ctx=8192, n_seq_max=8, n_threads=1)
     assert isinstance(engine, LlamaCppBackend)
     yield engine
     asyncio.run(engine.close())
