@@ -1,0 +1,117 @@
+"""Small helpers shared by the benchmarks in bench/: progress lines, percentiles, free ports,
+file-descriptor limits, machine load, and writing results (JSON, TOML configs).
+
+Every benchmark prints progress on stderr and ends its stdout with one JSON line; the full
+results go to bench/out/<name>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = REPO_ROOT / "bench" / "out"
+IMG_DIR = REPO_ROOT / "docs" / "img"
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr, stamped with the wall-clock time."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation between closest ranks (numpy's
+    default); NaN for no values, so an empty phase shows up instead of raising."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in 0..100, got {q}")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (another process may still take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def raise_nofile_limit(wanted: int) -> int:
+    """Raise this process's soft RLIMIT_NOFILE towards ``wanted`` (children inherit it).
+
+    Returns the soft limit now in force; the caller decides whether it is enough, since the
+    hard limit can only be raised by root.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft
+
+
+def load_average() -> tuple[float, float, float]:
+    return os.getloadavg()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def _toml_value(value: Any, key: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{key}: TOML here takes finite floats only")
+        return repr(value)
+    if isinstance(value, str):
+        # A JSON string with ensure_ascii is a valid TOML basic string.
+        return json.dumps(value, ensure_ascii=True)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v, key) for v in value) + "]"
+    raise TypeError(f"{key}: cannot write {type(value).__name__} to TOML")
+
+
+def dump_toml(data: Mapping[str, Any]) -> str:
+    """TOML text for nested tables of scalars and arrays (what configs/*.toml hold).
+
+    Written by hand because the standard library only reads TOML; tables nested in tables
+    become dotted headers (``[models."smollm2-135m"]``).
+    """
+    lines: list[str] = []
+
+    def table(prefix: tuple[str, ...], body: Mapping[str, Any]) -> None:
+        scalars = {k: v for k, v in body.items() if not isinstance(v, Mapping)}
+        if prefix and (scalars or not body):
+            lines.append("[" + ".".join(json.dumps(p) for p in prefix) + "]")
+        for k, v in scalars.items():
+            lines.append(f"{json.dumps(k)} = {_toml_value(v, '.'.join((*prefix, k)))}")
+        if prefix and (scalars or not body):
+            lines.append("")
+        for k, v in body.items():
+            if isinstance(v, Mapping):
+                table((*prefix, k), v)
+
+    table((), data)
+    return "\n".join(lines) + "\n"

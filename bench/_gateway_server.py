@@ -1,0 +1,154 @@
+"""The gateway under test for bench/gateway.py: a ``python -m gateway serve`` subprocess with a
+config derived from a base one, observed from outside (RSS and CPU with psutil, /metrics).
+
+A separate process, so that its memory is measured alone and the benchmark's clients do not
+share its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+from bench._common import REPO_ROOT, dump_toml, free_port, median
+from bench._gateway_clients import BenchError
+
+# KV cells per sequence: a prompt of ~40 tokens plus up to 256 generated fit with room to spare.
+CTX_PER_SEQUENCE = 512
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+RSS_SETTLE_S = 1.0
+RSS_SAMPLES = 5
+LOG_MARKERS = (" WARNING ", " ERROR ", " CRITICAL ", "Traceback", "too slow")
+
+
+def derive_config(base: Path, directory: Path, clients: int, idle_sessions: int) -> Path:
+    """Write a copy of ``base`` sized for the benchmark and return its path.
+
+    The edge engine batches ``clients`` sequences so every throughput client is served at
+    once; session and rate limits are raised so that no client is refused (the limiter still
+    runs on every request, it just never says no).
+    """
+    raw = tomllib.loads(base.read_text(encoding="utf-8"))
+    edge = raw.setdefault("edge", {})
+    edge["n_seq_max"] = clients
+    edge["n_ctx"] = (clients + 1) * CTX_PER_SEQUENCE  # one cache stream per sequence, plus the drafter's
+    server = raw.setdefault("server", {})
+    server["max_sessions_per_key"] = idle_sessions + 4 * clients + 64  # all bench clients share one key
+    server["requests_per_minute"] = 1_000_000
+    server["tokens_per_minute"] = 100_000_000
+    path = directory / "gateway-bench.toml"
+    path.write_text(dump_toml(raw), encoding="utf-8")
+    return path
+
+
+class GatewayProcess:
+    def __init__(self, config_path: Path, log_path: Path, host: str) -> None:
+        self.config_path = config_path
+        self.log_path = log_path
+        self.host = host
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._ps: psutil.Process | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> None:
+        self._log = self.log_path.open("wb")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(self.config_path), "--host", self.host,
+             "--port", str(self.port), "--log-level", "info"],
+            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+        self._ps = psutil.Process(self._proc.pid)
+
+    @property
+    def process(self) -> psutil.Process:
+        if self._ps is None:
+            raise BenchError("the gateway process has not been started")
+        return self._ps
+
+    def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    async def wait_ready(self) -> None:
+        """Until ``/readyz`` answers 200; a gateway that exits meanwhile is a BenchError."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                raise BenchError(f"the gateway exited during start-up:\n{self.log_tail()}")
+            try:
+                status, _ = await asyncio.to_thread(self._get, "/readyz", 2.0)
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                status = 0  # not listening yet
+            if status == 200:
+                return
+            await asyncio.sleep(0.25)
+        raise BenchError(f"the gateway was not ready after {READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled metric in ``/metrics``."""
+        status, body = self._get("/metrics")
+        if status != 200:
+            raise BenchError(f"/metrics answered {status}")
+        for line in body.decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise BenchError(f"/metrics has no {name}")
+
+    def rss(self) -> int:
+        return int(self.process.memory_info().rss)
+
+    def cpu_s(self) -> float:
+        times = self.process.cpu_times()
+        return times.user + times.system
+
+    async def settled_rss(self) -> int:
+        """Median RSS over a second, after letting the server finish what it was doing."""
+        await asyncio.sleep(RSS_SETTLE_S)
+        samples = []
+        for _ in range(RSS_SAMPLES):
+            samples.append(self.rss())
+            await asyncio.sleep(0.2)
+        return int(median(samples))
+
+    def stop(self) -> int | None:
+        """SIGTERM (graceful shutdown), then SIGKILL if it hangs. Returns the exit status."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._log is not None:
+            self._log.close()
+        return self._proc.returncode
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def log_problems(self) -> list[str]:
+        """Log lines worth reporting: warnings, errors, tracebacks, slow-client cancels."""
+        if not self.log_path.exists():
+            return []
+        return [line for line in self.log_path.read_text(errors="replace").splitlines()
+                if any(marker in line for marker in LOG_MARKERS)]
