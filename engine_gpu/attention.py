@@ -89,7 +89,7 @@ class TorchPagedAttention:
         n, heads, dim = q.shape
         if len(self.groups) == 1 and self.groups[0].token_index is None:
             group = self.groups[0]
-            return _attend(q.view(*group.queries, heads, dim), k_cache, v_cache, group).view(1, n, heads, dim)
+            return _attend(q.reshape(*group.queries, heads, dim), k_cache, v_cache, group).reshape(1, n, heads, dim)
         out = q.new_empty(n, heads, dim)
         for group in self.groups:
             res = _attend(q[group.token_index], k_cache, v_cache, group).flatten(0, 1)  # [Bg * Tq, H, D]
@@ -105,9 +105,10 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     k = k_cache[group.block_table].flatten(1, 2).transpose(1, 2)  # [Bg, KVH, S, D]
     v = v_cache[group.block_table].flatten(1, 2).transpose(1, 2)
     # Fold the query heads sharing a KV head into the query axis: GQA without repeating K/V.
-    qf = q.view(bg, tq, kv_heads, g, dim).permute(0, 2, 3, 1, 4).reshape(bg, kv_heads, g * tq, dim)
+    qf = q.reshape(bg, tq, kv_heads, g, dim).permute(0, 2, 3, 1, 4).reshape(bg, kv_heads, g * tq, dim)
     o = F.scaled_dot_product_attention(qf, k, v, attn_mask=group.mask)  # [Bg, KVH, G * Tq, D]
-    return o.view(bg, kv_heads, g, tq, dim).permute(0, 3, 1, 2, 4).reshape(bg, tq, heads, dim)
+    # reshape, not view: the CPU kernels may hand back a transposed memory layout
+    return o.reshape(bg, kv_heads, g, tq, dim).permute(0, 3, 1, 2, 4).reshape(bg, tq, heads, dim)
 
 
 class TorchAttentionBackend:

@@ -198,3 +198,20 @@ def test_flash_backend_call_convention(model: LlamaModel, monkeypatch: pytest.Mo
     assert close(got_a, reference(model, a)[270:])
     assert close(got_b, reference(model, b)[39:])
 
+
+
+def test_bfloat16_batch_of_equal_multi_token_items(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """bf16 kernels return other memory layouts than fp32 ones; the unpadded batched path must cope."""
+    config = tiny_config()
+    directory = write_hf_checkpoint(tmp_path_factory.mktemp("bf16"), config, random_weights(config, seed=3))
+    model = load_safetensors(directory, dtype=torch.bfloat16)
+    cache = PagedKVCache.for_model(model.args, block_size=BLOCK, dtype=torch.bfloat16, device="cpu", num_blocks=16)
+    runner = ModelRunner(model, cache, device="cpu", dtype=torch.bfloat16, attention_backend="torch")
+    seqs = [tokens(12, seed=30 + i) for i in range(3)]
+    tables = [[3 * i, 3 * i + 1] for i in range(3)]
+    runner.execute_logits([item(str(i), s[:8], 0, t) for i, (s, t) in enumerate(zip(seqs, tables, strict=True))])
+    got = runner.execute_logits([item(str(i), s[8:], 8, t) for i, (s, t) in enumerate(zip(seqs, tables, strict=True))])
+    for s, logits in zip(seqs, got, strict=True):
+        expected = reference(model, s)[8:].float()
+        assert (logits - expected).abs().max().item() < 0.25  # bf16 rounding, not a wrong attention
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))

@@ -1,0 +1,64 @@
+"""Decode step time of the torch engine's ModelRunner on the embedded SmolLM2 GGUF.
+
+    .venv/bin/python bench/runner_decode.py [--context 128] [--steps 16] [--batch 1 8 32] [--dtype bfloat16]
+
+Prefills ``batch`` random prompts of ``context`` tokens, then times greedy decode steps of the
+whole batch through the paged path (no scheduler). Prints the median step time and tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from engine_edge.modelfile import default_gguf_path
+from engine_edge.types import SamplingParams
+from engine_gpu.kv_cache import PagedKVCache
+from engine_gpu.loader import load_gguf
+from engine_gpu.runner import DTYPES, ModelRunner, SeqBatchItem
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+
+    dtype = DTYPES[args.dtype]
+    started = time.perf_counter()
+    model = load_gguf(default_gguf_path(), dtype=dtype)
+    print(f"loaded in {time.perf_counter() - started:.1f} s; torch threads: {torch.get_num_threads()}")
+    per_seq = -(-(args.context + args.steps + 1) // args.block_size)
+    cache = PagedKVCache.for_model(model.args, block_size=args.block_size, dtype=dtype, device="cpu",
+                                   num_blocks=per_seq * max(args.batch))
+    runner = ModelRunner(model, cache, device="cpu", dtype=dtype, attention_backend="torch")
+    greedy = SamplingParams(temperature=0.0)
+    g = torch.Generator().manual_seed(0)
+    for batch in args.batch:
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+        prompts = [torch.randint(0, model.args.vocab_size, (args.context,), generator=g).tolist() for _ in range(batch)]
+        started = time.perf_counter()
+        out = runner.execute([SeqBatchItem(f"r{i}", prompts[i], 0, tables[i], True, greedy, 0) for i in range(batch)])
+        prefill = time.perf_counter() - started
+        last = [t.token_id for t in out if t is not None]
+        times = []
+        for step in range(args.steps):
+            items = [SeqBatchItem(f"r{i}", [last[i]], args.context + step, tables[i], True, greedy, step + 1)
+                     for i in range(batch)]
+            started = time.perf_counter()
+            out = runner.execute(items)
+            times.append(time.perf_counter() - started)
+            last = [t.token_id for t in out if t is not None]
+        median = statistics.median(times)
+        print(f"batch {batch:3d}: prefill {batch * args.context / prefill:7.0f} tok/s; "
+              f"decode step median {median * 1e3:6.1f} ms (min {min(times) * 1e3:.1f}) -> {batch / median:5.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
