@@ -215,3 +215,32 @@ def test_bfloat16_batch_of_equal_multi_token_items(tmp_path_factory: pytest.Temp
         expected = reference(model, s)[8:].float()
         assert (logits - expected).abs().max().item() < 0.25  # bf16 rounding, not a wrong attention
         assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_schedules_match_contiguous(model: LlamaModel, seed: int) -> None:
+    """Random chunk sizes, random interleavings and scattered blocks: every step's logits are exact."""
+    import random
+
+    rng = random.Random(seed)
+    runner = make_runner(model)
+    blocks = list(range(64))
+    rng.shuffle(blocks)
+    seqs = [tokens(rng.randrange(5, 60), seed=100 * seed + i) for i in range(4)]
+    tables = []
+    for s in seqs:
+        need = -(-len(s) // BLOCK)
+        tables.append([blocks.pop() for _ in range(need)])
+    done = [0] * len(seqs)
+    while any(d < len(s) for d, s in zip(done, seqs, strict=True)):
+        live = [i for i, s in enumerate(seqs) if done[i] < len(s)]
+        step = rng.sample(live, rng.randrange(1, len(live) + 1))
+        batch = []
+        for i in step:
+            n = min(rng.choice([1, 1, 2, 4, 9, 20]), len(seqs[i]) - done[i])
+            batch.append(item(str(i), seqs[i][done[i]:done[i] + n], done[i], tables[i]))
+        for it, logits in zip(batch, runner.execute_logits(batch), strict=True):
+            i = int(it.request_id)
+            end = it.start_pos + len(it.token_ids)
+            assert close(logits, reference(model, seqs[i][:end])[it.start_pos:]), (seed, it.request_id, it.start_pos)
+            done[i] = end
