@@ -66,7 +66,7 @@ def _reject_constant(name: str) -> Any:
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
-    raise DecodeError("invalid_event", "msgpack ext types are not accepted")
+    raise DecodeError("invalid_msgpack", "msgpack ext types are not accepted")
 
 
 @dataclass(frozen=True)
