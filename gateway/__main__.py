@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from engine_edge.errors import ConfigError, ModelFileError
+from engine_edge.errors import ConfigError, EngineError
 from gateway.config import DEFAULT_CONFIG, load_config
 
 log = logging.getLogger("gateway")
@@ -49,8 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = config.with_server(**overrides)
         check_bind_safety(config)
         run(config)
-    except (ConfigError, ModelFileError) as e:
-        # ModelFileError may name paths: it happens at start-up, for the operator.
+    except (ConfigError, EngineError) as e:
+        # Start-up errors (a bad config, a missing model file) are for the operator; they may name paths.
         print(f"gateway: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

