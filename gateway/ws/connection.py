@@ -37,6 +37,7 @@ CLOSE_TIMEOUT_S = 2.0
 
 WS_CLOSE_OK = 1000
 WS_CLOSE_GOING_AWAY = 1001
+WS_CLOSE_INTERNAL_ERROR = 1011
 
 
 class RealtimeConnection:
@@ -73,6 +74,7 @@ class RealtimeConnection:
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
         self._close_lock = asyncio.Lock()
+        self._pump_lock = asyncio.Lock()
         self._too_slow_cancelled: str | None = None
 
     @property
@@ -182,27 +184,34 @@ class RealtimeConnection:
     # ----- the session's commands and events ---------------------------------------------
 
     async def _pump(self) -> None:
-        while True:
-            commands = self.session.commands()
-            events = self.session.events_to_send()
-            if not commands and not events:
-                return
-            for command in commands:
-                if isinstance(command, StartGeneration):
-                    self._start(command)
-                elif isinstance(command, AbortGeneration):
-                    await self._abort(command.response_id)
-            merged = self._outbox.coalesced
-            for event in events:
-                self._observe(event)
-                self._outbox.put(event)
-            if self._outbox.coalesced > merged:
-                self._metrics.coalesced.inc(self._outbox.coalesced - merged)
-            active = self.session.active_response_id
-            if self._outbox.over_limit and active is not None and active != self._too_slow_cancelled:
-                self._too_slow_cancelled = active
-                log.info("client too slow: cancelling %s with %d frames queued", active, len(self._outbox))
-                self.session.cancel_active("client_too_slow")  # its events are drained next round
+        # One pump at a time: events drained before an awaited abort must be queued before
+        # events another task drains meanwhile, or the client would see them out of order.
+        async with self._pump_lock:
+            while await self._pump_once():
+                pass
+
+    async def _pump_once(self) -> bool:
+        commands = self.session.commands()
+        events = self.session.events_to_send()
+        if not commands and not events:
+            return False
+        for command in commands:
+            if isinstance(command, StartGeneration):
+                self._start(command)
+            elif isinstance(command, AbortGeneration):
+                await self._abort(command.response_id)
+        merged = self._outbox.coalesced
+        for event in events:
+            self._observe(event)
+            self._outbox.put(event)
+        if self._outbox.coalesced > merged:
+            self._metrics.coalesced.inc(self._outbox.coalesced - merged)
+        active = self.session.active_response_id
+        if self._outbox.over_limit and active is not None and active != self._too_slow_cancelled:
+            self._too_slow_cancelled = active
+            log.info("client too slow: cancelling %s with %d frames queued", active, len(self._outbox))
+            self.session.cancel_active("client_too_slow")  # its events are drained next round
+        return True
 
     def _observe(self, event: Mapping[str, Any]) -> None:
         kind = event.get("type")
@@ -223,10 +232,12 @@ class RealtimeConnection:
         task.add_done_callback(lambda _: self._tasks.pop(command.response_id, None))
 
     async def _abort(self, response_id: str) -> None:
+        if response_id in self._tasks:
+            # Its task may not have started the engine request yet (an abort then is a no-op in
+            # the engine); the task checks this set right before it does.
+            self._aborted.add(response_id)
         engine = self._running.get(response_id)
         if engine is None:
-            if response_id in self._tasks:
-                self._aborted.add(response_id)  # its task checks before it starts the request
             return
         try:
             await engine.abort(response_id)
@@ -291,5 +302,12 @@ class RealtimeConnection:
                 else:
                     await ws.send_bytes(frame)
         except ConnectionError:
-            self._outbox.discard()  # the client is gone; the reader sees the close next
+            pass  # the client is gone; the reader sees the close next
+        except Exception:
+            log.exception("session %s: sending failed", self.session_id)
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                await asyncio.wait_for(self._ws.close(code=WS_CLOSE_INTERNAL_ERROR, message=b"internal error"),
+                                       CLOSE_TIMEOUT_S)
+        finally:
+            self._outbox.discard()  # nothing will send any more: the reader must not wait on the queue
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -29,11 +30,16 @@ class FakeTokenizer:
     bos_id = None
     eos_id = 0
 
+    def __init__(self, chat_delay_s: float = 0.0) -> None:
+        self.chat_delay_s = chat_delay_s  # a slow encode_chat, as a real tokenizer is on a long prompt
+
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         return [ord(c) for c in text]
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
         checked = validate_messages(messages)
+        if self.chat_delay_s:
+            time.sleep(self.chat_delay_s)  # the gateway runs long prompts in a worker thread
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in checked)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 

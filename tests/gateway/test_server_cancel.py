@@ -13,7 +13,7 @@ import weakref
 import aiohttp
 import websockets
 from fake_engine import FakeEngine, FakeTokenizer
-from gateway_harness import MODEL, Gateway, recv_json, running_gateway, send, user_item
+from gateway_harness import MODEL, Gateway, recv_json, recv_until, running_gateway, send, user_item
 
 TOKENS = 40
 
@@ -154,3 +154,25 @@ async def test_200_random_disconnects_leave_nothing_behind() -> None:
         await until(lambda: chat_ids <= set(gw.engine.finished))  # aborted, or (wrongly) ran to the end
         assert {gw.engine.finished[rid] for rid in chat_ids} == {"abort"}  # every SSE client left early
         await assert_nothing_left(gw, tracked, tasks_before)
+
+
+async def test_cancel_while_a_long_prompt_is_being_tokenized() -> None:
+    """Long prompts are tokenized in a thread; a cancel in that window must stop the request
+    from ever running (the engine cannot abort what it has not seen yet)."""
+    engine = FakeEngine(reply=reply, tokenizer=FakeTokenizer(chat_delay_s=0.3))
+    async with running_gateway(engine) as gw:
+        tracked = gw.state.connections = TrackingSet()
+        tasks_before = set(asyncio.all_tasks())
+        async with websockets.connect(gw.ws_url) as ws:
+            await recv_json(ws)
+            await send(ws, user_item("x" * 20_000))  # above gateway.engines.INLINE_TOKENIZE_CHARS
+            await send(ws, {"type": "response.create"})
+            await recv_until(ws, "response.created")  # the generation task is tokenizing now
+            await send(ws, {"type": "response.cancel"})
+            done = (await recv_until(ws, "response.done"))[-1]["response"]
+            assert done["status"] == "cancelled"
+            await send(ws, {"type": "response.create"})  # the next turn runs normally
+            done = (await recv_until(ws, "response.done"))[-1]["response"]
+            assert done["status"] == "completed"
+        await assert_nothing_left(gw, tracked, tasks_before)
+        assert list(gw.engine.finished.values()) == ["stop"]  # only the second turn reached the engine
