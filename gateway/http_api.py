@@ -167,10 +167,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     metrics = state.metrics
     try:
         key_id = authorize(request, state)
-        req = parse_chat_request(await _read_json(request), state.models, state.config.server)
-        if not state.ready or state.router is None:
+        body = await _read_json(request)
+        if not state.ready or state.router is None:  # before the model check: no models are known while loading
             raise HttpError(503, "engine_unavailable", "the model is not ready (loading or shutting down); "
                             "retry shortly", type_="server_error", headers={"Retry-After": "1"})
+        req = parse_chat_request(body, state.models, state.config.server)
         try:
             state.limiter.admit(key_id)
         except RateLimitedError as e:

@@ -90,6 +90,7 @@ class FakeEngine:
         self._last_prompt: list[int] = []
         self.prefix_cache_hits = 0
         self.started: list[tuple[str, Priority]] = []  # (request id, priority) of every admitted request
+        self.prompts: dict[str, list[int]] = {}  # request id -> the prompt ids it was given
         self.aborts: list[str] = []  # request ids aborted while running
         self.finished: dict[str, str] = {}  # request id -> finish reason, once its last event is made
         self.closed = False
@@ -147,6 +148,7 @@ class FakeEngine:
         request = _Request(list(prompt_ids), priority, params, blocks=self._blocks_for(len(prompt_ids)))
         self._requests[request_id] = request
         self.started.append((request_id, priority))
+        self.prompts[request_id] = list(prompt_ids)
         request.producer = asyncio.create_task(self._produce(request_id, request))
         async with self.admitted:
             self.admitted.notify_all()

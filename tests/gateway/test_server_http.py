@@ -7,10 +7,11 @@ import aiohttp
 import openai
 import pytest
 from fake_engine import FakeEngine, FakeTokenizer, default_reply
-from gateway_harness import MODEL, running_gateway
+from gateway_harness import MODEL, make_config, running_gateway
 from openai import AsyncOpenAI
 
 from engine_edge.types import Priority, SamplingParams
+from gateway.server import create_app, start_server
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
 
@@ -34,6 +35,24 @@ async def test_health_readiness_and_models() -> None:
         assert (await client.models.retrieve(MODEL)).id == MODEL
         with pytest.raises(openai.NotFoundError):
             await client.models.retrieve("gpt-9")
+
+
+async def test_not_ready_while_the_engines_load() -> None:
+    app = create_app(make_config())  # no engines yet: serve() loads them after the port opens
+    server = await start_server(app)
+    try:
+        async with aiohttp.ClientSession(server.url) as http:
+            assert (await http.get("/healthz")).status == 200
+            ready = await http.get("/readyz")
+            assert ready.status == 503 and (await ready.json())["status"] == "loading"
+            chat = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})
+            assert chat.status == 503 and (await chat.json())["error"]["code"] == "engine_unavailable"
+            ws = await http.get("/v1/realtime", headers={"Upgrade": "websocket", "Connection": "Upgrade",
+                                                         "Sec-WebSocket-Version": "13",
+                                                         "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})
+            assert ws.status == 503
+    finally:
+        await server.stop()
 
 
 async def test_chat_completion_non_streaming_via_sdk() -> None:

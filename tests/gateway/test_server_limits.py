@@ -37,6 +37,16 @@ async def test_idle_timeout_closes_with_a_reason() -> None:
         assert ws.close_code == 1000 and "idle timeout" in ws.close_reason
 
 
+async def test_a_client_that_stops_answering_pings_is_dropped() -> None:
+    async with running_gateway(ping_interval_s=0.2, ping_timeout_s=0.2) as gw:
+        ws = await websockets.connect(gw.ws_url, ping_interval=None)
+        await recv_json(ws)
+        assert len(gw.state.connections) == 1
+        ws.transport.pause_reading()  # a frozen client: it never reads the pings, so never answers
+        await gw.wait_sessions_gone()
+        ws.transport.abort()
+
+
 async def test_a_streaming_response_is_not_idle() -> None:
     engine = FakeEngine(tokens_per_second=20)  # 8 tokens: 0.4 s, longer than the idle timeout
     async with running_gateway(engine, idle_timeout_s=0.25) as gw, websockets.connect(gw.ws_url) as ws:
