@@ -2,7 +2,7 @@
 
 Loading a model takes seconds and blocks, so it runs in a worker thread while the server
 already answers ``/healthz`` (and ``/readyz`` says 503). Only the tiers that routing needs are
-built. The gpu tier (the torch engine's client) plugs in at ``build_gpu_engine``.
+built. The gpu tier is a client of the torch engine's core process (``engine_gpu.client``).
 """
 
 from __future__ import annotations
@@ -50,15 +50,13 @@ def build_edge_engine(config: Config) -> Engine:
                           n_threads=edge.n_threads, max_queued=edge.max_queued)
 
 
-def build_gpu_engine(config: Config) -> Engine:
-    """The torch engine tier (a client of the engine core process)."""
-    raise ConfigError(
-        "the torch engine tier is not available yet: set [routing] default = \"edge\" "
-        f"(the config {str(config.path) if config.path else '<inline>'} asks for \"gpu\")"
-    )
+async def build_gpu_engine(config: Config) -> Engine:
+    """The torch engine tier: spawns the engine core process and connects its async client."""
+    from engine_gpu.client import EngineClient  # torch itself is only imported by the core process
 
-
-_BUILDERS = {"edge": build_edge_engine, "gpu": build_gpu_engine}
+    log.info("starting the torch engine core for %s on %s (%s)", config.engine.model, config.engine.device,
+             config.engine.dtype)
+    return await EngineClient.start(config.model(config.engine.model), config.engine)
 
 
 async def load_engines(config: Config) -> dict[str, Engine]:
@@ -66,7 +64,10 @@ async def load_engines(config: Config) -> dict[str, Engine]:
     engines: dict[str, Engine] = {}
     try:
         for tier in needed_tiers(config):
-            engines[tier] = await asyncio.to_thread(_BUILDERS[tier], config)
+            if tier == "edge":
+                engines[tier] = await asyncio.to_thread(build_edge_engine, config)
+            else:
+                engines[tier] = await build_gpu_engine(config)
     except BaseException:
         await close_engines(engines)
         raise

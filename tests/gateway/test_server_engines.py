@@ -14,10 +14,13 @@ from gateway.config import DEFAULT_CONFIG, RoutingConfig
 from gateway.engines import build_router, load_engines, needed_tiers, tier_models
 
 
-async def test_the_gpu_tier_is_refused_until_it_exists() -> None:
-    config = replace(make_config(), routing=RoutingConfig(default="gpu"))
+async def test_a_gpu_tier_with_a_missing_checkpoint_fails_at_start_up() -> None:
+    config = make_config()
+    big = replace(config.models["smollm2-135m"], id="big", source="/nonexistent/ckpt", format="safetensors")
+    config = replace(config, models={**config.models, "big": big}, engine=replace(config.engine, model="big"),
+                     routing=RoutingConfig(default="gpu"))
     assert needed_tiers(config) == ("gpu",)
-    with pytest.raises(ConfigError, match="the torch engine tier is not available yet"):
+    with pytest.raises(ModelFileError, match="model path '/nonexistent/ckpt' does not exist"):
         await load_engines(config)
 
 

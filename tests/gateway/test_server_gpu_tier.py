@@ -1,0 +1,54 @@
+"""A real turn through the torch engine tier: gateway → engine core process → SmolLM2 in bf16."""
+
+from dataclasses import replace
+
+import pytest
+from gateway_harness import MODEL, make_config
+from openai import AsyncOpenAI
+
+from gateway.config import RoutingConfig
+from gateway.engines import load_engines
+from gateway.server import create_app, start_server
+from gateway.state import STATE
+
+pytestmark = pytest.mark.model
+
+
+async def test_gpu_tier_serves_a_turn_and_frees_its_blocks() -> None:
+    config = make_config()
+    config = replace(config, routing=RoutingConfig(default="gpu"),
+                     engine=replace(config.engine, num_blocks=256, max_model_len=2048, threads=1))
+    app = create_app(config)
+    server = await start_server(app)
+    state = app[STATE]
+    try:
+        state.set_engines(await load_engines(config), owned=True)
+        engine = state.engines["gpu"]
+        assert engine.tier == "gpu"
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        async with client.realtime.connect(model=MODEL) as conn:
+            await conn.conversation.item.create(item={
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]})
+            await conn.response.create(response={"max_output_tokens": 8})
+            text = ""
+            async for event in conn:
+                if event.type == "response.output_text.delta":
+                    text += event.delta
+                elif event.type == "response.done":
+                    assert event.response.status in ("completed", "incomplete")
+                    assert event.response.metadata == {"x_tier": "gpu"}
+                    assert event.response.usage.output_tokens > 0
+                    break
+        assert text.strip()
+
+        # The same prompt again over HTTP: the engine's prefix cache serves most of it.
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=4, temperature=0)
+        assert chat.usage.completion_tokens > 0
+        assert chat.usage.prompt_tokens_details.cached_tokens >= 16
+
+        stats = await engine.refresh_stats()
+        assert stats["kv_blocks_in_use"] == 0
+    finally:
+        await server.stop()
+    assert not engine.ready
