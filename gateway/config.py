@@ -120,8 +120,9 @@ class Config:
     def __post_init__(self) -> None:
         require(self.edge.model in self.models, f"edge.model {self.edge.model!r} is not one of [models]: {sorted(self.models)}")
         require(self.engine.model in self.models, f"engine.model {self.engine.model!r} is not one of [models]: {sorted(self.models)}")
-        require(self.models[self.edge.model].format == "gguf" or self.edge.backend == "onnx",
-                "the llama_cpp edge backend needs a gguf model")
+        require(self.models[self.edge.model].format == "gguf",
+                f"the edge tier ({self.edge.backend}) needs a gguf model; edge.model {self.edge.model!r} is "
+                f"{self.models[self.edge.model].format}")
 
     def model(self, model_id: str) -> ModelConfig:
         return self.models[model_id]

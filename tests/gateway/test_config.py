@@ -43,6 +43,10 @@ def test_default_config_is_loopback_cpu() -> None:
         (with_("engine", block_size=12), "engine.block_size"),
         (with_("engine", attention="flash_attn"), "needs engine.device = 'cuda'"),
         (with_("edge", backend="tensorrt"), "edge.backend has the wrong type"),
+        (
+            {**with_("edge", backend="onnx"), "models": {"m": {"source": "/ckpt", "format": "safetensors"}}},
+            "the edge tier (onnx) needs a gguf model",
+        ),
         ({**BASE, "extra": {}}, "unknown section(s) ['extra']"),
         ({"edge": {}, "engine": {}}, "[models] must define at least one model"),
         (with_("server", send_queue_high=10, send_queue_limit=5), "send_queue_high must be below"),
