@@ -37,6 +37,8 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/edge.py
+	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/gateway.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
