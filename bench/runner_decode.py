@@ -1,6 +1,6 @@
 """Decode step time of the torch engine's ModelRunner on the embedded SmolLM2 GGUF.
 
-    .venv/bin/python bench/runner_decode.py [--context 128] [--steps 16] [--batch 1 8 32] [--dtype bfloat16]
+    .venv/bin/python bench/runner_decode.py [--context 128] [--steps 16] [--batch 1 8 32] [--threads N]
 
 Prefills ``batch`` random prompts of ``context`` tokens, then times greedy decode steps of the
 whole batch through the paged path (no scheduler). Prints the median step time and tokens/s.
@@ -28,7 +28,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
 
     dtype = DTYPES[args.dtype]
     started = time.perf_counter()
