@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from engine_edge.errors import ConfigError
-from engine_gpu.attention import PagedLayout, write_kv
-from engine_gpu.kv_cache import PagedKVCache
+from engine_gpu.attention import PagedLayout
+from engine_gpu.kv_cache import KVLayout, PagedKVCache
 
 PAGE_MULTIPLE = 256
 
@@ -39,7 +39,7 @@ class FlashPagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, N, H, D]; k, v: [1, N, KVH, D]
-        write_kv(self.kv_cache, layer, self.slot_mapping, k[0], v[0])
+        self.kv_cache.write(layer, self.slot_mapping, k[0], v[0])
         k_cache, v_cache = self.kv_cache.layer(layer)  # [num_blocks, block_size, KVH, D]
         out = self._varlen(  # type: ignore[operator]
             q[0],
@@ -57,6 +57,7 @@ class FlashPagedAttention:
 
 class FlashAttentionBackend:
     name = "flash_attn"
+    kv_layout: KVLayout = "blocks_first"  # [num_blocks, page_block_size, KVH, D], as the kernel reads it
 
     def __init__(self, block_size: int) -> None:
         if block_size % PAGE_MULTIPLE:

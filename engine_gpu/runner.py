@@ -90,6 +90,11 @@ class ModelRunner:
                 attention_backend, device=self.device, block_size=kv_cache.block_size,
                 num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, dtype=dtype,
             )
+        if kv_cache.layout != attention_backend.kv_layout:
+            raise ValueError(
+                f"the {attention_backend.name} attention backend reads a {attention_backend.kv_layout!r} KV pool, "
+                f"got {kv_cache.layout!r}"
+            )
         self.attention_backend = attention_backend
         self.sampler = sampler or Sampler()
         self.num_blocks = kv_cache.num_blocks
@@ -108,13 +113,18 @@ class ModelRunner:
         device = torch.device(engine_cfg.device)
         path = resolve_source(model_cfg.source)
         model = load_model(path, model_cfg.format, dtype=dtype, device=device)
-        kv_cache = PagedKVCache.for_model(
-            model.args, block_size=engine_cfg.block_size, dtype=dtype, device=device,
-            kv_cache_mib=engine_cfg.kv_cache_mib, num_blocks=engine_cfg.num_blocks,
+        args = model.args
+        backend = get_attention_backend(
+            engine_cfg.attention, device=device, block_size=engine_cfg.block_size,
+            num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, dtype=dtype,
         )
-        log.info("KV pool: %d blocks of %d tokens (%.0f MiB)", kv_cache.num_blocks, kv_cache.block_size,
-                 kv_cache.num_bytes / 2**20)
-        return cls(model, kv_cache, device=device, dtype=dtype, attention_backend=engine_cfg.attention)
+        kv_cache = PagedKVCache.for_model(
+            args, block_size=engine_cfg.block_size, dtype=dtype, device=device,
+            kv_cache_mib=engine_cfg.kv_cache_mib, num_blocks=engine_cfg.num_blocks, layout=backend.kv_layout,
+        )
+        log.info("KV pool: %d blocks of %d tokens (%.0f MiB), %s attention", kv_cache.num_blocks,
+                 kv_cache.block_size, kv_cache.num_bytes / 2**20, backend.name)
+        return cls(model, kv_cache, device=device, dtype=dtype, attention_backend=backend)
 
     @torch.inference_mode()
     def execute(self, batch: list[SeqBatchItem]) -> list[SampledToken | None]:

@@ -104,12 +104,28 @@ def test_kv_lands_in_the_slot_the_block_table_names(model: LlamaModel) -> None:
     runner.execute_logits([item("a", ids, 0, table)])
     with torch.inference_mode():
         _, past = model.forward_contiguous(torch.tensor([ids]))
-    k_ref = past[1][0][0].transpose(0, 1)  # layer 1: [T, KVH, D]
-    k_cache, _ = runner.kv_cache.layer(1)
-    for pos in range(13):
-        slot = k_cache[table[pos // BLOCK], pos % BLOCK]
-        assert (slot - k_ref[pos]).abs().max().item() < TOL
-    assert k_cache[0].abs().sum().item() == 0  # untouched blocks stay untouched
+    k_ref, v_ref = (t[0].transpose(0, 1) for t in past[1])  # layer 1: [T, KVH, D]
+    slots = torch.tensor([table[pos // BLOCK] * BLOCK + pos % BLOCK for pos in range(13)])
+    k_got, v_got = runner.kv_cache.read(1, slots)
+    assert (k_got - k_ref).abs().max().item() < TOL
+    assert (v_got - v_ref).abs().max().item() < TOL
+    k_cache, _ = runner.kv_cache.layer(1)  # heads first: [KVH, num_blocks, block_size, D]
+    assert k_cache[:, 6].abs().sum().item() > 0
+    assert k_cache[:, 0].abs().sum().item() == 0  # untouched blocks stay untouched
+
+
+@pytest.mark.parametrize("layout", ["blocks_first", "heads_first"])
+def test_pool_layouts_write_and_read_the_same_slots(layout: str) -> None:
+    cache = PagedKVCache(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=3, head_dim=2,
+                         dtype=torch.float32, device="cpu", layout=layout)  # type: ignore[arg-type]
+    slots = torch.tensor([17, 0, 6])
+    k, v = torch.randn(3, 3, 2), torch.randn(3, 3, 2)
+    cache.write(1, slots, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(cache.read(1, slots), (k, v), strict=True))
+    assert cache.k[0].abs().sum() == 0
+    k_layer, _ = cache.layer(1)
+    block_17 = k_layer[4, 1] if layout == "blocks_first" else k_layer[:, 4, 1]  # slot 17 = block 4, offset 1
+    assert torch.equal(block_17, k[0])
 
 
 def test_padded_decode_group_with_unequal_lengths(model: LlamaModel) -> None:
@@ -149,11 +165,19 @@ def test_backend_choice_on_cpu_never_imports_flash_attn() -> None:
     assert "flash_attn" not in sys.modules
 
 
-def test_flash_backend_rejects_small_pages_and_fp32() -> None:
+def test_flash_backend_rejects_small_pages_fp32_and_the_wrong_pool(
+    model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
     from engine_gpu.attention_flash import FlashAttentionBackend
 
     with pytest.raises(ConfigError, match="multiple of 256"):
         FlashAttentionBackend(16)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_flash_varlen))
+    cache = PagedKVCache.for_model(model.args, block_size=256, dtype=torch.float32, device="cpu", num_blocks=2)
+    with pytest.raises(ValueError, match="blocks_first"):
+        ModelRunner(model, cache, device="cpu", dtype=torch.float32, attention_backend=FlashAttentionBackend(256))
     with pytest.raises(ConfigError, match="bfloat16"):
         get_attention_backend("flash_attn", device="cuda", block_size=256, num_heads=4, num_kv_heads=2,
                               dtype=torch.float32)
@@ -190,7 +214,8 @@ def test_flash_backend_call_convention(model: LlamaModel, monkeypatch: pytest.Mo
     from engine_gpu.attention_flash import FlashAttentionBackend
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_flash_varlen))
-    cache = PagedKVCache.for_model(model.args, block_size=256, dtype=torch.float32, device="cpu", num_blocks=6)
+    cache = PagedKVCache.for_model(model.args, block_size=256, dtype=torch.float32, device="cpu", num_blocks=6,
+                                   layout="blocks_first")
     runner = ModelRunner(model, cache, device="cpu", dtype=torch.float32, attention_backend=FlashAttentionBackend(256))
     a, b = tokens(300, seed=21), tokens(40, seed=22)
     runner.execute_logits([item("a", a[:270], 0, [4, 1]), item("b", b[:39], 0, [2])])
