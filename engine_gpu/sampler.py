@@ -122,9 +122,7 @@ class Sampler:
         chosen_logprobs = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
         chosen_ids = chosen.tolist()
         top = self._top_logprobs(logprobs, params)
-        return [
-            SampledToken(chosen_ids[i], chosen_logprobs[i], top[i]) for i in range(n)
-        ]
+        return [SampledToken(chosen_ids[i], chosen_logprobs[i], top[i]) for i in range(n)]
 
     def _sample_rows(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int], rows: list[int]
@@ -151,12 +149,13 @@ class Sampler:
 
     @staticmethod
     def _top_logprobs(logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> list[tuple[tuple[int, float], ...]]:
-        wanted = [p.logprobs for p in params]
-        most = max(wanted)
-        if most == 0:
-            return [()] * len(params)
-        values, ids = logprobs.topk(min(most, logprobs.shape[1]), dim=-1)
-        values_l, ids_l = values.tolist(), ids.tolist()
-        return [
-            tuple(zip(ids_l[i][: wanted[i]], values_l[i][: wanted[i]], strict=True)) for i in range(len(params))
-        ]
+        out: list[tuple[tuple[int, float], ...]] = [()] * len(params)
+        rows = [i for i, p in enumerate(params) if p.logprobs > 0]
+        if not rows:
+            return out
+        most = min(max(params[i].logprobs for i in rows), logprobs.shape[1])
+        values, ids = logprobs[rows].topk(most, dim=-1)
+        for i, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
+            n = params[i].logprobs
+            out[i] = tuple(zip(row_ids[:n], row_values[:n], strict=True))
+        return out

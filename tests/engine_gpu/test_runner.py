@@ -98,6 +98,7 @@ def test_execute_contract(model: LlamaModel) -> None:
         SeqBatchItem("b", [8, 9], 0, [1], True, params, 0),
     ])
     assert out[0] is None
+    assert runner.execute([SeqBatchItem("c", [1, 2], 0, [2], False, params, 0)]) == [None]  # nothing to sample
     token = out[1]
     assert isinstance(token, SampledToken)
     assert 0 <= token.token_id < runner.vocab_size
