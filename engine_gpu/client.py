@@ -13,11 +13,13 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine_edge import errors
 from engine_edge.tokenizer import Tokenizer
@@ -25,6 +27,7 @@ from engine_edge.types import FinishEvent, Priority, SamplingParams, StreamEvent
 from engine_gpu.config import EngineConfig
 from engine_gpu.protocol import (
     MAX_REQUEST_ID_CHARS,
+    PRIVATE_SOCKET_PREFIX,
     AbortDone,
     AbortRequest,
     AddRequest,
@@ -190,6 +193,7 @@ class EngineClient:
         self._writer.close()
         if self._process is not None:
             await _stop_process(self._process)
+            _remove_private_socket_dir(self.address)  # left behind if the core was killed
         self._read_task.cancel()
         await asyncio.gather(self._read_task, return_exceptions=True)
         self._fail_all("the engine client was closed")
@@ -382,3 +386,12 @@ async def _stop_process(process: asyncio.subprocess.Process) -> None:
         log.warning("engine core %d did not stop in %.0f s; killing it", process.pid, SHUTDOWN_TIMEOUT_S)
         process.kill()
         await process.wait()
+
+
+def _remove_private_socket_dir(address: str) -> None:
+    """The temp dir of a core's private unix socket ('unix:/tmp/engine-core-*/core.sock')."""
+    if not address.startswith("unix:"):
+        return
+    directory = Path(address[len("unix:"):]).parent
+    if directory.name.startswith(PRIVATE_SOCKET_PREFIX):
+        shutil.rmtree(directory, ignore_errors=True)

@@ -20,6 +20,7 @@ import logging
 import os
 import selectors
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from engine_edge.types import Priority, SamplingParams
 from engine_gpu.config import EngineConfig
 from engine_gpu.outputs import RequestOutput
 from engine_gpu.protocol import (
+    PRIVATE_SOCKET_PREFIX,
     AbortDone,
     AbortRequest,
     AddRequest,
@@ -54,6 +56,7 @@ from gateway.config import ModelConfig
 log = logging.getLogger("engine_gpu.core")
 
 RECV_BYTES = 1 << 20
+MAX_RECVS_PER_WAKEUP = 64
 MAX_OUTBUF_BYTES = 64 * 1024 * 1024  # a client this far behind is dropped (its requests aborted)
 
 
@@ -73,7 +76,7 @@ def open_listener(listen: str) -> tuple[socket.socket, str, str | None]:
     """Bound, listening, non-blocking socket; its actual address; a temp dir to remove at exit."""
     tmpdir = None
     if not listen:
-        tmpdir = tempfile.mkdtemp(prefix="engine-core-")
+        tmpdir = tempfile.mkdtemp(prefix=PRIVATE_SOCKET_PREFIX)
         listen = f"unix:{tmpdir}/core.sock"
     family, addr = parse_listen(listen)
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -181,8 +184,11 @@ class CoreServer:
             self._on_readable(conn)
 
     def _on_readable(self, conn: _Conn) -> None:
-        # Drain everything the client sent: all messages that arrived are handled before the next step.
-        while not conn.closed:
+        # Drain what the client sent so all messages that arrived are handled before the next step,
+        # up to a bound, so a client flooding the socket cannot hold the step loop forever.
+        for _ in range(MAX_RECVS_PER_WAKEUP):
+            if conn.closed:
+                return
             try:
                 data = conn.sock.recv(RECV_BYTES)
             except BlockingIOError:
@@ -312,6 +318,11 @@ def config_args(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> list[str]:
     return ["--model-json", json.dumps(asdict(model_cfg)), "--engine-json", json.dumps(asdict(engine_cfg))]
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    log.info("engine core got signal %d", signum)
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine_gpu.core_process", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -347,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     log.info("engine core ready on %s", address)
     report(address=address)
+    # SIGTERM unwinds like an exception (out of a blocking select), so the finally below cleans up.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     server = CoreServer(engine, listener, stop_fd=sys.stdin.fileno() if args.exit_on_stdin_eof else None)
     try:
         server.serve_forever()

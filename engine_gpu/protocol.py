@@ -28,7 +28,8 @@ from engine_gpu.outputs import RequestOutput
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # a 128k-token prompt is ~640 KB; far above any real message
 MAX_REQUEST_ID_CHARS = 256
-MAX_PROMPT_TOKENS = 1 << 20  # sanity bound before the scheduler's own max_model_len check
+MAX_PROMPT_TOKENS = 1 << 20
+PRIVATE_SOCKET_PREFIX = "engine-core-"  # temp dir of a core's private unix socket (listen = "")  # sanity bound before the scheduler's own max_model_len check
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _ERROR_CLASSES: dict[str, type[errors.EngineError]] = {

@@ -63,9 +63,10 @@ def core_process(model_cfg: ModelConfig) -> Iterator[tuple[str, int]]:
     ready = json.loads(proc.stdout.readline())
     assert ready["address"].startswith("unix:")
     yield ready["address"], proc.pid
-    proc.stdin.close()  # the core exits when its parent's pipe closes
+    proc.send_signal(signal.SIGTERM)  # (a closed stdin pipe is tested in test_core_loop.py)
     assert proc.wait(timeout=30) == 0
-    assert not Path(ready["address"][len("unix:"):]).exists()
+    assert not Path(ready["address"][len("unix:"):]).parent.exists(), "the private socket dir is removed"
+    proc.stdin.close()
 
 
 @pytest.fixture
