@@ -152,7 +152,10 @@ def load_gguf(path: Path, *, dtype: torch.dtype, device: torch.device | str = "c
         raise ModelFileError(f"cannot parse GGUF file {str(path)!r}: {e}") from e
     tensors = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
-    args = read_gguf_args(reader, shapes, str(path))
+    try:
+        args = read_gguf_args(reader, shapes, str(path))
+    except (TypeError, ValueError) as e:  # e.g. a per-layer array where llama needs one number
+        raise ModelFileError(f"{path}: unusable llama metadata: {e}") from e
 
     def read(name: str) -> torch.Tensor:
         t = tensors[name]

@@ -161,3 +161,24 @@ def test_hf_directory_without_weights(tmp_path: Path) -> None:
 def test_unknown_format(tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match="unknown model format"):
         load_model(tmp_path, "pytorch_bin", dtype=torch.float32)  # type: ignore[arg-type]
+
+
+def test_gguf_metadata_of_the_wrong_kind(tmp_path: Path) -> None:
+    import gguf
+
+    config = tiny_config()
+    path = write_gguf(tmp_path / "m.gguf", config, random_weights(config))
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("llama.") and field.name != "llama.attention.head_count_kv":
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    writer.add_head_count_kv([2, 2])  # per-layer counts: not what a llama model has
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data.copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFileError, match="unusable llama metadata"):
+        load_gguf(tmp_path / "odd.gguf", dtype=torch.float32)
