@@ -91,3 +91,23 @@ def user_item(text: str) -> dict[str, Any]:
 
 async def send(ws: websockets.ClientConnection, event: dict[str, Any]) -> None:
     await ws.send(json.dumps(event))
+
+
+async def sdk_turn(base_url: str, text: str, *, max_output_tokens: int, instructions: str | None = None) -> tuple[str, Any]:
+    """One Realtime turn through the official openai SDK: (streamed text, the response.done response)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    async with client.realtime.connect(model=MODEL) as conn:
+        if instructions is not None:
+            await conn.session.update(session={"type": "realtime", "instructions": instructions})
+        await conn.conversation.item.create(item={
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+        await conn.response.create(response={"max_output_tokens": max_output_tokens})
+        streamed = ""
+        async for event in conn:
+            if event.type == "response.output_text.delta":
+                streamed += event.delta
+            elif event.type == "response.done":
+                return streamed, event.response
+    raise AssertionError("the connection closed before response.done")

@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 import pytest
-from gateway_harness import MODEL, make_config
+from gateway_harness import MODEL, make_config, sdk_turn
 from openai import AsyncOpenAI
 
 from gateway.config import RoutingConfig
@@ -25,23 +25,14 @@ async def test_gpu_tier_serves_a_turn_and_frees_its_blocks() -> None:
         state.set_engines(await load_engines(config), owned=True)
         engine = state.engines["gpu"]
         assert engine.tier == "gpu"
-        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
-        async with client.realtime.connect(model=MODEL) as conn:
-            await conn.conversation.item.create(item={
-                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]})
-            await conn.response.create(response={"max_output_tokens": 8})
-            text = ""
-            async for event in conn:
-                if event.type == "response.output_text.delta":
-                    text += event.delta
-                elif event.type == "response.done":
-                    assert event.response.status in ("completed", "incomplete")
-                    assert event.response.metadata == {"x_tier": "gpu"}
-                    assert event.response.usage.output_tokens > 0
-                    break
+        text, response = await sdk_turn(server.url, "What is 2+2?", max_output_tokens=8)
+        assert response.status in ("completed", "incomplete")
+        assert response.metadata == {"x_tier": "gpu"}
+        assert response.usage.output_tokens > 0
         assert text.strip()
 
         # The same prompt again over HTTP: the engine's prefix cache serves most of it.
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
         chat = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=4, temperature=0)
         assert chat.usage.completion_tokens > 0

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import websockets
 from fake_engine import FakeEngine
-from gateway_harness import MODEL, make_config, recv_json, recv_until, running_gateway, send, user_item
+from gateway_harness import MODEL, make_config, recv_json, recv_until, running_gateway, sdk_turn, send, user_item
 from openai import AsyncOpenAI
 
 from engine_edge.modelfile import default_gguf_path
@@ -25,22 +25,13 @@ async def test_real_edge_engine_serves_realtime_and_chat() -> None:
     try:
         state.set_engines(await load_engines(config), owned=True)
         engine = state.engines["edge"]
-        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
-        async with client.realtime.connect(model=MODEL) as conn:
-            await conn.session.update(session={"type": "realtime", "instructions": "Answer in one short sentence."})
-            await conn.conversation.item.create(item={
-                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]})
-            await conn.response.create(response={"max_output_tokens": 12})
-            text = ""
-            async for event in conn:
-                if event.type == "response.output_text.delta":
-                    text += event.delta
-                elif event.type == "response.done":
-                    assert event.response.status in ("completed", "incomplete")
-                    assert event.response.metadata == {"x_tier": "edge"}
-                    assert event.response.usage.output_tokens > 0
-                    break
+        text, response = await sdk_turn(server.url, "What is 2+2?", max_output_tokens=12,
+                                        instructions="Answer in one short sentence.")
+        assert response.status in ("completed", "incomplete")
+        assert response.metadata == {"x_tier": "edge"}
+        assert response.usage.output_tokens > 0
         assert text.strip()
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
         chat = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0)
         assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
