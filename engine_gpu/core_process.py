@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
@@ -154,10 +155,19 @@ class CoreServer:
                 del self._owners[out.request_id]
                 del conn.requests[out.request_id]
         stats = self.engine.stats()
-        idle = not self.engine.has_unfinished()
-        # On going idle every client hears it, so a gateway's stats never stay stuck at "busy".
-        for conn in list(self._conns) if idle else list(per_conn):
-            self._send(conn, StepOutputs(per_conn.get(conn, []), stats))
+        for conn, outs in per_conn.items():
+            self._send(conn, StepOutputs(outs, stats))
+        self._announce_if_idle(exclude=per_conn, stats=stats)
+
+    def _announce_if_idle(self, *, exclude: Iterable[_Conn] = (), stats: dict[str, float] | None = None) -> None:
+        """On going idle every client hears it, so no gateway's stats stay stuck at "busy"."""
+        if self.engine.has_unfinished():
+            return
+        stats = stats if stats is not None else self.engine.stats()
+        skip = set(exclude)
+        for conn in list(self._conns):
+            if conn not in skip:
+                self._send(conn, StepOutputs([], stats))
 
     # --- sockets ---------------------------------------------------------------------------
 
@@ -245,11 +255,14 @@ class CoreServer:
         for engine_id in list(conn.requests):
             self.engine.abort_request(engine_id)  # frees its blocks; nobody is left to tell
             self._owners.pop(engine_id, None)
+        had_requests = bool(conn.requests)
         conn.requests.clear()
         self._conns.discard(conn)
         self._sel.unregister(conn.sock)
         conn.sock.close()
         log.info("client %d disconnected", conn.cid)
+        if had_requests:
+            self._announce_if_idle()
 
     def _on_stop_fd(self, fd: int) -> None:
         if not os.read(fd, 4096):  # the parent closed our stdin: it exited or wants us gone
@@ -278,6 +291,7 @@ class CoreServer:
                     if out is not None:
                         self._send(conn, StepOutputs([replace(out, request_id=msg.request_id)], self.engine.stats()))
                 self._send(conn, AbortDone(msg.seq, msg.request_id, self.engine.stats()))
+                self._announce_if_idle(exclude=[conn])
             case StatsRequest():
                 self._send(conn, StatsReply(msg.seq, self.engine.stats()))
             case Shutdown():
