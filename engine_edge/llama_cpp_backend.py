@@ -6,11 +6,12 @@ and decodes every running sequence in one ``llama_batch`` per step; ``llama_deco
 the GIL, so the event loop keeps serving.
 
 KV layout: by default each sequence gets its own cache stream of ``n_ctx / (n_seq_max + 1)``
-cells (rounded up to 256 by llama.cpp; the extra stream is the drafter's). Measured on this
-model: with llama.cpp's unified cache, sequences decoded together attend over each other's
-masked cells, so batched greedy outputs diverged from solo ones (4 of 8 prompts within 24
-tokens) and decoding slowed 3x; with separate streams they match exactly. ``kv_unified=True``
-trades that for letting one sequence use the whole ``n_ctx``.
+cells (rounded up to 256 by llama.cpp; the extra stream is the drafter's), and prompts are
+validated against that. Measured on this model: with llama.cpp's unified cache, sequences
+decoded together attend over each other's masked cells, and batched greedy outputs diverged
+from solo ones (4 of 8 prompts within 24 tokens) at the same speed; with separate streams
+they match exactly, so a seed gives the same text whatever else is batched.
+``kv_unified=True`` trades that for letting one sequence use the whole ``n_ctx``.
 """
 
 from __future__ import annotations
