@@ -40,7 +40,7 @@ class ModelConfig:
 class EdgeConfig:
     backend: Literal["llama_cpp", "onnx"] = "llama_cpp"
     model: str = "smollm2-135m"
-    n_ctx: int = 8192  # total KV cells shared by all sequences of the context
+    n_ctx: int = 18432  # KV cells; every sequence (and the drafter) gets n_ctx // (n_seq_max + 1)
     n_seq_max: int = 8  # concurrent sequences batched in one context
     n_threads: int = 0  # 0 = all cores
     max_queued: int = 64  # waiting requests beyond this are rejected as overloaded
