@@ -7,7 +7,7 @@ bench/out/engine.json and a plot to docs/img/engine_concurrency.png; the last st
 JSON object with throughput_vs_hf, throughput_vs_static, kv_waste, prefix_ttft_ratio,
 prefix_nohit_overhead and chunked_p99_itl_ratio.
 
-    .venv/bin/python bench/engine.py [--hf-requests 8] [--repeats 4]
+    .venv/bin/python bench/engine.py [--hf-requests 8] [--repeats 6] [--pairs 3]
 """
 
 from __future__ import annotations
@@ -66,42 +66,86 @@ class Bench:
         return LLMEngine(self.runner, self.tokenizer, config, model_cfg=self.model_cfg)
 
 
+class OtherLoad:
+    """CPU time that other processes took during a stretch of this run, as a share of all cores:
+    the noise every ratio here is exposed to, recorded next to it."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._me = psutil.Process()
+        self.shares: dict[str, float] = {}
+        self.steal: dict[str, float] = {}
+        self._mark = self._now()
+        self._mark_steal = self._mark[3]
+
+    def _now(self) -> tuple[float, float, float, float]:
+        t = self._psutil.cpu_times()
+        busy = t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+        mine = self._me.cpu_times()
+        # steal: time the hypervisor gave our virtual CPUs to other machines
+        return time.perf_counter(), busy, mine.user + mine.system, getattr(t, "steal", 0.0)
+
+    def lap(self, name: str) -> float:
+        now = self._now()
+        wall = now[0] - self._mark[0]
+        others = (now[1] - self._mark[1]) - (now[2] - self._mark[2])
+        self._mark = now
+        capacity = wall * (self._psutil.cpu_count() or 1)
+        self.shares[name] = max(0.0, others) / capacity if wall > 0 else 0.0
+        self.steal[name] = (now[3] - self._mark_steal) / capacity if wall > 0 else 0.0
+        self._mark_steal = now[3]
+        progress(f"  (during {name}: other processes used {self.shares[name]:.0%} of the CPUs, "
+                 f"the hypervisor stole {self.steal[name]:.0%})")
+        return self.shares[name]
+
+
 def tps(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def arm_continuous_and_static(b: Bench, reqs: list[Req]) -> dict:
-    progress(f"continuous batching: {len(reqs)} requests at once, max_num_seqs {b.base.max_num_seqs}")
+def run_continuous(b: Bench, reqs: list[Req], tag: str, peak: KVPeak | None = None, **changes: object) -> float:
+    traces, secs = run_all_at_once(b.engine(**changes), reqs, tag, on_step=peak)
+    return tps(output_tokens(traces), secs)
+
+
+def run_static(b: Bench, reqs: list[Req], tag: str, *, padded: bool) -> float:
+    """Batches of STATIC_BATCH run one after another, nobody joining a running batch. Padded:
+    every row keeps its slot (and computes) until the batch's longest member finishes, as in a
+    fixed-shape batch; compacted: finished rows leave. Only requested tokens count."""
+    engine = b.engine(max_num_seqs=STATIC_BATCH)
+    useful, total_secs = 0, 0.0
+    for k in range(0, len(reqs), STATIC_BATCH):
+        batch = reqs[k:k + STATIC_BATCH]
+        lens = [max(r.output_len for r in batch)] * len(batch) if padded else None
+        _, secs = run_all_at_once(engine, batch, f"{tag}-{k}", max_tokens=lens)
+        useful += sum(r.output_len for r in batch)
+        total_secs += secs
+    return tps(useful, total_secs)
+
+
+def arm_continuous_and_static(b: Bench, reqs: list[Req], pairs: int) -> dict:
+    progress(f"continuous batching ({len(reqs)} requests at once, max_num_seqs {b.base.max_num_seqs}) vs padded "
+             f"static batching (batches of {STATIC_BATCH}, no refill): {pairs} interleaved pairs")
     peak = KVPeak()
-    traces, secs = run_all_at_once(b.engine(), reqs, "cont", on_step=peak)
-    cont_tps = tps(output_tokens(traces), secs)
-    progress(f"  {output_tokens(traces)} tokens in {secs:.1f} s = {cont_tps:.1f} tok/s; "
-             f"KV at peak: {peak.blocks} blocks for {peak.tokens} tokens, waste {peak.waste:.2%}")
-    progress(f"continuous batching with at most {STATIC_BATCH} running (the static arm's batch size), refilling")
-    traces16, secs16 = run_all_at_once(b.engine(max_num_seqs=STATIC_BATCH), reqs, "cont16")
-    cont16_tps = tps(output_tokens(traces16), secs16)
-    progress(f"  {output_tokens(traces16)} tokens in {secs16:.1f} s = {cont16_tps:.1f} tok/s")
-    static = {}
-    for mode in ("padded", "compacted"):
-        progress(f"static batching ({mode}): batches of {STATIC_BATCH}, no refill")
-        engine = b.engine(max_num_seqs=STATIC_BATCH)
-        useful, total_secs = 0, 0.0
-        for k in range(0, len(reqs), STATIC_BATCH):
-            batch = reqs[k:k + STATIC_BATCH]
-            longest = max(r.output_len for r in batch)
-            # padded: every row occupies its slot until the longest member finishes, as in a
-            # fixed-shape batch; compacted: finished rows leave the batch (but nobody joins).
-            lens = [longest] * len(batch) if mode == "padded" else None
-            _, secs_b = run_all_at_once(engine, batch, f"static-{mode}-{k}", max_tokens=lens)
-            useful += sum(r.output_len for r in batch)
-            total_secs += secs_b
-        static[mode] = {"tok_s": tps(useful, total_secs), "seconds": total_secs, "useful_tokens": useful}
-        progress(f"  {useful} useful tokens in {total_secs:.1f} s = {static[mode]['tok_s']:.1f} tok/s")
+    cont, static = [], []
+    for k in range(pairs):
+        for arm in ("cont", "static") if k % 2 == 0 else ("static", "cont"):
+            if arm == "cont":
+                cont.append(run_continuous(b, reqs, f"cont{k}", peak if k == 0 else None))
+            else:
+                static.append(run_static(b, reqs, f"static{k}", padded=True))
+        progress(f"  pair {k + 1}: continuous {cont[-1]:.1f} tok/s, static {static[-1]:.1f} tok/s")
+    progress(f"  KV at peak: {peak.blocks} blocks for {peak.tokens} tokens, waste {peak.waste:.2%}")
+    progress("for reference: compacted static batching, and continuous batching capped at 16 running")
+    compacted = run_static(b, reqs, "compacted", padded=False)
+    cont16 = run_continuous(b, reqs, "cont16", max_num_seqs=STATIC_BATCH)
+    progress(f"  compacted static {compacted:.1f} tok/s, continuous (max 16) {cont16:.1f} tok/s")
     return {
-        "continuous": {"tok_s": cont_tps, "seconds": secs, "tokens": output_tokens(traces),
-                       "ttft_p50_s": median([t.ttft for t in traces.values()])},
-        "continuous_max16": {"tok_s": cont16_tps, "seconds": secs16},
-        "static": static,
+        "continuous_tok_s": cont, "static_padded_tok_s": static,
+        "continuous_vs_static": median([c / s for c, s in zip(cont, static, strict=True)]),
+        "static_compacted_tok_s": compacted, "continuous_max16_tok_s": cont16,
         "kv_peak": {"blocks": peak.blocks, "tokens": peak.tokens, "block_size": peak.block_size,
                     "waste": peak.waste, "steps_sampled": peak.samples},
     }
@@ -137,55 +181,60 @@ def arm_hf(b: Bench, reqs: list[Req], n: int, engine_tps: float) -> dict:
 def arm_prefix(b: Bench, repeats: int) -> dict:
     rng = random.Random(11)
     system = [rng.randrange(3, b.vocab) for _ in range(500)]
-    users = make_requests(8, 12, prompt_len=(24, 24), output_len=(4, 4), vocab=b.vocab, prefix=system)
+    users = make_requests(9, 12, prompt_len=(24, 24), output_len=(4, 4), vocab=b.vocab, prefix=system)
     progress("prefix caching: TTFT at concurrency 1 with a shared 500-token system prompt")
     cold_engine = b.engine(enable_prefix_caching=False)
     warm_engine = b.engine(enable_prefix_caching=True)
-    run_closed(warm_engine, users[:1], 1, "prime")  # the system prompt enters the cache
+    run_closed(warm_engine, users[-1:], 1, "prime")  # the system prompt enters the cache
     cold, warm = [], []
-    for k, r in enumerate(users):  # interleaved, one request at a time
+    for k, r in enumerate(users[:-1]):  # interleaved, one request at a time
         cold += [t.ttft for t in run_closed(cold_engine, [r], 1, f"cold{k}")[0].values()]
         warm += [t.ttft for t in run_closed(warm_engine, [r], 1, f"warm{k}")[0].values()]
     cold_p50, warm_p50 = median(cold), median(warm)
     progress(f"  TTFT p50 cold {cold_p50 * 1e3:.1f} ms, warm {warm_p50 * 1e3:.1f} ms "
              f"(hits: {warm_engine.stats()['prefix_cache_hits']:.0f} tokens)")
 
-    progress(f"prefix caching on vs off with no shared prefix: throughput, {repeats} interleaved repeats")
+    progress(f"prefix caching on vs off with no shared prefix: throughput, {repeats} interleaved pairs")
     reqs = make_requests(12, 13, prompt_len=(32, 512), output_len=(16, 64), vocab=b.vocab)
     on, off = [], []
     for k in range(repeats):
-        for flag, sink in ((True, on), (False, off)):  # a fresh scheduler each time: no hits across repeats
+        # A fresh scheduler per run (no hits across runs); the order alternates so that neither
+        # arm always runs first.
+        for flag in (True, False) if k % 2 == 0 else (False, True):
             traces, secs = run_all_at_once(b.engine(enable_prefix_caching=flag), reqs, f"nohit{k}{flag}")
-            sink.append(tps(output_tokens(traces), secs))
-        progress(f"  repeat {k + 1}: on {on[-1]:.1f} tok/s, off {off[-1]:.1f} tok/s")
-    # Best of the repeats: other processes only ever slow a run down, never speed it up.
+            (on if flag else off).append(tps(output_tokens(traces), secs))
+        progress(f"  pair {k + 1}: on {on[-1]:.1f} tok/s, off {off[-1]:.1f} tok/s")
+    # The median of the paired ratios: each pair ran back to back, so a burst of load from
+    # elsewhere moves both arms of a pair, and one disturbed pair does not move the median.
+    ratios = [a / b_ for a, b_ in zip(on, off, strict=True)]
     return {
         "ttft_cold_p50_s": cold_p50, "ttft_warm_p50_s": warm_p50, "ttft_ratio": cold_p50 / warm_p50,
         "ttft_cold_s": cold, "ttft_warm_s": warm,
-        "nohit_on_tok_s": on, "nohit_off_tok_s": off,
-        "nohit_overhead": 1 - max(on) / max(off),
+        "nohit_on_tok_s": on, "nohit_off_tok_s": off, "nohit_ratios": ratios,
+        "nohit_overhead": 1 - median(ratios),
     }
 
 
-def arm_chunked(b: Bench) -> dict:
+def arm_chunked(b: Bench, pairs: int) -> dict:
     streams = make_requests(16, 21, prompt_len=(64, 128), output_len=(200, 200), vocab=b.vocab)
     longs = make_requests(4, 22, prompt_len=(1500, 1500), output_len=(1, 1), vocab=b.vocab)
     arrivals = [(0.0, f"s{k}", r.prompt, r.params()) for k, r in enumerate(streams)]
     arrivals += [(1.0 + 1.2 * k, f"long{k}", r.prompt, r.params()) for k, r in enumerate(longs)]
-    result = {}
-    for name, changes in (("unchunked", {"max_num_batched_tokens": 2048, "long_prefill_threshold": 2048}),
-                          ("chunked", {})):
-        engine = b.engine(**changes)
-        progress(f"chunked prefill: 16 decoding streams, four 1,500-token prompts arriving ({name}: "
-                 f"max_num_batched_tokens {engine.config.max_num_batched_tokens}, "
-                 f"long_prefill_threshold {engine.config.long_prefill_threshold})")
-        traces, secs = run_open(engine, arrivals)
-        itls = [x for rid, t in traces.items() if rid.startswith("s") for x in t.itls]
-        result[name] = {"itl_p50_s": median(itls), "itl_p99_s": percentile(itls, 99), "itl_max_s": max(itls),
-                        "seconds": secs, "long_ttft_s": [traces[f"long{k}"].ttft for k in range(len(longs))]}
-        progress(f"  ITL p50 {result[name]['itl_p50_s'] * 1e3:.0f} ms, p99 {result[name]['itl_p99_s'] * 1e3:.0f} ms, "
-                 f"max {result[name]['itl_max_s'] * 1e3:.0f} ms")
-    result["p99_ratio"] = result["unchunked"]["itl_p99_s"] / result["chunked"]["itl_p99_s"]
+    arms = {"unchunked": {"max_num_batched_tokens": 2048, "long_prefill_threshold": 2048}, "chunked": {}}
+    progress(f"chunked prefill: 16 decoding streams while four 1,500-token prompts arrive, {pairs} interleaved pairs "
+             f"(chunked = the default budget {b.base.max_num_batched_tokens}, prompt chunks of at most "
+             f"{b.base.long_prefill_threshold} while others decode; unchunked = one 2,048-token step)")
+    result: dict = {name: [] for name in arms}
+    for k in range(pairs):
+        for name in list(arms) if k % 2 == 0 else list(reversed(arms)):
+            traces, secs = run_open(b.engine(**arms[name]), arrivals)
+            itls = [x for rid, t in traces.items() if rid.startswith("s") for x in t.itls]
+            result[name].append({"itl_p50_s": median(itls), "itl_p99_s": percentile(itls, 99), "itl_max_s": max(itls),
+                                 "seconds": secs, "long_ttft_s": [traces[f"long{j}"].ttft for j in range(len(longs))]})
+        progress("  pair {}: ITL p50/p99 unchunked {:.0f}/{:.0f} ms, chunked {:.0f}/{:.0f} ms".format(
+            k + 1, *(result[n][-1][q] * 1e3 for n in arms for q in ("itl_p50_s", "itl_p99_s"))))
+    result["p99_ratio"] = median([u["itl_p99_s"] / c["itl_p99_s"]
+                                  for u, c in zip(result["unchunked"], result["chunked"], strict=True)])
     return result
 
 
@@ -224,7 +273,8 @@ def plot(rows: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hf-requests", type=int, default=8, help="requests the HF baseline serves (a subset)")
-    parser.add_argument("--repeats", type=int, default=4, help="interleaved repeats of the prefix on/off arms")
+    parser.add_argument("--repeats", type=int, default=6, help="interleaved pairs of prefix caching on/off runs")
+    parser.add_argument("--pairs", type=int, default=3, help="interleaved pairs of the batching and chunking arms")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     started = time.perf_counter()
@@ -235,18 +285,24 @@ def main() -> None:
     progress("warming up")
     b.engine().generate([r.prompt for r in reqs[:4]], Req([], 8).params(), prefix="warmup")
 
-    main_arms = arm_continuous_and_static(b, reqs)
-    cont_tps = main_arms["continuous"]["tok_s"]
+    load = OtherLoad()
+    main_arms = arm_continuous_and_static(b, reqs, args.pairs)
+    load.lap("batching")
+    cont_tps = median(main_arms["continuous_tok_s"])
     hf = arm_hf(b, reqs, args.hf_requests, cont_tps)
+    load.lap("hf")
     prefix = arm_prefix(b, args.repeats)
-    chunked = arm_chunked(b)
+    load.lap("prefix")
+    chunked = arm_chunked(b, args.pairs)
+    load.lap("chunked")
     rows = arm_concurrency(b)
+    load.lap("concurrency")
     img = IMG_DIR / "engine_concurrency.png"
     plot(rows, img)
 
     summary = {
         "throughput_vs_hf": round(hf["ratio"], 2),
-        "throughput_vs_static": round(cont_tps / main_arms["static"]["padded"]["tok_s"], 2),
+        "throughput_vs_static": round(main_arms["continuous_vs_static"], 2),
         "kv_waste": round(main_arms["kv_peak"]["waste"], 4),
         "prefix_ttft_ratio": round(prefix["ttft_ratio"], 2),
         "prefix_nohit_overhead": round(prefix["nohit_overhead"], 4),
@@ -254,7 +310,6 @@ def main() -> None:
     }
     results = {
         "summary": summary,
-        "throughput_vs_static_compacted": cont_tps / main_arms["static"]["compacted"]["tok_s"],
         "workload": {"requests": NUM_REQUESTS, "prompt_len": [32, 512], "output_len": [16, 256], "seed": 1,
                      "ignore_eos": True},
         "engine_config": {k: getattr(b.base, k) for k in ("dtype", "block_size", "max_num_batched_tokens",
@@ -264,6 +319,8 @@ def main() -> None:
         "concurrency": {str(c): r for c, r in rows.items()},
         "plot": str(img.relative_to(_HERE.parent)),
         "load_average_before": load_before, "load_average_after": load_average(),
+        "other_processes_cpu_share": load.shares,
+        "hypervisor_steal_share": load.steal,
         "seconds": time.perf_counter() - started,
     }
     write_json(OUT_DIR / "engine.json", results)
