@@ -71,6 +71,14 @@ def load_average() -> tuple[float, float, float]:
     return os.getloadavg()
 
 
+def machine_busy_s() -> float:
+    """CPU seconds every process on the machine has used since boot (all cores, not idle)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+
 def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")

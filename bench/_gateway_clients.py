@@ -248,6 +248,7 @@ class Round:
     turns: list[Turn]
     client_cpu_s: float  # this process (the clients, or the in-process engine and its consumer)
     server_cpu_s: float  # the gateway process (idle during in-process rounds)
+    other_cpu_s: float  # every other process on the machine: how disturbed the round was
 
     @property
     def tokens(self) -> int:

@@ -23,10 +23,17 @@ def _itl_ms(gaps: list[float]) -> dict[str, float]:
 
 
 def summarize_throughput(rounds: list[Round], headline: ClientKind) -> dict[str, Any]:
-    by_arm = {arm: [r for r in rounds if r.arm == arm] for arm in ("inprocess", "sdk", "websockets")}
+    """Per arm: median tokens/s over its rounds, and the median over its rounds of each
+    round's ITL p50/p99 (one disturbed round would otherwise own the pooled p99)."""
+    by_arm = {arm: [r for r in rounds if r.arm == arm] for arm in ARMS}
     medians = {arm: median([r.tok_s for r in rs]) for arm, rs in by_arm.items()}
     gaps = {arm: _gaps(rounds, arm) for arm in by_arm}
-    itl = {arm: _itl_ms(g) for arm, g in gaps.items()}
+    per_round = {id(r): _itl_ms(r.intervals()) for r in rounds}
+    itl = {arm: {"p50": median([per_round[id(r)]["p50"] for r in rs]),
+                 "p99": median([per_round[id(r)]["p99"] for r in rs])} for arm, rs in by_arm.items()}
+    # Arms of the same round ran back to back: their ratio is less exposed to slow drift.
+    paired = {arm: median([r.tok_s / by_arm["inprocess"][n].tok_s for n, r in enumerate(by_arm[arm])])
+              for arm in ("sdk", "websockets")}
     reference = {i: t for i, t in enumerate(by_arm["inprocess"][0].turns)}
     same_text = {arm: sum(t.text == reference[i].text for i, t in enumerate(rs[0].turns)) for arm, rs in by_arm.items()}
     same_prompt = {arm: sum(t.input_tokens == reference[i].input_tokens for i, t in enumerate(rs[0].turns))
@@ -35,7 +42,9 @@ def summarize_throughput(rounds: list[Round], headline: ClientKind) -> dict[str,
         "headline_client": headline,
         "tok_s_median": medians,
         "ratio_vs_inprocess": {arm: medians[arm] / medians["inprocess"] for arm in ("sdk", "websockets")},
+        "median_of_round_ratios": paired,
         "itl_ms": itl,
+        "itl_ms_pooled": {arm: _itl_ms(g) for arm, g in gaps.items()},
         "itl_quantiles_ms": {arm: [round(percentile(g, q) * 1e3, 4) for q in range(101)] for arm, g in gaps.items()},
         "added_itl_ms": {arm: {"p50": itl[arm]["p50"] - itl["inprocess"]["p50"],
                                "p99": itl[arm]["p99"] - itl["inprocess"]["p99"]} for arm in ("sdk", "websockets")},
@@ -44,7 +53,9 @@ def summarize_throughput(rounds: list[Round], headline: ClientKind) -> dict[str,
         "outputs_identical_to_inprocess": same_text,
         "prompt_tokens_identical": same_prompt,
         "rounds": [{"arm": r.arm, "round": r.index, "seconds": r.seconds, "tokens": r.tokens, "tok_s": r.tok_s,
-                    "client_cpu_s": r.client_cpu_s, "server_cpu_s": r.server_cpu_s} for r in rounds],
+                    "itl_p50_ms": per_round[id(r)]["p50"], "itl_p99_ms": per_round[id(r)]["p99"],
+                    "bench_cpu_s": r.client_cpu_s, "gateway_cpu_s": r.server_cpu_s, "other_cpu_s": r.other_cpu_s}
+                   for r in rounds],
     }
 
 
@@ -55,15 +66,18 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"{setup['rounds']} interleaved rounds per arm, edge {setup['edge']['backend']} "
         f"n_seq_max={setup['edge']['n_seq_max']}; load {setup['load_before'][0]:.2f} -> {setup['load_after'][0]:.2f}",
         "",
-        f"{'arm':<16}{'tok/s (median)':>16}{'vs in-process':>15}{'ITL p50 ms':>12}{'ITL p99 ms':>12}"
-        f"{'TTFT p50 ms':>13}{'same text':>11}",
+        f"{'arm':<16}{'tok/s (median)':>16}{'vs in-process':>15}{'(paired)':>10}{'ITL p50 ms':>12}"
+        f"{'ITL p99 ms':>12}{'TTFT p50 ms':>13}{'same text':>11}",
     ]
     for arm in ARMS:
         ratio = tp["ratio_vs_inprocess"].get(arm, 1.0)
+        paired = tp["median_of_round_ratios"].get(arm, 1.0)
         itl = tp["itl_ms"][arm]
-        lines.append(f"{LABELS[arm]:<16}{tp['tok_s_median'][arm]:>16.1f}{ratio:>15.3f}{itl['p50']:>12.2f}"
-                     f"{itl['p99']:>12.2f}{tp['ttft_ms_median'][arm]:>13.1f}"
+        lines.append(f"{LABELS[arm]:<16}{tp['tok_s_median'][arm]:>16.1f}{ratio:>15.3f}{paired:>10.3f}"
+                     f"{itl['p50']:>12.2f}{itl['p99']:>12.2f}{tp['ttft_ms_median'][arm]:>13.1f}"
                      f"{tp['outputs_identical_to_inprocess'][arm]:>8}/{setup['clients']}")
+    lines.append("(ITL: median over the arm's rounds of each round's percentile; paired: median of the ratios "
+                 "of arms run back to back)")
     lines += [
         "",
         f"cancel ({cancel['client']}, {cancel['count']} responses on {cancel['sessions']} sessions): "

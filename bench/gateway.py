@@ -18,7 +18,7 @@ Progress goes to stderr; stdout gets a summary, then as its last line one JSON o
 ``idle_sessions_per_gib``. Everything is written to bench/out/gateway.json and a figure to
 docs/img/gateway_overhead.png.
 
-Run: ``.venv/bin/python bench/gateway.py`` (about 3-5 minutes on 2 cores).
+Run: ``.venv/bin/python bench/gateway.py`` (about 5 minutes on a quiet 2-core machine).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from bench._common import (  # noqa: E402
     OUT_DIR,
     REPO_ROOT,
     load_average,
+    machine_busy_s,
     percentile,
     progress,
     raise_nofile_limit,
@@ -81,32 +82,43 @@ WARMUP_TOKENS = 8
 GIB = 1 << 30
 
 
-def cpu_s(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return times.user + times.system
+class CpuMeter:
+    """CPU seconds used by this process, the gateway and everything else since it was made.
+    On a shared 2-core machine, a round where other processes ran is a disturbed round."""
+
+    def __init__(self, server: GatewayProcess) -> None:
+        self._me = psutil.Process()
+        self._server = server
+        self._start = self._read()
+
+    def _read(self) -> tuple[float, float, float]:
+        times = self._me.cpu_times()
+        return times.user + times.system, self._server.cpu_s(), machine_busy_s()
+
+    def split(self) -> tuple[float, float, float]:
+        me, server, machine = (b - a for a, b in zip(self._start, self._read(), strict=True))
+        return me, server, max(0.0, machine - me - server)
 
 
 async def inprocess_round(engine: Engine, texts: list[str], max_tokens: int, index: int,
                           server: GatewayProcess) -> Round:
-    me = psutil.Process()
-    cpu0, server0 = cpu_s(me), server.cpu_s()
+    cpu = CpuMeter(server)
     start = time.perf_counter()
     turns = await asyncio.gather(*(inprocess_turn(engine, p, max_tokens, f"bench-{index}-{i}")
                                    for i, p in enumerate(texts)))
     seconds = max(t.done_at for t in turns) - start
-    return Round("inprocess", index, seconds, list(turns), cpu_s(me) - cpu0, server.cpu_s() - server0)
+    return Round("inprocess", index, seconds, list(turns), *cpu.split())
 
 
 async def ws_round(clients: Clients, kind: ClientKind, texts: list[str], max_tokens: int, index: int,
                    server: GatewayProcess) -> Round:
     opened = await clients.open_many(kind, len(texts))
     try:
-        me = psutil.Process()
-        cpu0, server0 = cpu_s(me), server.cpu_s()
+        cpu = CpuMeter(server)
         start = time.perf_counter()
         turns = await asyncio.gather(*(ws_turn(c, p, max_tokens) for c, p in zip(opened, texts, strict=True)))
         seconds = max(t.done_at for t in turns) - start
-        return Round(kind, index, seconds, list(turns), cpu_s(me) - cpu0, server.cpu_s() - server0)
+        return Round(kind, index, seconds, list(turns), *cpu.split())
     finally:
         await close_all(opened)
 
@@ -129,7 +141,8 @@ async def throughput(engine: Engine, clients: Clients, server: GatewayProcess, a
                 r = await ws_round(clients, arm, texts, args.max_tokens, index, server)
             rounds.append(r)
             progress(f"round {index + 1}/{args.rounds} {arm:>10}: {r.tokens} tokens in {r.seconds:.2f} s = "
-                     f"{r.tok_s:.1f} tok/s (client cpu {r.client_cpu_s:.1f} s, server cpu {r.server_cpu_s:.1f} s)")
+                     f"{r.tok_s:.1f} tok/s (cpu s: bench {r.client_cpu_s:.1f}, gateway {r.server_cpu_s:.1f}, "
+                     f"other processes {r.other_cpu_s:.1f})")
     return rounds
 
 
@@ -219,7 +232,7 @@ async def idle_sessions(clients: Clients, server: GatewayProcess, n: int) -> dic
     opened: list[WsClient] = []
     checkpoints = []
     try:
-        for target in (n // 2, n):
+        for target in (n // 4, n // 2, 3 * n // 4, n):
             batch = await asyncio.gather(*(open_one() for _ in range(target - len(opened))), return_exceptions=True)
             opened += [c for c in batch if isinstance(c, WsClient)]
             failures = [c for c in batch if not isinstance(c, WsClient)]
@@ -240,7 +253,7 @@ async def idle_sessions(clients: Clients, server: GatewayProcess, n: int) -> dic
         raise BenchError(f"the gateway did not count the sessions opened: {checkpoints}")
     if per_session <= 0:
         raise BenchError(f"the gateway's RSS did not grow with {n} sessions open: {checkpoints}")
-    half, full = checkpoints
+    half, full = checkpoints[-3], checkpoints[-1]
     marginal = (full["rss_bytes"] - half["rss_bytes"]) / (full["sessions"] - half["sessions"])
     progress(f"idle: closed; server RSS {after / 2**20:.1f} MiB")
     return {
