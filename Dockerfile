@@ -12,10 +12,10 @@ RUN python3.11 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY llm_shared llm_shared
 COPY gateway gateway
 COPY engine_gpu engine_gpu
 COPY engine_edge engine_edge
-COPY client_sdk client_sdk
 # torch with CUDA first; flash-attn builds against it (hence --no-build-isolation).
 RUN pip install --upgrade pip wheel setuptools packaging \
     && pip install "torch>=2.4,<=2.14.1" \

@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from engine_edge.types import SamplingParams
 from engine_gpu.engine import LLMEngine
 from engine_gpu.outputs import RequestOutput
+from llm_shared.contract import SamplingParams
 
 
 @dataclass(frozen=True)

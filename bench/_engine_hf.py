@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine_gpu.loader import GLOBAL_TENSORS, LAYER_TENSORS, read_gguf_args, unpermute_qk
+from llm_shared.llama.loader import GLOBAL_TENSORS, LAYER_TENSORS, read_gguf_args, unpermute_qk
 
 
 def load_hf_llama(path: Path, dtype: torch.dtype) -> torch.nn.Module:

@@ -19,8 +19,8 @@ from typing import Any, Literal, Protocol
 import websockets
 from openai import AsyncOpenAI
 
-from engine_edge.types import Engine, FinishEvent, Priority, SamplingParams, TokenEvent
 from gateway.engines import encode_chat
+from llm_shared.contract import Engine, FinishEvent, Priority, SamplingParams, TokenEvent
 
 BENCH_API_KEY = "bench"  # the gateway has no keys configured on loopback; any bearer is accepted
 DELTA = "response.output_text.delta"

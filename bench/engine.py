@@ -41,8 +41,8 @@ from bench._engine_drive import (  # noqa: E402
 from engine_gpu.config import EngineConfig  # noqa: E402
 from engine_gpu.engine import LLMEngine  # noqa: E402
 from engine_gpu.runner import ModelRunner  # noqa: E402
-from engine_gpu.tokenizer_source import tokenizer_for  # noqa: E402
 from gateway.config import DEFAULT_CONFIG, load_config  # noqa: E402
+from llm_shared.models import tokenizer_for  # noqa: E402
 
 NUM_REQUESTS = 32
 STATIC_BATCH = 16
@@ -153,7 +153,7 @@ def arm_continuous_and_static(b: Bench, reqs: list[Req], pairs: int) -> dict:
 
 def arm_hf(b: Bench, reqs: list[Req], n: int, engine_tps: float) -> dict:
     from bench._engine_hf import hf_serve_one_at_a_time, load_hf_llama
-    from engine_edge.modelfile import resolve_source
+    from llm_shared.modelfile import resolve_source
 
     # A subset spread over output lengths (every k-th by length), served one at a time.
     subset = sorted(reqs, key=lambda r: r.output_len)[:: max(1, len(reqs) // n)][:n]

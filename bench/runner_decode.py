@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from engine_edge.modelfile import default_gguf_path
-from engine_edge.types import SamplingParams
 from engine_gpu.kv_cache import PagedKVCache
-from engine_gpu.loader import load_gguf
 from engine_gpu.runner import DTYPES, ModelRunner, SeqBatchItem
+from llm_shared.contract import SamplingParams
+from llm_shared.llama.loader import load_gguf
+from llm_shared.modelfile import default_gguf_path
 
 
 def main() -> None:

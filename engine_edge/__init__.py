@@ -1,5 +1,4 @@
-"""The edge tier: small models served on this machine (llama.cpp or ONNX Runtime), plus the
-tokenizer, sampling and types every tier shares.
+"""The edge tier: a small model served in this process (llama.cpp or ONNX Runtime), for turns and drafts.
 
 Backends are registered by dotted path and imported only when chosen, so llama-cpp-python and
 onnxruntime stay optional at import time.
@@ -12,10 +11,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from engine_edge.errors import UnknownModelError
+from llm_shared.errors import UnknownModelError
 
 if TYPE_CHECKING:
     from engine_edge.base import EdgeBackend
+    from engine_edge.config import EdgeConfig
 
 BACKENDS = MappingProxyType({
     "llama_cpp": "engine_edge.llama_cpp_backend:LlamaCppBackend",
@@ -32,6 +32,6 @@ def backend_class(name: str) -> type[EdgeBackend]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def create_backend(name: str, model_path: Path, **kwargs: Any) -> EdgeBackend:
-    """Build the edge backend registered as ``name`` for the model file at ``model_path``."""
-    return backend_class(name)(Path(model_path), **kwargs)
+def create_backend(config: EdgeConfig, model_path: Path, **kwargs: Any) -> EdgeBackend:
+    """Build the edge backend ``config.backend`` names for the model file at ``model_path``."""
+    return backend_class(config.backend)(Path(model_path), config, **kwargs)

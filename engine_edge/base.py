@@ -1,7 +1,7 @@
 """What every edge backend (llama.cpp, ONNX Runtime) provides, and the input checks they share.
 
 An edge backend serves whole turns for the gateway (the ``Engine`` protocol of
-``engine_edge.types``) and drafts tokens for speculative decoding (``propose``).
+``llm_shared.contract``) and drafts tokens for speculative decoding (``propose``).
 Backends register by dotted path in ``engine_edge.__init__`` so their heavy imports happen
 only when chosen.
 """
@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from engine_edge.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
-from engine_edge.types import Priority, SamplingParams, StreamEvent
+from llm_shared.contract import Priority, SamplingParams, StreamEvent
+from llm_shared.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
 
 if TYPE_CHECKING:
-    from engine_edge.tokenizer import Tokenizer
+    from llm_shared.tokenizer import Tokenizer
 
 MAX_DRAFT_TOKENS = 64
 
@@ -33,7 +33,7 @@ class Draft:
 
 
 class EdgeBackend(ABC):
-    """A small model on this machine serving turns and drafts. Implements ``engine_edge.types.Engine``."""
+    """A small model on this machine serving turns and drafts. Implements ``llm_shared.contract.Engine``."""
 
     tier: ClassVar[str] = "edge"
 

@@ -1,7 +1,7 @@
 """``python -m engine_edge.export_onnx``: a GGUF's weights as an ONNX decoder with past key/values.
 
-The traced model is ``engine_gpu.model.LlamaModel`` (the one the torch engine runs), loaded by
-``engine_gpu.loader`` with every tensor dequantized to float32, called with
+The traced model is ``llm_shared.llama.model.LlamaModel`` (the one the torch engine runs), loaded by
+``llm_shared.llama.loader`` with every tensor dequantized to float32, called with
 ``engine_gpu.attention.ContiguousAttention``. The graph's inputs and outputs are described in
 ``engine_edge.onnx_decoder``; its logits are those of the last position only, so a long prompt
 does not pay for a vocabulary projection per token.
@@ -31,8 +31,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_edge.errors import EngineError, ModelFileError
-from engine_edge.modelfile import check_gguf, default_gguf_path
 from engine_edge.onnx_cache import (
     EXPORTER_VERSION,
     MANIFEST_SUFFIX,
@@ -44,6 +42,8 @@ from engine_edge.onnx_cache import (
     manifest_path,
 )
 from engine_edge.onnx_decoder import CONTEXT_LENGTH_KEY
+from llm_shared.errors import EngineError, ModelFileError
+from llm_shared.modelfile import check_gguf, default_gguf_path
 
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf caps one file at 2 GiB; bigger weights go beside it
 
@@ -110,7 +110,7 @@ def _export(gguf_path: Path, onnx_path: Path, source_sha: str, say: Progress, *,
     import torch
 
     from engine_edge.onnx_graph import OPSET, trace, verify_export
-    from engine_gpu.loader import load_gguf
+    from llm_shared.llama.loader import load_gguf
 
     t = time.perf_counter()
     say(f"loading weights from {gguf_path.name} (dequantizing to float32)")

@@ -11,39 +11,32 @@ validated against that. Measured on this model: with llama.cpp's unified cache, 
 decoded together attend over each other's masked cells, and batched greedy outputs diverged
 from solo ones (4 of 8 prompts within 24 tokens) at the same speed; with separate streams
 they match exactly, so a seed gives the same text whatever else is batched.
-``kv_unified=True`` trades that for letting one sequence use the whole ``n_ctx``.
+``EdgeConfig.kv_unified`` trades that for letting one sequence use the whole ``n_ctx``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine_edge.errors import ConfigError
+from engine_edge.config import EdgeConfig
 from engine_edge.llama_cpp_runtime import ContextShape, LlamaContext, LlamaModel, TokenBatch
 from engine_edge.llama_cpp_worker import LlamaWorker
-from engine_edge.modelfile import check_gguf
-from engine_edge.tokenizer import Tokenizer
-from engine_edge.worker_front import WorkerFront, check_limits
+from engine_edge.worker_front import WorkerFront
+from llm_shared.errors import ConfigError
+from llm_shared.modelfile import check_gguf
+from llm_shared.tokenizer import Tokenizer
 
 BATCH_TOKENS = 512  # most tokens per llama_decode: prompt chunks plus one per decoding sequence
 
 
 class LlamaCppBackend(WorkerFront):
-    """``engine_edge.types.Engine`` (and a drafter) over llama-cpp-python's low-level API (0.3.36)."""
+    """``llm_shared.contract.Engine`` (and a drafter) over llama-cpp-python's low-level API (0.3.36)."""
 
-    def __init__(
-        self,
-        model_path: Path,
-        *,
-        n_ctx: int = 8192,
-        n_seq_max: int = 8,
-        n_threads: int = 0,
-        max_queued: int = 64,
-        tokenizer: Tokenizer | None = None,
-        kv_unified: bool = False,
-    ) -> None:
-        """``n_ctx`` is the KV cells of the whole context; ``n_threads`` 0 uses every usable core."""
-        check_limits(n_ctx, n_seq_max, n_threads, max_queued)
+    def __init__(self, model_path: Path, config: EdgeConfig | None = None, *,
+                 tokenizer: Tokenizer | None = None) -> None:
+        """``config.n_ctx`` is the KV cells of the whole context; ``n_threads`` 0 uses every usable core."""
+        config = config if config is not None else EdgeConfig()
+        n_seq_max = config.n_seq_max
         model_path = check_gguf(Path(model_path))
         tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_gguf(model_path)
         model = LlamaModel(model_path)
@@ -53,7 +46,7 @@ class LlamaCppBackend(WorkerFront):
                     f"tokenizer has {tokenizer.vocab_size} tokens but the model has {model.n_vocab}; "
                     "they must come from the same model"
                 )
-            ctx = LlamaContext(model, ContextShape(n_ctx, n_seq_max + 1, BATCH_TOKENS, n_threads, kv_unified))
+            ctx = LlamaContext(model, ContextShape(config.n_ctx, n_seq_max + 1, BATCH_TOKENS, config.n_threads, config.kv_unified))
         except BaseException:
             model.free()
             raise
@@ -61,12 +54,12 @@ class LlamaCppBackend(WorkerFront):
         self.weight_bytes = model.size_bytes  # GGUF tensor data: what one decode step reads
         self.n_ctx = ctx.n_ctx
         self.n_threads = ctx.n_threads
-        self.kv_unified = kv_unified
+        self.kv_unified = config.kv_unified
         self._context = ctx
         self._start_worker(
             lambda commands: LlamaWorker(model, ctx, TokenBatch(ctx.n_batch), tokenizer, commands, n_seq_max),
             tokenizer=tokenizer, n_vocab=model.n_vocab, n_ctx_seq=ctx.n_ctx_seq,
-            n_seq_max=n_seq_max, max_queued=max_queued, thread_name="llama-cpp-worker",
+            n_seq_max=n_seq_max, max_queued=config.max_queued, thread_name="llama-cpp-worker",
         )
 
     async def kv_pos_max(self) -> list[int]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from engine_edge.errors import EngineError, ModelFileError
-from engine_edge.modelfile import check_gguf
+from llm_shared.errors import EngineError, ModelFileError
+from llm_shared.modelfile import check_gguf
 
 _log = logging.getLogger("engine_edge.llama_cpp")
 # ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (llama-cpp-python's own

@@ -22,10 +22,7 @@ import numpy as np
 
 from engine_edge.base import Draft
 from engine_edge.batch_plan import Active, Span, common_prefix, plan_batch
-from engine_edge.errors import EngineUnavailableError
 from engine_edge.sampling import greedy_with_prob, make_rng, sample
-from engine_edge.textstream import TextStream
-from engine_edge.types import FinishEvent, FinishReason, SamplingParams, TokenEvent
 from engine_edge.worker_channel import (
     AbortCmd,
     CallCmd,
@@ -36,10 +33,13 @@ from engine_edge.worker_channel import (
     reject,
     resolve,
 )
+from llm_shared.contract import FinishEvent, FinishReason, SamplingParams, TokenEvent
+from llm_shared.errors import EngineUnavailableError
+from llm_shared.textstream import TextStream
 
 if TYPE_CHECKING:
     from engine_edge.llama_cpp_runtime import LlamaContext, LlamaModel, TokenBatch
-    from engine_edge.tokenizer import Tokenizer
+    from llm_shared.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -18,13 +18,14 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from engine_edge.errors import ConfigError, ModelFileError
+from engine_edge.config import EdgeConfig
 from engine_edge.llama_cpp_worker import LlamaWorker
-from engine_edge.modelfile import check_gguf
 from engine_edge.onnx_decoder import CONTEXT_LENGTH_KEY, OnnxDecoder
 from engine_edge.onnx_runtime import OnnxBatch, OnnxContext, OnnxModel, end_of_generation_ids
-from engine_edge.tokenizer import Tokenizer
-from engine_edge.worker_front import WorkerFront, check_limits
+from engine_edge.worker_front import WorkerFront
+from llm_shared.errors import ConfigError, ModelFileError
+from llm_shared.modelfile import check_gguf
+from llm_shared.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -35,23 +36,21 @@ BATCH_TOKENS = 256
 
 
 class OnnxBackend(WorkerFront):
-    """``engine_edge.types.Engine`` (and a drafter) over an onnxruntime session."""
+    """``llm_shared.contract.Engine`` (and a drafter) over an onnxruntime session."""
 
     def __init__(
         self,
         model_path: Path,
+        config: EdgeConfig | None = None,
         *,
-        n_ctx: int = 8192,
-        n_seq_max: int = 8,
-        n_threads: int = 0,
-        max_queued: int = 64,
         onnx_path: Path | None = None,
         tokenizer: Tokenizer | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> None:
-        """``model_path`` is the GGUF (tokenizer, and the weights if it must export); ``n_ctx``
+        """``model_path`` is the GGUF (tokenizer, and the weights if it must export); ``config.n_ctx``
         is the KV cells all sequences share; ``n_threads`` 0 lets onnxruntime use every core."""
-        check_limits(n_ctx, n_seq_max, n_threads, max_queued)
+        config = config if config is not None else EdgeConfig(backend="onnx")
+        n_ctx, n_seq_max = config.n_ctx, config.n_seq_max
         model_path = check_gguf(Path(model_path))
         tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_gguf(model_path)
         if onnx_path is None:
@@ -61,7 +60,7 @@ class OnnxBackend(WorkerFront):
         elif not Path(onnx_path).is_file():
             raise ModelFileError(f"ONNX model {str(onnx_path)!r} does not exist; export it with "
                                  "`python -m engine_edge.export_onnx`")
-        decoder = OnnxDecoder(Path(onnx_path), n_threads=n_threads)
+        decoder = OnnxDecoder(Path(onnx_path), n_threads=config.n_threads)
         if decoder.shape.vocab_size != tokenizer.vocab_size:
             raise ConfigError(
                 f"tokenizer has {tokenizer.vocab_size} tokens but the ONNX model has {decoder.shape.vocab_size}; "
@@ -72,14 +71,14 @@ class OnnxBackend(WorkerFront):
         self.model_path = model_path
         self.onnx_path = Path(onnx_path)
         self.n_ctx = n_ctx
-        self.n_threads = n_threads
+        self.n_threads = config.n_threads
         eog = end_of_generation_ids(tokenizer.eos_id, ((i, tokenizer.token_bytes(i)) for i in tokenizer.special_ids))
         context = OnnxContext(decoder, n_ctx=n_ctx, n_ctx_seq=n_ctx_seq)
         self._start_worker(
             lambda commands: LlamaWorker(OnnxModel(eog), context, OnnxBatch(BATCH_TOKENS),  # type: ignore[arg-type]
                                          tokenizer, commands, n_seq_max),
             tokenizer=tokenizer, n_vocab=decoder.shape.vocab_size, n_ctx_seq=context.n_ctx_seq,
-            n_seq_max=n_seq_max, max_queued=max_queued, thread_name="onnx-worker",
+            n_seq_max=n_seq_max, max_queued=config.max_queued, thread_name="onnx-worker",
         )
         self._context = context
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine_edge.errors import ModelFileError
+from llm_shared.errors import ModelFileError
 
 # Bump whenever the graph's inputs/outputs, the traced model code or the export settings
 # change in a way that makes older files wrong for the current backend.

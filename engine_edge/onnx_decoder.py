@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine_edge.errors import ModelFileError
+from llm_shared.errors import ModelFileError
 
 if TYPE_CHECKING:
     import onnxruntime

@@ -1,6 +1,6 @@
 """The torch side of the ONNX export: the traced wrapper, the trace itself, and its verification.
 
-The wrapper gives ``engine_gpu.model.LlamaModel`` the graph contract of
+The wrapper gives ``llm_shared.llama.model.LlamaModel`` the graph contract of
 ``engine_edge.onnx_decoder``: flat past/present tensors, an attention mask for left-padded
 batches, explicit positions, and logits of the last position only (a long prompt does not pay
 for a vocabulary projection per token). Imported only while exporting, so serving a cached
@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from engine_edge.errors import EngineError
 from engine_edge.onnx_decoder import (
     ATTENTION_MASK,
     INPUT_IDS,
@@ -29,8 +28,8 @@ from engine_edge.onnx_decoder import (
     past_names,
     present_names,
 )
-from engine_gpu.attention import ContiguousAttention
-from engine_gpu.model import LlamaModel
+from llm_shared.errors import EngineError
+from llm_shared.llama.model import ContiguousAttention, LlamaModel
 
 OPSET = 18
 VERIFY_RTOL = 1e-3  # ORT vs torch, both float32: max |Δlogit| relative to the largest logit

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine_edge.errors import EngineError
 from engine_edge.onnx_decoder import KVState, OnnxDecoder
+from llm_shared.errors import EngineError
 
 DECODE_OK = 0
 DECODE_NO_KV_ROOM = 1  # as llama_decode: the cache has no room; nothing was changed

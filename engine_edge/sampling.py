@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine_edge.types import SamplingParams
+from llm_shared.contract import SamplingParams
 
 # top-p first looks at this many of the most likely tokens (a partial sort), widening only
 # when they hold less than top_p of the mass: a full sort of a 50k vocabulary costs ~3 ms.

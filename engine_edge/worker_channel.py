@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_edge.base import Draft
-from engine_edge.types import Priority, SamplingParams, StreamEvent
+from llm_shared.contract import Priority, SamplingParams, StreamEvent
 
 
 class EventSink:

@@ -17,15 +17,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from engine_edge.base import Draft, EdgeBackend, check_draft_request, check_prompt
-from engine_edge.errors import (
-    ConfigError,
-    DuplicateRequestError,
-    EngineUnavailableError,
-    InvalidRequestError,
-    InvalidSamplingError,
-    OverloadedError,
-)
-from engine_edge.types import FinishEvent, Priority, SamplingParams, StreamEvent
 from engine_edge.worker_channel import (
     AbortCmd,
     CallCmd,
@@ -36,23 +27,21 @@ from engine_edge.worker_channel import (
     ProposeCmd,
     reject,
 )
+from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent
+from llm_shared.errors import (
+    DuplicateRequestError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    InvalidSamplingError,
+    OverloadedError,
+)
 
 if TYPE_CHECKING:
     from engine_edge.llama_cpp_worker import LlamaWorker
-    from engine_edge.tokenizer import Tokenizer
+    from llm_shared.tokenizer import Tokenizer
 
 T = TypeVar("T")
 MAX_REQUEST_ID_CHARS = 256
-
-
-def check_limits(n_ctx: int, n_seq_max: int, n_threads: int, max_queued: int) -> None:
-    """The constructor arguments every edge backend shares (``gateway.config.EdgeConfig`` bounds)."""
-    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 64:
-        raise ConfigError(f"n_ctx must be an integer >= 64, got {n_ctx!r}")
-    if isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int) or not 1 <= n_seq_max <= 64:
-        raise ConfigError(f"n_seq_max must be an integer in 1..64, got {n_seq_max!r}")
-    if n_threads < 0 or max_queued < 0:
-        raise ConfigError("n_threads and max_queued must be >= 0")
 
 
 class WorkerFront(EdgeBackend):

@@ -1,7 +1,7 @@
 """Paged attention objects the model layers call in the engine, and the backend registry.
 
 (``ContiguousAttention``, the past-key/value attention of the reference and ONNX-export path,
-lives with the model in engine_gpu.model and is re-exported here.)
+lives with the model in llm_shared.llama.model and is re-exported here.)
 
 - ``TorchPagedAttention``: the engine's paged path in plain torch (any device). Each step's index
   tensors are built once (``prepare``) and shared by all layers; per layer it writes the new K/V
@@ -22,9 +22,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from engine_edge.errors import ConfigError
 from engine_gpu.kv_cache import KVLayout, PagedKVCache
-from engine_gpu.model import Attention, ContiguousAttention
+from llm_shared.errors import ConfigError
+from llm_shared.llama.model import Attention, ContiguousAttention
 
 __all__ = ["ContiguousAttention", "PagedLayout", "TorchPagedAttention", "get_attention_backend"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from engine_edge.errors import ConfigError
 from engine_gpu.attention import PagedLayout
 from engine_gpu.kv_cache import KVLayout, PagedKVCache
+from llm_shared.errors import ConfigError
 
 PAGE_MULTIPLE = 256
 

@@ -1,6 +1,6 @@
 """The gateway's side of the torch engine: an asyncio client of the engine core process.
 
-``EngineClient`` implements the ``Engine`` protocol (engine_edge/types.py) with tier "gpu".
+``EngineClient`` implements the ``Engine`` protocol (llm_shared/contract.py) with tier "gpu".
 It spawns a core (``start``) or connects to one already running (``connect``, e.g. over TCP),
 sends requests as msgpack frames and routes each step's outputs to per-request queues. It
 imports no torch: the model lives in the core process only.
@@ -21,9 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_edge import errors
-from engine_edge.tokenizer import Tokenizer
-from engine_edge.types import FinishEvent, Priority, SamplingParams, StreamEvent
 from engine_gpu.config import EngineConfig
 from engine_gpu.protocol import (
     MAX_REQUEST_ID_CHARS,
@@ -46,8 +43,10 @@ from engine_gpu.protocol import (
     parse_listen,
     read_frame,
 )
-from engine_gpu.tokenizer_source import tokenizer_for
-from gateway.config import REPO_ROOT, ModelConfig
+from llm_shared import errors
+from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent
+from llm_shared.models import REPO_ROOT, ModelConfig, tokenizer_for
+from llm_shared.tokenizer import Tokenizer
 
 log = logging.getLogger("engine_gpu.client")
 

@@ -1,11 +1,17 @@
-"""Configuration of the torch engine (scheduler, KV cache, runner). Pure Python, no torch."""
+"""Configuration of the torch engine (scheduler, KV cache, runner). Pure Python, no torch.
+
+The engine core process reads its own tables (``[engine]`` and the model it names from
+``[models]``) with ``load_engine_config``; it never needs the gateway's configuration.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from engine_edge.configtools import require
+from llm_shared.configtools import build, read_toml, require
+from llm_shared.models import ModelConfig, parse_models, require_model
 
 
 @dataclass(frozen=True)
@@ -44,3 +50,10 @@ class EngineConfig:
             not (self.attention == "flash_attn" and self.device != "cuda"),
             "engine.attention = 'flash_attn' needs engine.device = 'cuda'",
         )
+
+
+def load_engine_config(path: str | Path) -> tuple[ModelConfig, EngineConfig]:
+    """The engine's own tables of a config file: ``[engine]`` and the ``[models]`` entry it serves."""
+    raw = read_toml(path)
+    engine = build(EngineConfig, raw.get("engine", {}), "engine")
+    return require_model(parse_models(raw.get("models")), engine.model, "engine.model"), engine

@@ -28,10 +28,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
-from engine_edge.configtools import build
-from engine_edge.errors import ConfigError, EngineError
-from engine_edge.types import Priority, SamplingParams
-from engine_gpu.config import EngineConfig
+from engine_gpu.config import EngineConfig, load_engine_config
 from engine_gpu.outputs import RequestOutput
 from engine_gpu.protocol import (
     PRIVATE_SOCKET_PREFIX,
@@ -52,7 +49,10 @@ from engine_gpu.protocol import (
     encode_frame,
     parse_listen,
 )
-from gateway.config import ModelConfig
+from llm_shared.configtools import build
+from llm_shared.contract import Priority, SamplingParams
+from llm_shared.errors import ConfigError, EngineError
+from llm_shared.models import ModelConfig
 
 log = logging.getLogger("engine_gpu.core")
 
@@ -314,11 +314,7 @@ class CoreServer:
 
 def _configs(args: argparse.Namespace) -> tuple[ModelConfig, EngineConfig]:
     if args.config:
-        from gateway.config import load_config
-
-        config = load_config(args.config)
-        engine_cfg = config.engine
-        model_cfg = config.model(engine_cfg.model)
+        model_cfg, engine_cfg = load_engine_config(args.config)
     else:
         model_cfg = build(ModelConfig, json.loads(args.model_json), "model")
         engine_cfg = build(EngineConfig, json.loads(args.engine_json), "engine")
@@ -340,7 +336,7 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine_gpu.core_process", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", help="gateway TOML config; serves its [engine] section")
+    source.add_argument("--config", help="TOML config; serves its [engine] table and the [models] entry it names")
     source.add_argument("--model-json", help="ModelConfig as JSON (with --engine-json)")
     parser.add_argument("--engine-json", default="{}", help="EngineConfig as JSON")
     parser.add_argument("--listen", default=None, help="override engine.listen: unix:/path or tcp:host:port")

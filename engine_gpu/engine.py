@@ -12,17 +12,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
-from engine_edge.errors import EmptyPromptError, InvalidRequestError
-from engine_edge.textstream import TextStream
-from engine_edge.tokenizer import Tokenizer
-from engine_edge.types import FinishEvent, FinishReason, Priority, SamplingParams, TokenEvent
 from engine_gpu.config import EngineConfig
 from engine_gpu.outputs import RequestOutput
 from engine_gpu.runner import ModelRunner, SampledToken, SeqBatchItem
 from engine_gpu.sched_output import RequestUpdate, SchedulerOutput
 from engine_gpu.scheduler import Scheduler
-from engine_gpu.tokenizer_source import tokenizer_for
-from gateway.config import ModelConfig
+from llm_shared.contract import FinishEvent, FinishReason, Priority, SamplingParams, TokenEvent
+from llm_shared.errors import EmptyPromptError, InvalidRequestError
+from llm_shared.models import ModelConfig, tokenizer_for
+from llm_shared.textstream import TextStream
+from llm_shared.tokenizer import Tokenizer
 
 log = logging.getLogger("engine_gpu.engine")
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from engine_gpu.model import ModelArgs
+from llm_shared.llama.model import ModelArgs
 
 MIB = 1024 * 1024
 KVLayout = Literal["blocks_first", "heads_first"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_edge.types import FinishEvent, TokenEvent
+from llm_shared.contract import FinishEvent, TokenEvent
 
 
 @dataclass

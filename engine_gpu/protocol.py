@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 import msgpack
 
-from engine_edge import errors
-from engine_edge.types import FinishEvent, Priority, SamplingParams, TokenEvent
 from engine_gpu.outputs import RequestOutput
+from llm_shared import errors
+from llm_shared.contract import FinishEvent, Priority, SamplingParams, TokenEvent
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # a 128k-token prompt is ~640 KB; far above any real message
@@ -42,18 +42,17 @@ _ERROR_CLASSES: dict[str, type[errors.EngineError]] = {
 }
 
 
-class ProtocolError(Exception):
+class ProtocolError(errors.APIError):
     """A frame or message that does not follow the protocol. ``seq``/``request_id`` are filled
     when they could be read, so the reply can be routed to the waiting caller."""
 
-    def __init__(self, message: str, *, code: str = "bad_message", seq: int | None = None,
+    code = "bad_message"
+
+    def __init__(self, message: str, *, code: str | None = None, seq: int | None = None,
                  request_id: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
+        super().__init__(message, code=code, param=param)
         self.seq = seq
         self.request_id = request_id
-        self.param = param
 
 
 # --- client -> core -----------------------------------------------------------------------
@@ -107,7 +106,7 @@ class StepOutputs:
 @dataclass(frozen=True)
 class Rejected:
     request_id: str
-    code: str  # an engine_edge.errors code; the client raises the matching class
+    code: str  # an llm_shared.errors code; the client raises the matching class
     message: str
     param: str | None = None
     t: Literal["reject"] = "reject"

@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_edge.errors import ConfigError
-from engine_edge.modelfile import resolve_source
-from engine_edge.types import SamplingParams
 from engine_gpu.attention import AttentionBackend, PagedLayout, get_attention_backend
 from engine_gpu.kv_cache import PagedKVCache
-from engine_gpu.loader import load_model
-from engine_gpu.model import LlamaModel
 from engine_gpu.sampler import SampledToken, Sampler
+from llm_shared.contract import SamplingParams
+from llm_shared.errors import ConfigError
+from llm_shared.llama.loader import load_model
+from llm_shared.llama.model import LlamaModel
+from llm_shared.modelfile import resolve_source
 
 if TYPE_CHECKING:
     from engine_gpu.config import EngineConfig
-    from gateway.config import ModelConfig
+    from llm_shared.models import ModelConfig
 
 __all__ = ["ModelRunner", "SampledToken", "SeqBatchItem", "build_layout"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine_edge.types import SamplingParams
+from llm_shared.contract import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

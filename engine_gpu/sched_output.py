@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from engine_edge.types import SamplingParams
+from llm_shared.contract import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,16 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine_edge.errors import (
-    DuplicateRequestError,
-    OverloadedError,
-    PromptTooLongError,
-)
-from engine_edge.types import Priority, SamplingParams
 from engine_gpu.block_manager import BlockManager
 from engine_gpu.config import EngineConfig
 from engine_gpu.sched_output import RequestUpdate, ScheduledSeq, SchedulerOutput, SchedulerStats
 from engine_gpu.sequence import SeqStatus, Sequence, as_token_ids, new_sequence
+from llm_shared.contract import Priority, SamplingParams
+from llm_shared.errors import (
+    DuplicateRequestError,
+    OverloadedError,
+    PromptTooLongError,
+)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _StepEnd = Literal["stop", "length"] | None  # how a step can end a request by itself

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine_edge.errors import EmptyPromptError, InvalidRequestError
-from engine_edge.types import Priority, SamplingParams
+from llm_shared.contract import Priority, SamplingParams
+from llm_shared.errors import EmptyPromptError, InvalidRequestError
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids are hashed as int64 and fed to int32 tensors
 

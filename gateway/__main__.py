@@ -11,8 +11,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from engine_edge.errors import ConfigError, EngineError
 from gateway.config import DEFAULT_CONFIG, load_config
+from llm_shared.errors import ConfigError, EngineError
 
 log = logging.getLogger("gateway")
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from engine_edge.errors import EngineError
 from gateway.config import ServerConfig
+from llm_shared.errors import APIError, EngineError
 
 ANONYMOUS = "anonymous"
 BROWSER_KEY_PREFIX = "openai-insecure-api-key."
@@ -24,15 +24,12 @@ BROWSER_KEY_PREFIX = "openai-insecure-api-key."
 Clock = Callable[[], float]
 
 
-class AuthError(Exception):
+class AuthError(APIError):
     """A handshake or request that is refused before any work starts."""
 
     def __init__(self, status: int, code: str, message: str, type_: str = "invalid_request_error") -> None:
-        super().__init__(message)
+        super().__init__(message, code=code, type=type_)
         self.status = status
-        self.code = code
-        self.message = message
-        self.type = type_
 
 
 class RateLimitedError(EngineError):
@@ -41,8 +38,8 @@ class RateLimitedError(EngineError):
     code = "rate_limit_exceeded"
 
     def __init__(self, message: str, *, bucket: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.type = bucket  # OpenAI reports which limit was hit ("requests" or "tokens") as the type
+        # OpenAI reports which limit was hit ("requests" or "tokens") as the type.
+        super().__init__(message, type=bucket)
         self.retry_after_s = retry_after_s
 
 

@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine_edge.errors import InvalidSamplingError
-from engine_edge.types import MAX_TOP_LOGPROBS, FinishEvent, Priority, SamplingParams, TokenEvent
 from gateway.config import ServerConfig
+from llm_shared.contract import MAX_TOP_LOGPROBS, FinishEvent, Priority, SamplingParams, TokenEvent
+from llm_shared.errors import APIError, InvalidSamplingError
 
 if TYPE_CHECKING:
-    from engine_edge.tokenizer import Tokenizer
+    from llm_shared.tokenizer import Tokenizer
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 ROLE_MAP = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -35,21 +35,17 @@ KNOWN_FIELDS = frozenset({
 }) | IGNORED_FIELDS
 
 
-class HttpError(Exception):
+class HttpError(APIError):
     """An error answered as ``{"error": {...}}`` with an HTTP status."""
 
     def __init__(self, status: int, code: str, message: str, *, param: str | None = None,
                  type_: str = "invalid_request_error", headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
+        super().__init__(message, code=code, param=param, type=type_)
         self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-        self.type = type_
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": self.to_dict()}
 
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> HttpError:

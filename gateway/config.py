@@ -9,47 +9,17 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from engine_edge.configtools import build, require
-from engine_edge.errors import ConfigError
+from engine_edge.config import EdgeConfig
 from engine_gpu.config import EngineConfig
+from llm_shared.configtools import build, read_toml, require
+from llm_shared.errors import ConfigError
+from llm_shared.models import REPO_ROOT, ModelConfig, parse_models, require_model
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    id: str = ""
-    source: str = ""  # path, or package:<module>/<file>
-    format: Literal["gguf", "safetensors"] = "gguf"
-    tokenizer: str = ""  # tokenizer.json path for safetensors checkpoints; "" = inside the model
-    context_length: int = 0  # 0 = read from the model
-    family: str = ""  # tokenizer family; a drafter must share its target's family
-
-    def __post_init__(self) -> None:
-        require(bool(self.id), "every model needs an id")
-        require(bool(self.source), f"models.{self.id}.source is required")
-
-
-@dataclass(frozen=True)
-class EdgeConfig:
-    backend: Literal["llama_cpp", "onnx"] = "llama_cpp"
-    model: str = "smollm2-135m"
-    n_ctx: int = 18432  # KV cells; every sequence (and the drafter) gets n_ctx // (n_seq_max + 1)
-    n_seq_max: int = 8  # concurrent sequences batched in one context
-    n_threads: int = 0  # 0 = all cores
-    max_queued: int = 64  # waiting requests beyond this are rejected as overloaded
-
-    def __post_init__(self) -> None:
-        require(self.n_ctx >= 64, "edge.n_ctx must be >= 64")
-        require(1 <= self.n_seq_max <= 64, "edge.n_seq_max must be in 1..64")
-        require(self.n_threads >= 0, "edge.n_threads must be >= 0")
-        require(self.max_queued >= 0, "edge.max_queued must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -118,9 +88,8 @@ class Config:
     path: Path | None = None
 
     def __post_init__(self) -> None:
-        require(self.edge.model in self.models, f"edge.model {self.edge.model!r} is not one of [models]: {sorted(self.models)}")
-        require(self.engine.model in self.models, f"engine.model {self.engine.model!r} is not one of [models]: {sorted(self.models)}")
-        require(self.models[self.edge.model].format == "gguf",
+        require_model(self.models, self.engine.model, "engine.model")
+        require(require_model(self.models, self.edge.model, "edge.model").format == "gguf",
                 f"the edge tier ({self.edge.backend}) needs a gguf model; edge.model {self.edge.model!r} is "
                 f"{self.models[self.edge.model].format}")
 
@@ -132,14 +101,7 @@ class Config:
 
 
 def load_config(path: str | Path = DEFAULT_CONFIG) -> Config:
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise ConfigError(f"config file {str(path)!r} not found") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
-    return parse_config(raw, path)
+    return parse_config(read_toml(path), Path(path))
 
 
 def parse_config(raw: dict, path: Path | None = None) -> Config:
@@ -147,31 +109,12 @@ def parse_config(raw: dict, path: Path | None = None) -> Config:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown}; known sections: {sorted(known)}")
-    models_raw = raw.get("models", {})
-    if not isinstance(models_raw, dict) or not models_raw:
-        raise ConfigError("[models] must define at least one model, e.g. [models.smollm2-135m]")
-    models = {}
-    for model_id, table in models_raw.items():
-        if not isinstance(table, dict):
-            raise ConfigError(f"[models.{model_id}] must be a table")
-        models[model_id] = build(ModelConfig, {"id": model_id, **table}, f"models.{model_id}")
-    models = {k: _relative_to_repo(m) for k, m in models.items()}
     return Config(
         server=build(ServerConfig, raw.get("server", {}), "server"),
-        models=models,
+        models=parse_models(raw.get("models")),
         edge=build(EdgeConfig, raw.get("edge", {}), "edge"),
         engine=build(EngineConfig, raw.get("engine", {}), "engine"),
         routing=build(RoutingConfig, raw.get("routing", {}), "routing"),
         path=path,
     )
 
-
-def _relative_to_repo(model: ModelConfig) -> ModelConfig:
-    """Relative model paths in a config file are relative to the repository root."""
-
-    def fix(p: str) -> str:
-        if not p or p.startswith("package:") or Path(p).expanduser().is_absolute():
-            return p
-        return str(REPO_ROOT / p)
-
-    return replace(model, source=fix(model.source), tokenizer=fix(model.tokenizer))

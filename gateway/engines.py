@@ -12,11 +12,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from engine_edge.errors import ConfigError
-from engine_edge.modelfile import check_gguf, resolve_source
-from engine_edge.types import Engine
 from gateway.cascade.router import Router, SingleTierRouter
 from gateway.config import Config
+from llm_shared.contract import Engine
+from llm_shared.errors import ConfigError
+from llm_shared.modelfile import check_gguf, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,7 @@ def build_edge_engine(config: Config) -> Engine:
     edge = config.edge
     path = edge_model_path(config)
     log.info("loading edge model %s (%s backend) from %s", edge.model, edge.backend, path)
-    return create_backend(edge.backend, path, n_ctx=edge.n_ctx, n_seq_max=edge.n_seq_max,
-                          n_threads=edge.n_threads, max_queued=edge.max_queued)
+    return create_backend(edge, path)
 
 
 async def build_gpu_engine(config: Config) -> Engine:

@@ -17,8 +17,6 @@ from typing import Any
 
 from aiohttp import web
 
-from engine_edge.errors import EngineError, EngineUnavailableError, InvalidRequestError, OverloadedError
-from engine_edge.types import Engine, FinishEvent, StreamEvent, TokenEvent
 from gateway.auth import AuthError, RateLimitedError, origin_allowed
 from gateway.chat_schema import (
     ChatRequest,
@@ -33,6 +31,8 @@ from gateway.chat_schema import (
 from gateway.engines import encode_chat
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.state import STATE, GatewayState
+from llm_shared.contract import Engine, FinishEvent, StreamEvent, TokenEvent
+from llm_shared.errors import EngineError, EngineUnavailableError, InvalidRequestError, OverloadedError
 
 log = logging.getLogger(__name__)
 

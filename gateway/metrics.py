@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine_edge.types import Engine
+from llm_shared.contract import Engine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -20,8 +20,6 @@ from typing import Any
 
 from aiohttp import web
 
-from engine_edge.errors import ConfigError
-from engine_edge.types import Engine
 from gateway.auth import AuthError, origin_allowed, parse_subprotocols
 from gateway.config import Config
 from gateway.engines import close_engines, load_engines
@@ -30,6 +28,8 @@ from gateway.state import STATE, GatewayState
 from gateway.ws.codec import MSGPACK_SUBPROTOCOL, FrameCodec
 from gateway.ws.connection import WS_CLOSE_GOING_AWAY, RealtimeConnection
 from gateway.ws.session import RealtimeSession, SessionLimits
+from llm_shared.contract import Engine
+from llm_shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _choose_subprotocol(offered: list[str]) -> str | None:
 
 def _handshake_error(state: GatewayState, e: AuthError) -> web.Response:
     state.metrics.handshakes_rejected.labels(e.code).inc()
-    body = {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}}
+    body = {"error": e.to_dict()}
     return web.json_response(body, status=e.status)
 
 

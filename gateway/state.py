@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from engine_edge.types import Engine
 from gateway.auth import Authenticator, Clock, RateLimiter, SessionSlots, limiter_from_config
 from gateway.cascade.router import Router
 from gateway.config import Config
 from gateway.engines import build_router, tier_models
 from gateway.metrics import GatewayMetrics
+from llm_shared.contract import Engine
 
 if TYPE_CHECKING:
     from gateway.ws.connection import RealtimeConnection

@@ -1,0 +1,1 @@
+"""Routing: which engine tier serves a turn."""

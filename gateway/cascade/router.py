@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from engine_edge.errors import EngineUnavailableError
-from engine_edge.types import Engine, SamplingParams
+from llm_shared.contract import Engine, SamplingParams
+from llm_shared.errors import EngineUnavailableError
 
 
 class Router(Protocol):

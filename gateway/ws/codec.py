@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import msgpack
 
+from llm_shared.errors import APIError
+
 MSGPACK_SUBPROTOCOL = "x-openai-realtime-msgpack"
 MAX_DEPTH = 32
 # Realtime client events are small objects; these bound what one frame can expand into.
@@ -25,13 +27,13 @@ MAX_MAP_LEN = 256
 Encoding = Literal["json", "msgpack"]
 
 
-class DecodeError(Exception):
+class DecodeError(APIError):
     """A frame that is not a valid client event. ``code`` becomes the ``error`` event's code."""
 
+    type = "invalid_request_error"
+
     def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(message, code=code)
 
 
 def _too_deep(value: Any, limit: int) -> bool:

@@ -18,8 +18,6 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from engine_edge.errors import EngineError
-from engine_edge.types import Engine, FinishEvent, Priority, TokenEvent
 from gateway.auth import RateLimitedError, RateLimiter
 from gateway.cascade.router import Router
 from gateway.config import ServerConfig
@@ -28,6 +26,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.ws.codec import DecodeError, FrameCodec
 from gateway.ws.outbox import Outbox
 from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
+from llm_shared.contract import Engine, FinishEvent, Priority, TokenEvent
+from llm_shared.errors import EngineError
 
 log = logging.getLogger(__name__)
 

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from llm_shared.errors import APIError
 
-class ProtocolError(Exception):
+
+class ProtocolError(APIError):
     """A client event we refuse. Becomes an ``error`` server event; the session goes on."""
 
     def __init__(self, code: str, message: str, param: str | None = None, *,
                  type: str = "invalid_request_error", event_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-        self.type = type
-        self.event_id = event_id
+        super().__init__(message, code=code, param=param, type=type)
+        self.event_id = event_id  # the client event it answers, echoed in the error event
 
 
 class Fields:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine_edge.types import FinishEvent
 from gateway.ws.conversation import Conversation, Item
 from gateway.ws.wire import item_wire, response_wire, usage_wire
+from llm_shared.contract import FinishEvent
 
 Emit = Callable[..., None]  # emit(ga_event_type, **fields)
 

@@ -20,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_edge.errors import EngineError
-from engine_edge.types import FinishEvent, SamplingParams, StreamEvent, TokenEvent
 from gateway.ws.conversation import ROOT, Conversation, Item, to_messages
 from gateway.ws.events import (
     ClientEvent,
@@ -39,6 +37,8 @@ from gateway.ws.events import (
 )
 from gateway.ws.responses import ResponseStream
 from gateway.ws.wire import SessionView, event_name, item_wire, session_wire
+from llm_shared.contract import FinishEvent, SamplingParams, StreamEvent, TokenEvent
+from llm_shared.errors import EngineError
 
 __all__ = ["AbortGeneration", "Command", "RealtimeSession", "SessionLimits", "StartGeneration"]
 
@@ -368,8 +368,7 @@ class RealtimeSession:
         self._events.append({"type": event_name(ga_type, self._beta), "event_id": self._ids("event"), **fields})
 
     def _error(self, e: ProtocolError) -> None:
-        self._emit("error", error={"type": e.type, "code": e.code, "message": e.message, "param": e.param,
-                                   "event_id": e.event_id})
+        self._emit("error", error={**e.to_dict(), "event_id": e.event_id})
 
     def _internal_error(self, event_id: str | None) -> None:
         self._error(ProtocolError("server_error", INTERNAL_ERROR_MESSAGE, type="server_error", event_id=event_id))

@@ -4,39 +4,27 @@ module after the first one gets a cache hit instead of another ~10 s trace."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 
 import tokenizers
 import torch
+from tiny_checkpoint import random_weights, tiny_config, write_gguf
 from tokenizers import decoders, models, pre_tokenizers
 
 from engine_edge.export_onnx import ExportResult, ensure_onnx
-from engine_edge.tokenizer import Tokenizer
-from engine_edge.tokenizer_load import TokenizerParts, byte_decoder
-from engine_gpu.model import LlamaModel
+from llm_shared.llama.model import LlamaModel
+from llm_shared.tokenizer import Tokenizer
+from llm_shared.tokenizer_load import TokenizerParts, byte_decoder
 
 VOCAB = 96  # tiny_config's vocabulary: ids 0..94 are the characters ' '..'~', 95 is the EOS
 EOS_TEXT = "<|im_end|>"
 EOS_ID = VOCAB - 1
 
 
-def tiny_checkpoint() -> ModuleType:
-    """tests/engine_gpu/tiny_checkpoint.py, loaded by path (test folders are not packages)."""
-    path = Path(__file__).resolve().parents[1] / "engine_gpu" / "tiny_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("tiny_checkpoint", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    ckpt = tiny_checkpoint()
-    config = ckpt.tiny_config(vocab_size=VOCAB)
-    return ckpt.write_gguf(path, config, ckpt.random_weights(config, seed=seed))
+    config = tiny_config(vocab_size=VOCAB)
+    return write_gguf(path, config, random_weights(config, seed=seed))
 
 
 def tiny_tokenizer(vocab: int = VOCAB, eos: int | None = None) -> Tokenizer:

@@ -10,7 +10,7 @@ import pytest
 
 import engine_edge
 from engine_edge.base import MAX_DRAFT_TOKENS, EdgeBackend, check_draft_request, check_prompt
-from engine_edge.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError, UnknownModelError
+from llm_shared.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError, UnknownModelError
 
 
 def test_check_prompt_accepts_ints_and_numpy_ints() -> None:
@@ -58,7 +58,7 @@ def test_check_draft_request() -> None:
 
 def test_unknown_backend_is_a_typed_error() -> None:
     with pytest.raises(UnknownModelError) as info:
-        engine_edge.create_backend("tensorrt", "model.gguf")  # type: ignore[arg-type]
+        engine_edge.backend_class("tensorrt")
     assert info.value.param == "backend"
     assert "llama_cpp" in info.value.message
 

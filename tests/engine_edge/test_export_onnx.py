@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from onnx_tiny import tiny_export, write_tiny_gguf
 
-from engine_edge.errors import ModelFileError
 from engine_edge.export_onnx import ensure_onnx, main
 from engine_edge.onnx_cache import (
     EXPORTER_VERSION,
@@ -21,6 +20,7 @@ from engine_edge.onnx_cache import (
     manifest_path,
 )
 from engine_edge.onnx_decoder import OnnxDecoder
+from llm_shared.errors import ModelFileError
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,10 @@ import pytest
 
 import engine_edge.llama_cpp_worker as worker_module
 from engine_edge import create_backend
-from engine_edge.errors import (
+from engine_edge.config import EdgeConfig
+from engine_edge.llama_cpp_backend import LlamaCppBackend
+from llm_shared.contract import Engine, FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
+from llm_shared.errors import (
     DuplicateRequestError,
     EmptyPromptError,
     EngineUnavailableError,
@@ -22,9 +25,7 @@ from engine_edge.errors import (
     OverloadedError,
     PromptTooLongError,
 )
-from engine_edge.llama_cpp_backend import LlamaCppBackend
-from engine_edge.modelfile import default_gguf_path
-from engine_edge.types import Engine, FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
+from llm_shared.modelfile import default_gguf_path
 
 pytestmark = pytest.mark.model
 
@@ -36,7 +37,7 @@ def backend() -> Iterator[LlamaCppBackend]:
     # One thread: llama.cpp's threads meet at a barrier after every graph node, so on a CPU
     # shared with other test runs two threads can be 10x slower than one. The "small"
     # backend below keeps the default (all cores).
-    engine = create_backend("llama_cpp", default_gguf_path(), n_ctx=8192, n_seq_max=8, n_threads=1)
+    engine = create_backend(EdgeConfig(n_ctx=8192, n_seq_max=8, n_threads=1), default_gguf_path())
     assert isinstance(engine, LlamaCppBackend)
     yield engine
     asyncio.run(engine.close())
@@ -45,7 +46,7 @@ def backend() -> Iterator[LlamaCppBackend]:
 @pytest.fixture(scope="module")
 def small() -> Iterator[LlamaCppBackend]:
     """One sequence slot and two queue places, to reach the limits quickly."""
-    engine = LlamaCppBackend(default_gguf_path(), n_ctx=512, n_seq_max=1, max_queued=2)
+    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=512, n_seq_max=1, max_queued=2))
     yield engine
     asyncio.run(engine.close())
 
@@ -331,7 +332,7 @@ async def test_sequence_stops_at_its_context(small: LlamaCppBackend) -> None:
 
 
 async def test_unified_kv_lets_one_sequence_use_the_whole_context() -> None:
-    engine = LlamaCppBackend(default_gguf_path(), n_ctx=512, n_seq_max=2, kv_unified=True)
+    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=512, n_seq_max=2, kv_unified=True))
     try:
         assert engine.n_ctx_seq == 512 and engine.max_prompt_tokens == 511
         tokens, finish = await collect(engine, "long", [1] + [28] * 399,

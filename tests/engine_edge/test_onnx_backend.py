@@ -7,13 +7,18 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from onnx_tiny import VOCAB, tiny_export, tiny_tokenizer, torch_greedy
 
-from engine_edge.errors import (
+from engine_edge.config import EdgeConfig
+from engine_edge.onnx_backend import BATCH_TOKENS, OnnxBackend
+from engine_edge.sampling import log_softmax
+from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent
+from llm_shared.errors import (
     ConfigError,
     DuplicateRequestError,
     EmptyPromptError,
@@ -24,11 +29,8 @@ from engine_edge.errors import (
     OverloadedError,
     PromptTooLongError,
 )
-from engine_edge.onnx_backend import BATCH_TOKENS, OnnxBackend
-from engine_edge.sampling import log_softmax
-from engine_edge.types import FinishEvent, SamplingParams, TokenEvent
-from engine_gpu.loader import load_gguf
-from engine_gpu.model import LlamaModel
+from llm_shared.llama.loader import load_gguf
+from llm_shared.llama.model import LlamaModel
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -39,11 +41,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, LlamaMod
     return gguf, result.onnx_path, load_gguf(gguf, dtype=torch.float32)
 
 
-def make_backend(tiny: tuple[Path, Path, LlamaModel], **kwargs: object) -> OnnxBackend:
+def make_backend(tiny: tuple[Path, Path, LlamaModel], **kwargs: Any) -> OnnxBackend:
     gguf, onnx_path, _ = tiny
-    options: dict[str, object] = {"n_ctx": 2048, "n_seq_max": 4, "n_threads": 1, "max_queued": 2,
-                                  "tokenizer": tiny_tokenizer(), **kwargs}
-    return OnnxBackend(gguf, onnx_path=onnx_path, **options)  # type: ignore[arg-type]
+    tokenizer = kwargs.pop("tokenizer", None) or tiny_tokenizer()
+    limits: dict[str, Any] = {"n_ctx": 2048, "n_seq_max": 4, "n_threads": 1, "max_queued": 2, **kwargs}
+    return OnnxBackend(gguf, EdgeConfig(backend="onnx", **limits), onnx_path=onnx_path, tokenizer=tokenizer)
 
 
 @pytest.fixture
@@ -243,9 +245,9 @@ def test_construction_checks_its_inputs(tiny: tuple, tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match="cannot load"):
         OnnxBackend(gguf, onnx_path=garbage, tokenizer=tiny_tokenizer())
     with pytest.raises(ConfigError, match="n_ctx"):
-        OnnxBackend(gguf, onnx_path=onnx_path, tokenizer=tiny_tokenizer(), n_ctx=10)
+        make_backend(tiny, n_ctx=10)
     with pytest.raises(ConfigError, match="n_seq_max"):
-        OnnxBackend(gguf, onnx_path=onnx_path, tokenizer=tiny_tokenizer(), n_seq_max=0)
+        make_backend(tiny, n_seq_max=0)
 
 
 async def test_context_is_capped_by_the_trained_length(tiny: tuple) -> None:
@@ -261,8 +263,8 @@ async def test_context_is_capped_by_the_trained_length(tiny: tuple) -> None:
 async def test_real_model_greedy_equals_torch() -> None:
     """SmolLM2-135M: the export is cached (a second lookup is quick) and greedy matches torch."""
     from engine_edge.export_onnx import ensure_onnx
-    from engine_edge.modelfile import default_gguf_path
-    from engine_edge.tokenizer import Tokenizer
+    from llm_shared.modelfile import default_gguf_path
+    from llm_shared.tokenizer import Tokenizer
 
     gguf = default_gguf_path()
     ensure_onnx(gguf)  # exports once (~1 min), then cached
@@ -271,7 +273,7 @@ async def test_real_model_greedy_equals_torch() -> None:
     assert time.perf_counter() - started < 10
     model = load_gguf(gguf, dtype=torch.float32)
     tokenizer = Tokenizer.from_gguf(gguf)
-    backend = OnnxBackend(gguf, n_ctx=4096, n_seq_max=4)
+    backend = OnnxBackend(gguf, EdgeConfig(backend="onnx", n_ctx=4096, n_seq_max=4))
     try:
         prompts = [
             tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]),

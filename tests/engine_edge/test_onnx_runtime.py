@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from onnx_tiny import tiny_export
 
-from engine_edge.errors import EngineError
 from engine_edge.onnx_decoder import OnnxDecoder
 from engine_edge.onnx_runtime import (
     DECODE_BAD_BATCH,
@@ -19,6 +18,7 @@ from engine_edge.onnx_runtime import (
     OnnxContext,
     end_of_generation_ids,
 )
+from llm_shared.errors import EngineError
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,8 @@ def test_end_of_generation_ids_from_special_token_texts() -> None:
 @pytest.mark.model
 def test_end_of_generation_ids_match_llama_cpp() -> None:
     from engine_edge.llama_cpp_runtime import LlamaModel
-    from engine_edge.modelfile import default_gguf_path
-    from engine_edge.tokenizer import Tokenizer
+    from llm_shared.modelfile import default_gguf_path
+    from llm_shared.tokenizer import Tokenizer
 
     path: Path = default_gguf_path()
     tokenizer = Tokenizer.from_gguf(path)

@@ -17,7 +17,7 @@ from engine_edge.sampling import (
     sample,
     top_logprobs,
 )
-from engine_edge.types import SamplingParams
+from llm_shared.contract import SamplingParams
 
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, 3.0, -1.0], dtype=np.float32)
 

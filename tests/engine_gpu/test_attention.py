@@ -8,13 +8,13 @@ import pytest
 import torch
 from tiny_checkpoint import random_weights, tiny_config, write_hf_checkpoint
 
-from engine_edge.errors import ConfigError
-from engine_edge.types import SamplingParams
 from engine_gpu.attention import SMALL_QUERY, TorchAttentionBackend, get_attention_backend
 from engine_gpu.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
-from engine_gpu.loader import load_safetensors, read_hf_args
-from engine_gpu.model import LlamaModel
 from engine_gpu.runner import ModelRunner, SeqBatchItem
+from llm_shared.contract import SamplingParams
+from llm_shared.errors import ConfigError
+from llm_shared.llama.loader import load_safetensors, read_hf_args
+from llm_shared.llama.model import LlamaModel
 
 TOL = 1e-4
 BLOCK = 8

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine_edge.types import Priority, SamplingParams
 from engine_gpu import block_manager as bm_module
 from engine_gpu.block_manager import BlockManager
 from engine_gpu.sequence import Sequence
+from llm_shared.contract import Priority, SamplingParams
 
 BS = 4
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from tiny_engine import write_tiny_model
 
-from engine_edge.types import FinishEvent, SamplingParams
 from engine_gpu.client import EngineClient
 from engine_gpu.config import EngineConfig
 from engine_gpu.core_process import CoreServer, open_listener
 from engine_gpu.engine import LLMEngine
+from llm_shared.contract import FinishEvent, SamplingParams
 
 CONFIG = EngineConfig(dtype="float32", num_blocks=32, threads=1)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

@@ -17,8 +17,6 @@ import msgpack
 import pytest
 from tiny_engine import write_tiny_model
 
-from engine_edge import errors
-from engine_edge.types import Engine, FinishEvent, Priority, SamplingParams, TokenEvent
 from engine_gpu.client import EngineClient
 from engine_gpu.config import EngineConfig
 from engine_gpu.core_process import config_args
@@ -35,7 +33,9 @@ from engine_gpu.protocol import (
     encode_frame,
     read_frame,
 )
-from gateway.config import REPO_ROOT, ModelConfig
+from llm_shared import errors
+from llm_shared.contract import Engine, FinishEvent, Priority, SamplingParams, TokenEvent
+from llm_shared.models import REPO_ROOT, ModelConfig
 
 CONFIG = EngineConfig(dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=64, threads=1)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

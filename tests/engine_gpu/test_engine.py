@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 from tiny_engine import write_tiny_model
 
-from engine_edge import errors
-from engine_edge.types import FinishEvent, SamplingParams, TokenEvent
 from engine_gpu.config import EngineConfig
 from engine_gpu.engine import LLMEngine
 from engine_gpu.outputs import RequestOutput
-from gateway.config import ModelConfig
+from llm_shared import errors
+from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent
+from llm_shared.models import ModelConfig
 
 CONFIG = EngineConfig(dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8,
                       threads=1)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from tiny_engine import write_tiny_model
 
-from engine_edge.types import SamplingParams
 from engine_gpu.config import EngineConfig
 from engine_gpu.engine import LLMEngine
-from gateway.config import ModelConfig
+from llm_shared.contract import SamplingParams
+from llm_shared.models import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,8 +8,6 @@ import socket
 import msgpack
 import pytest
 
-from engine_edge import errors
-from engine_edge.types import FinishEvent, Priority, SamplingParams, TokenEvent
 from engine_gpu.outputs import RequestOutput
 from engine_gpu.protocol import (
     HEADER,
@@ -32,6 +30,8 @@ from engine_gpu.protocol import (
     parse_listen,
     read_frame,
 )
+from llm_shared import errors
+from llm_shared.contract import FinishEvent, Priority, SamplingParams, TokenEvent
 
 
 def payload(message: object) -> bytes:

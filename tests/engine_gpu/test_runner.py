@@ -8,13 +8,13 @@ import pytest
 import torch
 from tiny_checkpoint import random_weights, tiny_config, write_hf_checkpoint
 
-from engine_edge.types import SamplingParams
 from engine_gpu.config import EngineConfig
 from engine_gpu.kv_cache import PagedKVCache, bytes_per_block
-from engine_gpu.loader import load_safetensors
-from engine_gpu.model import LlamaModel
 from engine_gpu.runner import ModelRunner, SampledToken, SeqBatchItem
-from gateway.config import ModelConfig
+from llm_shared.contract import SamplingParams
+from llm_shared.llama.loader import load_safetensors
+from llm_shared.llama.model import LlamaModel
+from llm_shared.models import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -152,7 +152,7 @@ HF_NAMES = {
 
 
 def smollm2_reference(path: Path) -> tuple[torch.nn.Module, dict[str, int]]:
-    """transformers' Llama fed weights dequantized here, independently of engine_gpu.loader."""
+    """transformers' Llama fed weights dequantized here, independently of llm_shared.llama.loader."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -198,7 +198,7 @@ def encode_words(vocab: dict[str, int], text: str) -> list[int]:
 @pytest.mark.model
 @pytest.mark.slow  # two loads of the real model and an fp32 reference: ~40 s of CPU
 def test_smollm2_bf16_agrees_with_transformers_on_dequantized_weights() -> None:
-    from engine_edge.modelfile import resolve_source
+    from llm_shared.modelfile import resolve_source
 
     hf, vocab = smollm2_reference(resolve_source(SMOLLM2))
     runner = ModelRunner.from_config(ModelConfig(id="smollm2", source=SMOLLM2), EngineConfig(num_blocks=64))

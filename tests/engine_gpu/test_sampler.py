@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine_edge.types import SamplingParams
 from engine_gpu.sampler import Sampler, sampling_probs, uniform_for
+from llm_shared.contract import SamplingParams
 
 VOCAB = 50
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 from sched_fakes import EOS, Driver, reference_output
 
-from engine_edge.errors import (
+from engine_gpu.config import EngineConfig
+from engine_gpu.scheduler import Scheduler
+from llm_shared.contract import Priority, SamplingParams
+from llm_shared.errors import (
     DuplicateRequestError,
     EmptyPromptError,
     InvalidRequestError,
     OverloadedError,
     PromptTooLongError,
 )
-from engine_edge.types import Priority, SamplingParams
-from engine_gpu.config import EngineConfig
-from engine_gpu.scheduler import Scheduler
 
 BS = 16
 

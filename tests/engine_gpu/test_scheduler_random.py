@@ -9,10 +9,10 @@ import random
 import pytest
 from sched_fakes import Driver, reference_output
 
-from engine_edge.errors import OverloadedError, PromptTooLongError
-from engine_edge.types import Priority, SamplingParams
 from engine_gpu.config import EngineConfig
 from engine_gpu.scheduler import Scheduler
+from llm_shared.contract import Priority, SamplingParams
+from llm_shared.errors import OverloadedError, PromptTooLongError
 
 BS = 8
 NUM_OPS = 1000

@@ -13,8 +13,8 @@ from typing import Any
 from tiny_checkpoint import random_weights, tiny_config, write_hf_checkpoint
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from engine_edge.tokenizer_load import byte_decoder
-from gateway.config import ModelConfig
+from llm_shared.models import ModelConfig
+from llm_shared.tokenizer_load import byte_decoder
 
 SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: the tiny config's BOS is 1 and EOS is 2
 

@@ -13,14 +13,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engine_edge.chat_template import validate_messages
-from engine_edge.errors import (
+from llm_shared.chat_template import validate_messages
+from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
+from llm_shared.errors import (
     DuplicateRequestError,
     EmptyPromptError,
     EngineUnavailableError,
     PromptTooLongError,
 )
-from engine_edge.types import FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
 
 
 class FakeTokenizer:

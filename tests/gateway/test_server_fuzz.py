@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from gateway.ws.codec import MSGPACK_SUBPROTOCOL
 
 MAX_FRAME = 16 * 1024
+SETUP_TIMEOUT_S = 120.0  # harness start and stop: set-up and teardown never decide a test
 EVENT_TYPES = ["session.update", "conversation.item.create", "conversation.item.delete",
                "conversation.item.retrieve", "conversation.item.truncate", "response.create", "response.cancel",
                "input_audio_buffer.append", "nonsense.event", ""]
@@ -51,7 +52,8 @@ class Harness:
         self.sockets: dict[str, websockets.ClientConnection] = {}
         self.closes: list[int] = []
 
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 10.0) -> Any:
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
+        # Generous: a busy 2-core machine (a benchmark beside the suite) can stall the loop for seconds.
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def start(self) -> None:
@@ -116,13 +118,13 @@ def harness() -> Iterator[Harness]:
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     h = Harness(loop)
-    h.run(h.start())
+    h.run(h.start(), timeout=SETUP_TIMEOUT_S)
     try:
         yield h
     finally:
-        h.run(h.stop())
+        h.run(h.stop(), timeout=SETUP_TIMEOUT_S)
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+        thread.join(SETUP_TIMEOUT_S)
         loop.close()
 
 

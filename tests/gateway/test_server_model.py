@@ -8,11 +8,11 @@ from fake_engine import FakeEngine
 from gateway_harness import MODEL, make_config, recv_json, recv_until, running_gateway, sdk_turn, send, user_item
 from openai import AsyncOpenAI
 
-from engine_edge.modelfile import default_gguf_path
-from engine_edge.tokenizer import Tokenizer
 from gateway.engines import load_engines
 from gateway.server import create_app, start_server
 from gateway.state import STATE
+from llm_shared.modelfile import default_gguf_path
+from llm_shared.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.model
 

@@ -9,8 +9,8 @@ from gateway_harness import KEY, MODEL, recv_json, recv_until, running_gateway, 
 from openai import AsyncOpenAI
 from realtime_sdk_check import check_server_event
 
-from engine_edge.types import Priority, SamplingParams
 from gateway.ws.codec import MSGPACK_SUBPROTOCOL
+from llm_shared.contract import Priority, SamplingParams
 
 
 def expected_text(messages: list[dict[str, str]]) -> str:

@@ -10,10 +10,10 @@ import websockets
 from gateway_harness import KEY, MODEL, make_config, recv_json, recv_until, running_gateway, send, user_item
 from openai import AsyncOpenAI
 
-from engine_edge.errors import ConfigError
 from gateway.__main__ import main
 from gateway.config import DEFAULT_CONFIG
 from gateway.server import create_app, start_server
+from llm_shared.errors import ConfigError
 
 
 async def handshake_status(url: str, **kwargs) -> tuple[int, dict]:

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from realtime_sdk_check import check_server_event
 
-from engine_edge.errors import OverloadedError
-from engine_edge.types import FinishEvent, TokenEvent
 from gateway.ws.session import AbortGeneration, RealtimeSession, SessionLimits, StartGeneration
+from llm_shared.contract import FinishEvent, TokenEvent
+from llm_shared.errors import OverloadedError
 
 
 def make(*, beta: bool = False, limits: SessionLimits | None = None) -> RealtimeSession:

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from realtime_sdk_check import check_server_event
 
-from engine_edge.types import FinishEvent, TokenEvent
 from gateway.ws.responses import ResponseStream
 from gateway.ws.session import AbortGeneration, RealtimeSession, SessionLimits, StartGeneration
+from llm_shared.contract import FinishEvent, TokenEvent
 
 
 def make(*, beta: bool = False, limits: SessionLimits | None = None) -> RealtimeSession:

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from realtime_sdk_check import check_server_event
 
-from engine_edge.errors import EngineUnavailableError, OverloadedError
-from engine_edge.types import FinishEvent, TokenEvent
 from gateway.ws.session import AbortGeneration, RealtimeSession, SessionLimits, StartGeneration
+from llm_shared.contract import FinishEvent, TokenEvent
+from llm_shared.errors import EngineUnavailableError, OverloadedError
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),

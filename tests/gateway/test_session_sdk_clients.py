@@ -16,8 +16,8 @@ from openai.types.realtime.response_create_event import ResponseCreateEvent
 from pydantic import BaseModel
 from realtime_sdk_check import check_server_event
 
-from engine_edge.types import FinishEvent, TokenEvent
 from gateway.ws.session import RealtimeSession, StartGeneration
+from llm_shared.contract import FinishEvent, TokenEvent
 
 
 def as_sent(event: BaseModel) -> dict[str, Any]:

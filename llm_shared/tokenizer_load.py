@@ -16,8 +16,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from engine_edge.errors import ModelFileError
-from engine_edge.modelfile import check_gguf
+from llm_shared.errors import ModelFileError
+from llm_shared.modelfile import check_gguf
 
 # llama.cpp token types (llama_token_type in llama.h).
 TOKEN_TYPE_NORMAL = 1

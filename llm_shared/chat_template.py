@@ -16,7 +16,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine_edge.errors import EmptyPromptError, InvalidRequestError, ModelFileError
+from llm_shared.errors import EmptyPromptError, InvalidRequestError, ModelFileError
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MESSAGE_KEYS = frozenset({"role", "content"})

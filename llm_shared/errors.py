@@ -1,23 +1,43 @@
 """Typed errors shared by the engines and mapped to protocol errors by the gateway.
 
-Every error carries a stable ``code`` (sent to clients as ``error.code``) and, when one
-input field is at fault, ``param``. Messages are written for the person who sent the
-request and never contain internals (paths of the server are fine only for start-up errors).
+Every error a client can be told about is an ``APIError``: a stable ``code`` (sent to clients
+as ``error.code``), a ``type`` (OpenAI's error type), a ``message`` and, when one input field
+is at fault, ``param``. Messages are written for the person who sent the request and never
+contain internals (paths of the server are fine only for start-up errors).
 """
 
 from __future__ import annotations
 
+from typing import Any
 
-class EngineError(Exception):
+
+class APIError(Exception):
+    """The fields of an OpenAI error object. Subclasses fix ``code`` and ``type`` as class
+    attributes; an instance may override either (one class standing for several codes)."""
+
+    code = "server_error"
+    type = "server_error"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if type is not None:
+            self.type = type
+
+    def to_dict(self) -> dict[str, Any]:
+        """The error object as the OpenAI APIs send it (``{"error": ...}``'s value)."""
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+
+
+class EngineError(APIError):
     """Base of all engine errors."""
 
     code = "engine_error"
     type = "server_error"
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 class InvalidRequestError(EngineError):

@@ -10,14 +10,14 @@ import pytest
 import torch
 from tiny_checkpoint import permute_qk, random_weights, tiny_config, write_gguf, write_hf_checkpoint
 
-from engine_edge.errors import ModelFileError
-from engine_gpu.loader import load_gguf, load_model, load_safetensors, unpermute_qk
+from llm_shared.errors import ModelFileError
+from llm_shared.llama.loader import load_gguf, load_model, load_safetensors, unpermute_qk
 
 
 def test_loads_and_logs_progress(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = tiny_config()
     path = write_gguf(tmp_path / "m.gguf", config, random_weights(config))
-    with caplog.at_level(logging.INFO, logger="engine_gpu.loader"):
+    with caplog.at_level(logging.INFO, logger="llm_shared.llama.loader"):
         model = load_model(path, "gguf", dtype=torch.bfloat16)
     total = 3 + 9 * config["num_hidden_layers"]
     assert any(f"{total}/{total} tensors dequantized" in r.getMessage() for r in caplog.records)

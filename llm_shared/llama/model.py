@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_edge.errors import ModelFileError
-from engine_gpu.rope import RopeScaling, apply_rope, inv_frequencies, rope_cos_sin
+from llm_shared.errors import ModelFileError
+from llm_shared.llama.rope import RopeScaling, apply_rope, inv_frequencies, rope_cos_sin
 
 PastKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), each [B, KVH, S, D]
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """Shape and numerics of a checkpoint, read from its metadata by engine_gpu.loader."""
+    """Shape and numerics of a checkpoint, read from its metadata by llm_shared.llama.loader."""
 
     vocab_size: int
     hidden_size: int

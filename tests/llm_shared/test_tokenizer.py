@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from engine_edge.chat_template import ChatTemplate, validate_messages
-from engine_edge.errors import EmptyPromptError, InvalidRequestError, ModelFileError
-from engine_edge.modelfile import default_gguf_path
-from engine_edge.tokenizer import Tokenizer
-from engine_edge.tokenizer_load import TokenizerParts, load_gguf
+from llm_shared.chat_template import ChatTemplate, validate_messages
+from llm_shared.errors import EmptyPromptError, InvalidRequestError, ModelFileError
+from llm_shared.modelfile import default_gguf_path
+from llm_shared.tokenizer import Tokenizer
+from llm_shared.tokenizer_load import TokenizerParts, load_gguf
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

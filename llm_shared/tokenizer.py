@@ -15,9 +15,9 @@ from pathlib import Path
 
 import tokenizers
 
-from engine_edge.chat_template import ChatTemplate, validate_messages
-from engine_edge.errors import InvalidRequestError
-from engine_edge.tokenizer_load import TokenizerParts, load_gguf, load_hf
+from llm_shared.chat_template import ChatTemplate, validate_messages
+from llm_shared.errors import InvalidRequestError
+from llm_shared.tokenizer_load import TokenizerParts, load_gguf, load_hf
 
 # Private-use delimiters around a per-call random nonce: content cannot forge a sentinel.
 _SENTINEL_OPEN = "\ue000"

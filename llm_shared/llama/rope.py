@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from engine_edge.errors import ModelFileError
+from llm_shared.errors import ModelFileError
 
 SUPPORTED_SCALING = ("linear", "llama3")
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
-from engine_edge.errors import InvalidSamplingError
+from llm_shared.errors import InvalidSamplingError
 
 if TYPE_CHECKING:
-    from engine_edge.tokenizer import Tokenizer
+    from llm_shared.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256

@@ -10,10 +10,10 @@ import pytest
 import torch
 from tiny_checkpoint import random_weights, tiny_config, write_gguf, write_hf_checkpoint
 
-from engine_edge.errors import ModelFileError
-from engine_gpu.loader import load_gguf, load_safetensors
-from engine_gpu.model import LlamaModel
-from engine_gpu.rope import RopeScaling, inv_frequencies, parse_rope_scaling
+from llm_shared.errors import ModelFileError
+from llm_shared.llama.loader import load_gguf, load_safetensors
+from llm_shared.llama.model import LlamaModel
+from llm_shared.llama.rope import RopeScaling, inv_frequencies, parse_rope_scaling
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_edge.errors import ModelFileError
-from engine_edge.modelfile import check_gguf, check_hf_checkpoint, default_gguf_path, resolve_source
+from llm_shared.errors import ModelFileError
+from llm_shared.modelfile import check_gguf, check_hf_checkpoint, default_gguf_path, resolve_source
 
 
 def test_embedded_model_is_found_without_importing_its_package() -> None:

@@ -1,4 +1,4 @@
-"""Loading a Llama-family checkpoint into engine_gpu.model.LlamaModel.
+"""Loading a Llama-family checkpoint into llm_shared.llama.model.LlamaModel.
 
 Two formats: a GGUF file (tensors dequantized to float32 with the ``gguf`` package, llama.cpp's
 Q/K row permutation undone) or a Hugging Face directory (config.json + *.safetensors, sharded or
@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 import torch
 
-from engine_edge.errors import ModelFileError
-from engine_edge.modelfile import check_gguf, check_hf_checkpoint
-from engine_gpu.model import LlamaModel, ModelArgs
-from engine_gpu.rope import parse_rope_scaling
+from llm_shared.errors import ModelFileError
+from llm_shared.llama.model import LlamaModel, ModelArgs
+from llm_shared.llama.rope import parse_rope_scaling
+from llm_shared.modelfile import check_gguf, check_hf_checkpoint
 
 log = logging.getLogger(__name__)
 

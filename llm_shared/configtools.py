@@ -8,11 +8,13 @@ is an error at start-up instead of a silently ignored setting.
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import types
 import typing
+from pathlib import Path
 from typing import Any, TypeVar
 
-from engine_edge.errors import ConfigError
+from llm_shared.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -73,3 +75,17 @@ def require(condition: bool, message: str) -> None:
     """Validation helper for ``__post_init__`` methods."""
     if not condition:
         raise ConfigError(message)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A config file's tables; ConfigError when it is missing or not TOML. Each process then
+    builds only the tables it owns."""
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file {str(path)!r} not found") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e

