@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-from llm_shared.contract import Priority, SamplingParams, StreamEvent
+from llm_shared.contract import Engine
 from llm_shared.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
-
-if TYPE_CHECKING:
-    from llm_shared.tokenizer import Tokenizer
 
 MAX_DRAFT_TOKENS = 64
 
@@ -32,18 +29,16 @@ class Draft:
     reused_tokens: int = 0  # context tokens whose KV was kept from the previous proposal
 
 
-class EdgeBackend(ABC):
-    """A small model on this machine serving turns and drafts. Implements ``llm_shared.contract.Engine``."""
+class EdgeBackend(Engine, ABC):
+    """A small model on this machine serving turns and drafts.
+
+    The turn-serving half is the ``Engine`` protocol of ``llm_shared.contract``, inherited rather
+    than declared again; an edge backend adds a drafter (``propose``) and says how long a prompt
+    one of its sequences holds. ``generate`` raises input errors from the first ``__anext__``;
+    ``abort`` stops the request within one decode step and frees its KV before returning.
+    """
 
     tier: ClassVar[str] = "edge"
-
-    @property
-    @abstractmethod
-    def tokenizer(self) -> Tokenizer: ...
-
-    @property
-    @abstractmethod
-    def ready(self) -> bool: ...
 
     @property
     @abstractmethod
@@ -51,28 +46,8 @@ class EdgeBackend(ABC):
         """Longest prompt one sequence accepts (its context, less room for one new token)."""
 
     @abstractmethod
-    def generate(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        priority: Priority = Priority.INTERACTIVE,
-    ) -> AsyncIterator[StreamEvent]:
-        """Token events then exactly one FinishEvent; input errors raise from the first ``__anext__``."""
-
-    @abstractmethod
-    async def abort(self, request_id: str) -> None:
-        """Stop the request within one decode step and free its KV before returning. Idempotent."""
-
-    @abstractmethod
     async def propose(self, context_ids: Sequence[int], k: int) -> Draft:
         """The drafter's ``k`` greedy next tokens after ``context_ids``, with their probabilities."""
-
-    @abstractmethod
-    def stats(self) -> dict[str, float]: ...
-
-    @abstractmethod
-    async def close(self) -> None: ...
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, *, param: str) -> tuple[int, ...]:

@@ -21,9 +21,7 @@ from pathlib import Path
 from engine_edge.config import EdgeConfig
 from engine_edge.llama_cpp_runtime import ContextShape, LlamaContext, LlamaModel, TokenBatch
 from engine_edge.llama_cpp_worker import LlamaWorker
-from engine_edge.worker_front import WorkerFront
-from llm_shared.errors import ConfigError
-from llm_shared.modelfile import check_gguf
+from engine_edge.worker_front import WorkerFront, open_gguf, require_same_vocab
 from llm_shared.tokenizer import Tokenizer
 
 BATCH_TOKENS = 512  # most tokens per llama_decode: prompt chunks plus one per decoding sequence
@@ -37,16 +35,12 @@ class LlamaCppBackend(WorkerFront):
         """``config.n_ctx`` is the KV cells of the whole context; ``n_threads`` 0 uses every usable core."""
         config = config if config is not None else EdgeConfig()
         n_seq_max = config.n_seq_max
-        model_path = check_gguf(Path(model_path))
-        tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_gguf(model_path)
+        model_path, tokenizer = open_gguf(model_path, tokenizer)
         model = LlamaModel(model_path)
         try:
-            if model.n_vocab != tokenizer.vocab_size:
-                raise ConfigError(
-                    f"tokenizer has {tokenizer.vocab_size} tokens but the model has {model.n_vocab}; "
-                    "they must come from the same model"
-                )
-            ctx = LlamaContext(model, ContextShape(config.n_ctx, n_seq_max + 1, BATCH_TOKENS, config.n_threads, config.kv_unified))
+            require_same_vocab(tokenizer, model.n_vocab, "model")
+            shape = ContextShape(config.n_ctx, n_seq_max + 1, BATCH_TOKENS, config.n_threads, config.kv_unified)
+            ctx = LlamaContext(model, shape)
         except BaseException:
             model.free()
             raise
@@ -54,12 +48,10 @@ class LlamaCppBackend(WorkerFront):
         self.weight_bytes = model.size_bytes  # GGUF tensor data: what one decode step reads
         self.n_ctx = ctx.n_ctx
         self.n_threads = ctx.n_threads
-        self.kv_unified = config.kv_unified
         self._context = ctx
         self._start_worker(
-            lambda commands: LlamaWorker(model, ctx, TokenBatch(ctx.n_batch), tokenizer, commands, n_seq_max),
-            tokenizer=tokenizer, n_vocab=model.n_vocab, n_ctx_seq=ctx.n_ctx_seq,
-            n_seq_max=n_seq_max, max_queued=config.max_queued, thread_name="llama-cpp-worker",
+            lambda commands: LlamaWorker(model, ctx, TokenBatch(ctx.n_batch), tokenizer, commands, n_seq_max), config,
+            tokenizer=tokenizer, n_vocab=model.n_vocab, n_ctx_seq=ctx.n_ctx_seq, thread_name="llama-cpp-worker",
         )
 
     async def kv_pos_max(self) -> list[int]:

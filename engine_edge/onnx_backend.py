@@ -22,9 +22,8 @@ from engine_edge.config import EdgeConfig
 from engine_edge.llama_cpp_worker import LlamaWorker
 from engine_edge.onnx_decoder import CONTEXT_LENGTH_KEY, OnnxDecoder
 from engine_edge.onnx_runtime import OnnxBatch, OnnxContext, OnnxModel, end_of_generation_ids
-from engine_edge.worker_front import WorkerFront
-from llm_shared.errors import ConfigError, ModelFileError
-from llm_shared.modelfile import check_gguf
+from engine_edge.worker_front import WorkerFront, open_gguf, require_same_vocab
+from llm_shared.errors import ModelFileError
 from llm_shared.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,8 +50,7 @@ class OnnxBackend(WorkerFront):
         is the KV cells all sequences share; ``n_threads`` 0 lets onnxruntime use every core."""
         config = config if config is not None else EdgeConfig(backend="onnx")
         n_ctx, n_seq_max = config.n_ctx, config.n_seq_max
-        model_path = check_gguf(Path(model_path))
-        tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_gguf(model_path)
+        model_path, tokenizer = open_gguf(model_path, tokenizer)
         if onnx_path is None:
             from engine_edge.export_onnx import ensure_onnx
 
@@ -61,11 +59,7 @@ class OnnxBackend(WorkerFront):
             raise ModelFileError(f"ONNX model {str(onnx_path)!r} does not exist; export it with "
                                  "`python -m engine_edge.export_onnx`")
         decoder = OnnxDecoder(Path(onnx_path), n_threads=config.n_threads)
-        if decoder.shape.vocab_size != tokenizer.vocab_size:
-            raise ConfigError(
-                f"tokenizer has {tokenizer.vocab_size} tokens but the ONNX model has {decoder.shape.vocab_size}; "
-                "they must come from the same model"
-            )
+        require_same_vocab(tokenizer, decoder.shape.vocab_size, "ONNX model")
         trained = decoder.metadata.get(CONTEXT_LENGTH_KEY, "")
         n_ctx_seq = min(n_ctx, int(trained)) if trained.isdigit() else n_ctx
         self.model_path = model_path
@@ -76,9 +70,8 @@ class OnnxBackend(WorkerFront):
         context = OnnxContext(decoder, n_ctx=n_ctx, n_ctx_seq=n_ctx_seq)
         self._start_worker(
             lambda commands: LlamaWorker(OnnxModel(eog), context, OnnxBatch(BATCH_TOKENS),  # type: ignore[arg-type]
-                                         tokenizer, commands, n_seq_max),
-            tokenizer=tokenizer, n_vocab=decoder.shape.vocab_size, n_ctx_seq=context.n_ctx_seq,
-            n_seq_max=n_seq_max, max_queued=config.max_queued, thread_name="onnx-worker",
+                                         tokenizer, commands, n_seq_max), config,
+            tokenizer=tokenizer, n_vocab=decoder.shape.vocab_size, n_ctx_seq=context.n_ctx_seq, thread_name="onnx-worker",
         )
         self._context = context
 

@@ -14,6 +14,7 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from engine_edge.base import Draft, EdgeBackend, check_draft_request, check_prompt
@@ -29,19 +30,35 @@ from engine_edge.worker_channel import (
 )
 from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent
 from llm_shared.errors import (
+    ConfigError,
     DuplicateRequestError,
     EngineUnavailableError,
     InvalidRequestError,
     InvalidSamplingError,
     OverloadedError,
 )
+from llm_shared.modelfile import check_gguf
+from llm_shared.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from engine_edge.config import EdgeConfig
     from engine_edge.llama_cpp_worker import LlamaWorker
-    from llm_shared.tokenizer import Tokenizer
 
 T = TypeVar("T")
 MAX_REQUEST_ID_CHARS = 256
+
+
+def open_gguf(model_path: Path, tokenizer: Tokenizer | None) -> tuple[Path, Tokenizer]:
+    """The checked GGUF path and the tokenizer to serve it with (its own unless one is given)."""
+    model_path = check_gguf(Path(model_path))
+    return model_path, tokenizer if tokenizer is not None else Tokenizer.from_gguf(model_path)
+
+
+def require_same_vocab(tokenizer: Tokenizer, n_vocab: int, runtime: str) -> None:
+    """Refuse a tokenizer and weights from different models before any request can mix them up."""
+    if n_vocab != tokenizer.vocab_size:
+        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the {runtime} has {n_vocab}; "
+                          "they must come from the same model")
 
 
 class WorkerFront(EdgeBackend):
@@ -54,14 +71,15 @@ class WorkerFront(EdgeBackend):
     n_ctx_seq: int
 
     def _start_worker(
-        self, worker_factory: Callable[[queue.SimpleQueue[Command]], LlamaWorker], *, tokenizer: Tokenizer,
-        n_vocab: int, n_ctx_seq: int, n_seq_max: int, max_queued: int, thread_name: str,
+        self, worker_factory: Callable[[queue.SimpleQueue[Command]], LlamaWorker], config: EdgeConfig, *,
+        tokenizer: Tokenizer, n_vocab: int, n_ctx_seq: int, thread_name: str,
     ) -> None:
+        self.config = config
         self._tokenizer = tokenizer
         self.n_vocab = n_vocab
         self.n_ctx_seq = n_ctx_seq
-        self._n_seq_max = n_seq_max
-        self._max_queued = max_queued
+        self._n_seq_max = config.n_seq_max
+        self._max_queued = config.max_queued
         self._open: set[str] = set()  # request ids whose stream has not ended (touched on event loops only)
         self._closed = False
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()

@@ -7,6 +7,7 @@ can all use them without pulling in torch, llama.cpp or onnxruntime.
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -134,11 +135,14 @@ class Engine(Protocol):
     tier: str  # "edge" or "gpu"; reported to clients in response metadata
 
     @property
+    @abstractmethod
     def tokenizer(self) -> Tokenizer: ...
 
     @property
+    @abstractmethod
     def ready(self) -> bool: ...
 
+    @abstractmethod
     def generate(
         self,
         request_id: str,
@@ -147,8 +151,11 @@ class Engine(Protocol):
         priority: Priority = Priority.INTERACTIVE,
     ) -> AsyncIterator[StreamEvent]: ...
 
+    @abstractmethod
     async def abort(self, request_id: str) -> None: ...
 
+    @abstractmethod
     def stats(self) -> dict[str, float]: ...
 
+    @abstractmethod
     async def close(self) -> None: ...
