@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import resource
 import socket
 import sys
@@ -77,6 +78,35 @@ def machine_busy_s() -> float:
 
     t = psutil.cpu_times()
     return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU flags under which torch computes bfloat16 natively
+
+
+def cpu_facts() -> dict[str, Any]:
+    """This machine's CPU, for every benchmark's output: the same machine kind comes with
+    different CPUs from day to day, and figures compare only within one run."""
+    flags: set[str] = set()
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass  # not Linux: the model name from platform is all there is
+    wanted = ("avx2", "avx512f", *BF16_FLAGS)
+    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
+
+
+def cpu_dtype(requested: str = "auto") -> str:
+    """``requested``, or for "auto" bfloat16 where the CPU computes it natively, else float32
+    (on an AVX2-only CPU bf16 prefill ran 5x slower than fp32)."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if any(f in cpu_facts()["flags"] for f in BF16_FLAGS) else "float32"
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -1,13 +1,14 @@
 """The torch engine on this machine's CPU: continuous batching, paged KV, prefix caching and
 chunked prefill, each measured side by side against its baseline on the same requests.
 
-Uses the embedded SmolLM2-135M GGUF in bfloat16 and the in-process LLMEngine (one model, one KV
+Uses the embedded SmolLM2-135M GGUF (bfloat16 where the CPU computes it natively, else float32;
+``--dtype`` overrides) and the in-process LLMEngine (one model, one KV
 pool; every arm gets a fresh scheduler). Progress goes to stderr; full results to
 bench/out/engine.json and a plot to docs/img/engine_concurrency.png; the last stdout line is one
 JSON object with throughput_vs_hf, throughput_vs_static, kv_waste, prefix_ttft_ratio,
 prefix_nohit_overhead and chunked_p99_itl_ratio.
 
-    .venv/bin/python bench/engine.py [--hf-requests 8] [--repeats 6] [--pairs 3]
+    .venv/bin/python bench/engine.py [--dtype auto] [--hf-requests 8] [--repeats 6] [--pairs 3]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import replace  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench._common import IMG_DIR, OUT_DIR, load_average, median, percentile, progress, write_json  # noqa: E402
+from bench._common import IMG_DIR, OUT_DIR, cpu_dtype, cpu_facts, load_average, median, percentile, progress, write_json  # noqa: E402
 from bench._engine_drive import (  # noqa: E402
     KVPeak,
     Req,
@@ -52,11 +53,11 @@ CONCURRENCY = (1, 4, 16, 32)
 class Bench:
     """One model and KV pool shared by every arm; ``engine(**changes)`` is a fresh scheduler."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, dtype: str) -> None:
         config = load_config(DEFAULT_CONFIG)
-        self.base = replace(config.engine, dtype="bfloat16", device="cpu", threads=threads)
+        self.base = replace(config.engine, dtype=dtype, device="cpu", threads=threads)
         self.model_cfg = config.model(self.base.model)
-        progress(f"loading {self.model_cfg.id} ({self.model_cfg.source}) in bfloat16, {threads} threads")
+        progress(f"loading {self.model_cfg.id} ({self.model_cfg.source}) in {dtype}, {threads} threads")
         self.tokenizer = tokenizer_for(self.model_cfg)
         self.runner = ModelRunner.from_config(self.model_cfg, self.base)
         self.vocab = self.runner.vocab_size
@@ -157,8 +158,8 @@ def arm_hf(b: Bench, reqs: list[Req], n: int, engine_tps: float) -> dict:
 
     # A subset spread over output lengths (every k-th by length), served one at a time.
     subset = sorted(reqs, key=lambda r: r.output_len)[:: max(1, len(reqs) // n)][:n]
-    progress("HF generate() baseline: loading LlamaForCausalLM with the same dequantized weights (bf16)")
-    model = load_hf_llama(resolve_source(b.model_cfg.source), torch.bfloat16)
+    progress(f"HF generate() baseline: loading LlamaForCausalLM with the same dequantized weights ({b.base.dtype})")
+    model = load_hf_llama(resolve_source(b.model_cfg.source), getattr(torch, b.base.dtype))
     progress(f"  serving {len(subset)} of {len(reqs)} requests one at a time "
              f"(mean prompt {sum(len(r.prompt) for r in subset) / len(subset):.0f}, "
              f"mean output {sum(r.output_len for r in subset) / len(subset):.0f} tokens)")
@@ -167,12 +168,12 @@ def arm_hf(b: Bench, reqs: list[Req], n: int, engine_tps: float) -> dict:
     secs, tokens, outs = hf_serve_one_at_a_time(model, [r.prompt for r in subset], [r.output_len for r in subset])
     hf_tps = tps(tokens, secs)
     engine_outs = b.engine().generate([r.prompt for r in subset], [r.params() for r in subset], prefix="check")
-    # Same weights, but bf16 rounds differently in each implementation and random-token prompts
+    # Same weights, but bf16 (if chosen) rounds differently in each implementation and random-token prompts
     # leave near-ties, so long greedy runs may part ways; the first token is the sharp check.
     first = sum(a[0] == e[0] for a, e in zip(outs, engine_outs, strict=True))
     first16 = sum(a[:16] == e[:16] for a, e in zip(outs, engine_outs, strict=True))
     progress(f"  HF: {tokens} tokens in {secs:.1f} s = {hf_tps:.1f} tok/s; greedy tokens equal to the engine's: "
-             f"first on {first}/{len(subset)}, first 16 on {first16}/{len(subset)} requests (bf16)")
+             f"first on {first}/{len(subset)}, first 16 on {first16}/{len(subset)} requests ({b.base.dtype})")
     del model
     return {"tok_s": hf_tps, "seconds": secs, "tokens": tokens, "requests": len(subset),
             "first_token_agree": first, "first16_agree": first16, "ratio": engine_tps / hf_tps}
@@ -249,7 +250,7 @@ def arm_concurrency(b: Bench) -> dict:
     return rows
 
 
-def plot(rows: dict, path: Path) -> None:
+def plot(rows: dict, path: Path, dtype: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -264,7 +265,7 @@ def plot(rows: dict, path: Path) -> None:
     for ax in (left, right):
         ax.set_xticks(xs, [str(c) for c in xs])
         ax.grid(alpha=0.3)
-    fig.suptitle("Torch engine, SmolLM2-135M bf16 on 2 CPU cores (prompts 64-256, 64 output tokens)")
+    fig.suptitle(f"Torch engine, SmolLM2-135M {dtype} on 2 CPU cores (prompts 64-256, 64 output tokens)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -276,11 +277,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6, help="interleaved pairs of prefix caching on/off runs")
     parser.add_argument("--pairs", type=int, default=3, help="interleaved pairs of the batching and chunking arms")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="auto: bfloat16 where the CPU computes it natively (AVX-512 bf16, AMX), else float32")
     args = parser.parse_args()
     started = time.perf_counter()
     load_before = load_average()
     progress(f"load average {load_before[0]:.2f}")
-    b = Bench(args.threads)
+    cpu = cpu_facts()
+    progress(f"CPU: {cpu['model']}, {cpu['cores']} cores, flags {cpu['flags']}")
+    b = Bench(args.threads, cpu_dtype(args.dtype))
     reqs = make_requests(NUM_REQUESTS, 1, prompt_len=(32, 512), output_len=(16, 256), vocab=b.vocab)
     progress("warming up")
     b.engine().generate([r.prompt for r in reqs[:4]], Req([], 8).params(), prefix="warmup")
@@ -298,7 +303,7 @@ def main() -> None:
     rows = arm_concurrency(b)
     load.lap("concurrency")
     img = IMG_DIR / "engine_concurrency.png"
-    plot(rows, img)
+    plot(rows, img, b.base.dtype)
 
     summary = {
         "throughput_vs_hf": round(hf["ratio"], 2),
@@ -307,6 +312,8 @@ def main() -> None:
         "prefix_ttft_ratio": round(prefix["ttft_ratio"], 2),
         "prefix_nohit_overhead": round(prefix["nohit_overhead"], 4),
         "chunked_p99_itl_ratio": round(chunked["p99_ratio"], 2),
+        "dtype": b.base.dtype,
+        "cpu": cpu["model"],
     }
     results = {
         "summary": summary,
@@ -315,6 +322,7 @@ def main() -> None:
         "engine_config": {k: getattr(b.base, k) for k in ("dtype", "block_size", "max_num_batched_tokens",
                                                           "max_num_seqs", "long_prefill_threshold", "threads")},
         "kv_blocks_total": b.runner.num_blocks,
+        "cpu": cpu,
         **main_arms, "hf": hf, "prefix": prefix, "chunked_prefill": chunked,
         "concurrency": {str(c): r for c, r in rows.items()},
         "plot": str(img.relative_to(_HERE.parent)),

@@ -47,6 +47,7 @@ from bench._common import (  # noqa: E402
     IMG_DIR,
     OUT_DIR,
     REPO_ROOT,
+    cpu_facts,
     load_average,
     machine_busy_s,
     percentile,
@@ -358,13 +359,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = uvloop.run(run(args))
+    result["cpu"] = cpu_facts()
     write_json(args.out, result)
     if str(args.plot):
         plot(result, args.plot)
     for line in summary_lines(result):
         print(line)
-    print(json.dumps({k: round(result[k], 4) for k in ("ws_vs_inprocess", "added_itl_p50_ms", "added_itl_p99_ms",
-                                                       "cancel_p99_ms", "idle_sessions_per_gib")}))
+    figures = {k: round(result[k], 4) for k in ("ws_vs_inprocess", "added_itl_p50_ms", "added_itl_p99_ms",
+                                                "cancel_p99_ms", "idle_sessions_per_gib")}
+    print(json.dumps({**figures, "cpu": result["cpu"]["model"]}))
     progress(f"wrote {args.out.relative_to(REPO_ROOT) if args.out.is_relative_to(REPO_ROOT) else args.out}")
     return 0
 
