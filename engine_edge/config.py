@@ -20,6 +20,8 @@ class EdgeConfig:
     n_threads: int = 0  # 0 = all cores
     max_queued: int = 64  # waiting requests beyond this are rejected as overloaded
     kv_unified: bool = False  # llama.cpp: one cell pool for all sequences (batched output may then differ from solo)
+    prefix_reuse: bool = True  # a finished turn's KV stays in its slot for the conversation's next turn
+    snapshot_mib: int = 256  # host memory for the KV of idle conversations moved out of their slots (0: none)
 
     def __post_init__(self) -> None:
         require(self.backend in ("llama_cpp", "onnx"), f"edge.backend must be 'llama_cpp' or 'onnx', got {self.backend!r}")
@@ -27,3 +29,4 @@ class EdgeConfig:
         require(1 <= self.n_seq_max <= 64, "edge.n_seq_max must be in 1..64")
         require(self.n_threads >= 0, "edge.n_threads must be >= 0")
         require(self.max_queued >= 0, "edge.max_queued must be >= 0")
+        require(self.snapshot_mib >= 0, "edge.snapshot_mib must be >= 0")

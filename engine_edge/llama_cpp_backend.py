@@ -50,7 +50,9 @@ class LlamaCppBackend(WorkerFront):
         self.n_threads = ctx.n_threads
         self._context = ctx
         self._start_worker(
-            lambda commands: LlamaWorker(model, ctx, TokenBatch(ctx.n_batch), tokenizer, commands, n_seq_max), config,
+            lambda commands: LlamaWorker(model, ctx, TokenBatch(ctx.n_batch), tokenizer, commands, n_seq_max,
+                                         prefix_reuse=config.prefix_reuse,
+                                         snapshot_budget_bytes=config.snapshot_mib * 2**20), config,
             tokenizer=tokenizer, n_vocab=model.n_vocab, n_ctx_seq=ctx.n_ctx_seq, thread_name="llama-cpp-worker",
         )
 

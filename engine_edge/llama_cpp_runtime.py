@@ -154,6 +154,20 @@ class LlamaContext:
         """Drop the sequence's cells with positions in [p0, p1) (-1: open end)."""
         return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq_id, p0, p1))
 
+    def state_get(self, seq_id: int) -> bytes:
+        """A copy of the sequence's KV state (host memory), for ``state_set`` into any slot later."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.handle, seq_id))
+        buffer = (ctypes.c_uint8 * size)()
+        written = int(llama_cpp.llama_state_seq_get_data(self.handle, buffer, size, seq_id))
+        if written != size:
+            raise EngineError(f"llama.cpp copied {written} of {size} state bytes of sequence {seq_id}")
+        return bytes(buffer)
+
+    def state_set(self, seq_id: int, data: bytes) -> bool:
+        """Load a ``state_get`` copy into ``seq_id`` (whose cells must be empty); False if llama.cpp refused it."""
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return int(llama_cpp.llama_state_seq_set_data(self.handle, buffer, len(data), seq_id)) > 0
+
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest cached position of the sequence, -1 when it holds no cells."""
         return int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq_id))

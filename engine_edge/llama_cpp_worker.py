@@ -1,6 +1,11 @@
 """The one thread that owns a llama.cpp context: it admits requests into sequence slots and
 decodes a single batch per step for all of them, then samples and streams.
 
+A request goes to the slot ``prefix_cache.PrefixCache`` picks: a finished request leaves its
+KV in its slot, so the next turn of a conversation computes only its new tokens; a slot's KV
+moves to host memory when another conversation needs the slot, and back when restoring beats
+recomputing.
+
 A step is schedule (``plan_batch``: which tokens of which sequences), execute (one
 ``llama_decode``) and update (sample, emit, finish). Commands from the asyncio front are
 read before every step, so an abort lands within one step and frees the sequence's KV at
@@ -14,6 +19,7 @@ import heapq
 import itertools
 import logging
 import queue
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,6 +28,7 @@ import numpy as np
 
 from engine_edge.base import Draft
 from engine_edge.batch_plan import Active, Span, common_prefix, plan_batch
+from engine_edge.prefix_cache import Placement, PrefixCache
 from engine_edge.sampling import greedy_with_prob, make_rng, sample
 from engine_edge.worker_channel import (
     AbortCmd,
@@ -58,6 +65,7 @@ class GenSeq:
     rng: np.random.Generator
     reservation: int  # KV cells this sequence may grow to (counts against a unified pool)
     n_cached: int = 0
+    n_reused: int = 0  # prompt tokens whose KV was already there (reported as cached_tokens)
     n_generated: int = 0
 
     @property
@@ -87,13 +95,21 @@ class LlamaWorker:
         tokenizer: Tokenizer,
         commands: queue.SimpleQueue[Command],
         n_slots: int,
+        *,
+        prefix_reuse: bool = True,
+        snapshot_budget_bytes: int = 0,
     ) -> None:
+        """``snapshot_budget_bytes`` bounds the host copies of evicted conversations (0: none;
+        a runtime without ``state_get``/``state_set`` must pass 0)."""
         self._model = model
         self._ctx = ctx
         self._batch = batch
         self._tokenizer = tokenizer
         self._commands = commands
-        self._free_slots = list(range(n_slots - 1, -1, -1))  # pop() hands out the lowest first
+        self._free_slots = list(range(n_slots))
+        self._cache = PrefixCache(n_slots, snapshot_budget_bytes, enabled=prefix_reuse)
+        # One KV stream per slot (llama.cpp's default here): no slot can take another's cells.
+        self._separate_streams = ctx.n_ctx_seq * (n_slots + 1) <= ctx.n_ctx
         self._draft_slot = n_slots
         self._running: dict[str, GenSeq] = {}  # insertion order = admission order
         self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, arrival, request id)
@@ -104,7 +120,7 @@ class LlamaWorker:
         self._draft_cache: list[int] = []  # tokens whose KV the drafter slot holds
         self._closing = False
         self._counters = {"steps": 0, "tokens_generated": 0, "prompt_tokens": 0,
-                          "draft_tokens_reused": 0, "draft_prefill_tokens": 0, "errors": 0}
+                          "draft_tokens_reused": 0, "draft_prefill_tokens": 0, "errors": 0, "restore_ms_total": 0}
         self.snapshot: dict[str, float] = {}  # replaced (never mutated) after every step
         self._publish()
 
@@ -137,8 +153,12 @@ class LlamaWorker:
     def _step(self) -> None:
         active: list[Active] = [*([self._draft_job] if self._draft_job else []), *self._running.values()]
         spans = plan_batch(active, self._batch.capacity, PREFILL_CHUNK_WHILE_DECODING)
+        started = time.perf_counter()
         fed = self._execute(spans)
         if fed is not None:
+            prompt_tokens = sum(span.end - span.start for span in spans if span.end - span.start > 1)
+            if prompt_tokens >= len(spans):  # mostly prompt: a fair sample of what a cached token saves
+                self._cache.observe_prefill(self._batch.n_tokens, time.perf_counter() - started)
             self._update(fed)
         self._counters["steps"] += 1
 
@@ -187,17 +207,29 @@ class LlamaWorker:
     def _reserved_cells(self) -> int:
         job = self._draft_job
         draft = len(job.tokens) + job.cmd.k if job is not None else len(self._draft_cache)
-        return draft + sum(s.reservation for s in self._running.values())
+        return draft + sum(s.reservation for s in self._running.values()) + self._cache.resident_tokens
 
     def _fits(self, cells: int) -> bool:
         """With separate per-sequence caches this always holds; with a unified pool it keeps
-        the sum of what admitted sequences may grow to within the pool."""
-        if self._reserved_cells() + cells <= self._ctx.n_ctx:
+        the sum of what admitted sequences may grow to, and the KV idle slots keep, within the
+        pool: idle caches give way first (the drafter's, then conversations', to host memory)."""
+        if self._separate_streams or self._reserved_cells() + cells <= self._ctx.n_ctx:
             return True
         if self._draft_job is None and self._draft_cache:  # an idle drafter's cache is only an optimization
             self._ctx.seq_rm(self._draft_slot)
             self._draft_cache = []
+        while self._reserved_cells() + cells > self._ctx.n_ctx and self._cache.resident:
+            slot = min(self._cache.resident, key=lambda s: self._cache.resident[s].last_used)
+            self._evict(slot)
         return self._reserved_cells() + cells <= self._ctx.n_ctx
+
+    def _evict(self, slot: int) -> None:
+        """Move an idle slot's KV to host memory (within the budget) and clear the slot."""
+        resident = self._cache.resident[slot]
+        if self._cache.snapshot_budget_bytes > 0:
+            self._cache.saved(resident, self._ctx.state_get(slot))
+        self._cache.dropped(slot)
+        self._ctx.seq_rm(slot)
 
     def _admit(self) -> None:
         if self._draft_job is None and self._draft_queue:
@@ -214,10 +246,34 @@ class LlamaWorker:
                 return  # first come first served: later requests do not jump a big one
             heapq.heappop(self._waiting)
             del self._waiting_cmds[request_id]
-            seq = GenSeq(cmd, self._free_slots.pop(), list(cmd.prompt), TextStream(self._tokenizer, cmd.params.stop),
-                         make_rng(cmd.params.seed), reservation)
+            placement = self._cache.place(cmd.prompt, self._free_slots)
+            self._free_slots.remove(placement.slot)
+            keep = self._prepare_slot(placement)
+            seq = GenSeq(cmd, placement.slot, list(cmd.prompt), TextStream(self._tokenizer, cmd.params.stop),
+                         make_rng(cmd.params.seed), reservation, n_cached=keep, n_reused=keep)
             self._running[request_id] = seq
             self._counters["prompt_tokens"] += len(cmd.prompt)
+
+    def _prepare_slot(self, placement: Placement) -> int:
+        """Carry out a placement; the prompt tokens whose KV the slot now holds (from position 0)."""
+        slot, keep = placement.slot, placement.keep
+        if placement.save is not None:
+            self._cache.saved(placement.save, self._ctx.state_get(slot))
+        if placement.restore is not None:
+            self._ctx.seq_rm(slot)
+            started = time.perf_counter()
+            restored = self._ctx.state_set(slot, placement.restore.data)
+            seconds = time.perf_counter() - started
+            self._counters["restore_ms_total"] += seconds * 1e3
+            self._cache.observe_restore(len(placement.restore.tokens), seconds)
+            if not restored:
+                logger.warning("llama.cpp refused a KV snapshot of %d tokens; recomputing", len(placement.restore.tokens))
+                self._ctx.seq_rm(slot)
+                return 0
+        if keep == 0 or not self._ctx.seq_rm(slot, keep, -1):
+            self._ctx.seq_rm(slot)
+            return 0
+        return keep
 
     def _start_draft(self, cmd: ProposeCmd) -> None:
         context = list(cmd.context)
@@ -312,11 +368,33 @@ class LlamaWorker:
     # ---- finishing -------------------------------------------------------------------------------
 
     def _finish(self, seq: GenSeq, reason: FinishReason, tail: str, message: str = "") -> None:
-        self._ctx.seq_rm(seq.slot)  # the KV goes now, not when the slot is reused
         del self._running[seq.cmd.request_id]
         self._free_slots.append(seq.slot)
+        if reason == "error":  # its KV may be partial: nothing of it is reused
+            self._ctx.seq_rm(seq.slot)
+            self._cache.dropped(seq.slot)
+        else:  # the work stops now; its KV stays as cache for the conversation's next turn
+            self._cache.finished(seq.slot, seq.tokens[: seq.n_cached], seq.cmd.session, len(seq.cmd.prompt))
+            if not self._cache.enabled:
+                self._ctx.seq_rm(seq.slot)
         seq.cmd.sink.put(FinishEvent(reason, prompt_tokens=len(seq.cmd.prompt), completion_tokens=seq.n_generated,
-                                     text=tail, message=message, tier="edge"))
+                                     cached_tokens=seq.n_reused, text=tail, message=message, tier="edge"))
+
+    def kv_state(self) -> dict[str, dict[int, int]]:
+        """Cells per generation slot, read at once: every slot's (``held``), those of running
+        requests, and those idle slots keep as cache; ``held`` is exactly the other two."""
+        held = {slot: self._ctx.seq_pos_max(slot) + 1 for slot in range(self._draft_slot)}
+        return {"held": {slot: n for slot, n in held.items() if n > 0},
+                "running": {s.slot: held[s.slot] for s in self._running.values() if held[s.slot] > 0},
+                "cached": {slot: len(r.tokens) for slot, r in self._cache.resident.items()}}
+
+    def end_session(self, session: str) -> int:
+        """Drop the KV and host copies a conversation left behind; the slots cleared."""
+        slots = self._cache.end_session(session)
+        for slot in slots:
+            self._ctx.seq_rm(slot)
+        self._publish()
+        return len(slots)
 
     def _fail(self, seq: Active, message: str) -> None:
         self._counters["errors"] += 1
@@ -354,10 +432,20 @@ class LlamaWorker:
     def _publish(self) -> None:
         cells = sum(s.n_cached for s in self._running.values())
         cells += self._draft_job.n_cached if self._draft_job else len(self._draft_cache)
+        cache = self._cache
         self.snapshot = {
             "running": float(len(self._running)),
             "waiting": float(len(self._waiting_cmds)),
-            "kv_cells_used": float(cells),
+            "kv_cells_used": float(cells),  # held by running work
+            "kv_cells_cached": float(cache.resident_tokens),  # kept by idle slots for their conversations
             "kv_cells_total": float(self._ctx.n_ctx),
+            "prefix_cache_queries": float(cache.stats.queried_tokens),
+            "prefix_cache_hits": float(cache.stats.hit_tokens),
+            "snapshots": float(len(cache.snapshots)),
+            "snapshot_bytes": float(cache.snapshot_bytes),
+            "snapshot_budget_bytes": float(cache.snapshot_budget_bytes),
+            "snapshot_saves": float(cache.stats.saves),
+            "snapshot_restores": float(cache.stats.restores),
+            "snapshot_evictions": float(cache.stats.snapshot_evictions),
             **{k: float(v) for k, v in self._counters.items()},
         }

@@ -70,7 +70,8 @@ class OnnxBackend(WorkerFront):
         context = OnnxContext(decoder, n_ctx=n_ctx, n_ctx_seq=n_ctx_seq)
         self._start_worker(
             lambda commands: LlamaWorker(OnnxModel(eog), context, OnnxBatch(BATCH_TOKENS),  # type: ignore[arg-type]
-                                         tokenizer, commands, n_seq_max), config,
+                                         tokenizer, commands, n_seq_max, prefix_reuse=config.prefix_reuse),
+            config,
             tokenizer=tokenizer, n_vocab=decoder.shape.vocab_size, n_ctx_seq=context.n_ctx_seq, thread_name="onnx-worker",
         )
         self._context = context

@@ -41,6 +41,7 @@ class GenerateCmd:
     params: SamplingParams
     priority: Priority
     sink: EventSink
+    session: str = ""  # the conversation it belongs to: its KV stays reusable until the session ends
 
 
 @dataclass(frozen=True)

@@ -105,11 +105,15 @@ class WorkerFront(EdgeBackend):
         prompt_ids: Sequence[int],
         params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
+        session_id: str = "",
     ) -> AsyncIterator[StreamEvent]:
         self._require_ready()
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(f"request_id must be a string of 1..{MAX_REQUEST_ID_CHARS} characters",
                                       param="request_id")
+        if not isinstance(session_id, str) or len(session_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(f"session_id must be a string of at most {MAX_REQUEST_ID_CHARS} characters",
+                                      param="session_id")
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingError("params must be a SamplingParams", param="params")
         if priority not in Priority.__members__.values():
@@ -124,7 +128,7 @@ class WorkerFront(EdgeBackend):
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._open.add(request_id)
         self._commands.put(GenerateCmd(request_id, prompt, params, Priority(priority),
-                                       EventSink(asyncio.get_running_loop(), events)))
+                                       EventSink(asyncio.get_running_loop(), events), session_id))
         finished = False
         try:
             while not finished:
@@ -142,6 +146,16 @@ class WorkerFront(EdgeBackend):
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._commands.put(AbortCmd(request_id, done))
         await asyncio.wrap_future(done)
+
+    async def kv_state(self) -> dict[str, dict[int, int]]:
+        """KV cells per slot now: ``running`` (requests in flight) and ``cached`` (idle slots
+        keeping a finished turn for its conversation); for tests and debugging."""
+        return await self.run_on_worker(self._worker.kv_state)
+
+    async def end_session(self, session_id: str) -> None:
+        """The conversation is over: the KV its turns left in idle slots and host memory goes now."""
+        if self.ready and session_id:
+            await self.run_on_worker(lambda: self._worker.end_session(session_id))
 
     async def propose(self, context_ids: Sequence[int], k: int) -> Draft:
         self._require_ready()

@@ -65,6 +65,13 @@ async def collect(engine: LlamaCppBackend, request_id: str, prompt: Sequence[int
     return tokens, finish
 
 
+async def no_orphan_kv(engine: LlamaCppBackend) -> dict[str, dict[int, int]]:
+    """Every generation slot holding KV is running or a cache entry of exactly that many cells."""
+    state = await engine.kv_state()
+    assert state["held"] == {**state["cached"], **state["running"]}
+    return state
+
+
 PROMPTS = [
     "What is the capital of Japan?",
     "Name three fruits.",
@@ -196,12 +203,12 @@ async def test_abort_stops_within_one_step_and_frees_kv(backend: LlamaCppBackend
     # Tokens after the abort call: at most one already emitted but unread, plus the one step
     # that was running when the command arrived.
     assert len(events) - 1 - after_abort <= 2
-    positions = await backend.kv_pos_max()
-    assert sum(p >= 0 for p in positions[:-1]) == 1  # only the survivor holds KV
+    state = await no_orphan_kv(backend)
+    assert len(state["running"]) == 1  # only the survivor still computes; the victim's KV is cache
     await backend.abort("survivor")
     rest = [e async for e in keep_going]
     assert isinstance(rest[-1], FinishEvent) and rest[-1].reason == "abort"
-    assert (await backend.kv_pos_max())[:-1] == [-1] * 8
+    assert (await no_orphan_kv(backend))["running"] == {}
     await backend.abort("survivor")  # idempotent, and unknown ids are fine
     await backend.abort("never-existed")
 
@@ -211,7 +218,7 @@ async def test_consumer_leaving_frees_the_sequence(backend: LlamaCppBackend) -> 
                               SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
     await anext(stream)
     await stream.aclose()
-    assert (await backend.kv_pos_max())[:-1] == [-1] * 8
+    assert (await no_orphan_kv(backend))["running"] == {}
 
 
 async def test_propose_equals_greedy_and_reuses_the_prefix(backend: LlamaCppBackend) -> None:
@@ -317,10 +324,11 @@ async def test_a_failing_step_fails_only_its_requests(small: LlamaCppBackend, mo
     monkeypatch.setattr(worker_module, "sample", broken)
     tokens, finish = await collect(small, "doomed", [1, 2, 3])
     assert tokens == [] and finish.reason == "error" and "injected" not in finish.message
+    assert (await small.kv_pos_max()) == [-1, -1]  # a failed request's KV is never kept
     monkeypatch.undo()
     tokens, finish = await collect(small, "fine", [1, 2, 3])
     assert len(tokens) == GREEDY.max_tokens and finish.reason == "length"
-    assert (await small.kv_pos_max()) == [-1, -1]
+    assert (await no_orphan_kv(small))["running"] == {}
 
 
 async def test_sequence_stops_at_its_context(small: LlamaCppBackend) -> None:

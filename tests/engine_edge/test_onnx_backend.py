@@ -140,7 +140,8 @@ async def test_abort_ends_the_stream_within_a_step_and_frees_kv(backend: OnnxBac
     first = await anext(stream)
     assert isinstance(first, TokenEvent)
     await backend.abort("a")
-    assert await backend.kv_lengths() == {}
+    state = await backend.kv_state()
+    assert state["running"] == {} and state["held"] == state["cached"]  # kept only as cache
     rest = [event async for event in stream]
     finish = rest[-1]
     assert isinstance(finish, FinishEvent) and finish.reason == "abort"
@@ -155,7 +156,8 @@ async def test_consumer_leaving_frees_the_sequence(backend: OnnxBackend) -> None
     async for _ in stream:
         break
     await stream.aclose()
-    assert await backend.kv_lengths() == {}
+    state = await backend.kv_state()
+    assert state["running"] == {} and state["held"] == state["cached"]
     tokens, _ = await collect(backend, "gone", prompt_of(4, 13))  # the id is free again
     assert len(tokens) == GREEDY.max_tokens
 
