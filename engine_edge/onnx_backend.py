@@ -75,6 +75,9 @@ class OnnxBackend(WorkerFront):
             tokenizer=tokenizer, n_vocab=decoder.shape.vocab_size, n_ctx_seq=context.n_ctx_seq, thread_name="onnx-worker",
         )
         self._context = context
+        logger.info("ONNX edge backend: a conversation's next turn reuses the KV its last turn left in its slot%s; "
+                    "idle conversations are not copied to host memory (only the llama.cpp backend has snapshots)",
+                    "" if config.prefix_reuse else " (switched off: edge.prefix_reuse = false)")
 
     async def kv_lengths(self) -> dict[int, int]:
         """Cached positions per sequence slot (the drafter's slot is ``n_seq_max``); for tests and stats."""
