@@ -15,7 +15,8 @@ import time
 import torch
 
 from engine_gpu.kv_cache import PagedKVCache
-from engine_gpu.runner import DTYPES, ModelRunner, SeqBatchItem
+from engine_gpu.runner import DTYPES, ModelRunner
+from engine_gpu.sched_output import ScheduledSeq
 from llm_shared.contract import SamplingParams
 from llm_shared.llama.loader import load_gguf
 from llm_shared.modelfile import default_gguf_path
@@ -47,17 +48,19 @@ def main() -> None:
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
         prompts = [torch.randint(0, model.args.vocab_size, (args.context,), generator=g).tolist() for _ in range(batch)]
         started = time.perf_counter()
-        out = runner.execute([SeqBatchItem(f"r{i}", prompts[i], 0, tables[i], True, greedy, 0) for i in range(batch)])
+        out = runner.execute([ScheduledSeq(f"r{i}", prompts[i], 0, tables[i], sample=True, num_draft_tokens=0,
+                                           params=greedy, output_index=0) for i in range(batch)])
         prefill = time.perf_counter() - started
-        last = [t.token_id for t in out if t is not None]
+        last = [out[f"r{i}"].token_id for i in range(batch)]
         times = []
         for step in range(args.steps):
-            items = [SeqBatchItem(f"r{i}", [last[i]], args.context + step, tables[i], True, greedy, step + 1)
+            items = [ScheduledSeq(f"r{i}", [last[i]], args.context + step, tables[i], sample=True, num_draft_tokens=0,
+                                  params=greedy, output_index=step + 1)
                      for i in range(batch)]
             started = time.perf_counter()
             out = runner.execute(items)
             times.append(time.perf_counter() - started)
-            last = [t.token_id for t in out if t is not None]
+            last = [out[f"r{i}"].token_id for i in range(batch)]
         median = statistics.median(times)
         print(f"batch {batch:3d}: prefill {batch * args.context / prefill:7.0f} tok/s; "
               f"decode step median {median * 1e3:6.1f} ms (min {min(times) * 1e3:.1f}) -> {batch / median:5.0f} tok/s")

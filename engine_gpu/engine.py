@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 from engine_gpu.config import EngineConfig
 from engine_gpu.outputs import RequestOutput
-from engine_gpu.runner import ModelRunner, SampledToken, SeqBatchItem
+from engine_gpu.runner import ModelRunner, SampledToken
 from engine_gpu.sched_output import RequestUpdate, SchedulerOutput
 from engine_gpu.scheduler import Scheduler
 from llm_shared.contract import FinishEvent, FinishReason, Priority, SamplingParams, TokenEvent
@@ -100,19 +100,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         plan = self.last_plan = self.scheduler.schedule()
-        sampled = self.runner.execute(self._batch(plan))
-        by_id = {s.request_id: tok for s, tok in zip(plan.scheduled, sampled, strict=True) if tok is not None}
-        updates = self.scheduler.update_from_output(plan, {rid: [tok.token_id] for rid, tok in by_id.items()})
-        outputs = self._outputs(plan, updates, by_id)
+        sampled = self.runner.execute(plan.scheduled)
+        updates = self.scheduler.update_from_output(plan, {rid: [tok.token_id] for rid, tok in sampled.items()})
+        outputs = self._outputs(plan, updates, sampled)
         self._record_step(time.perf_counter() - started)
         return outputs
-
-    def _batch(self, plan: SchedulerOutput) -> list[SeqBatchItem]:
-        return [
-            SeqBatchItem(request_id=s.request_id, token_ids=s.token_ids, start_pos=s.start_pos,
-                         block_table=s.block_table, sample=s.sample, params=s.params, output_index=s.output_index)
-            for s in plan.scheduled
-        ]
 
     def _outputs(self, plan: SchedulerOutput, updates: list[RequestUpdate],
                  sampled: dict[str, SampledToken]) -> list[RequestOutput]:

@@ -1,15 +1,15 @@
 """The model runner: one forward over a flattened varlen batch, plain Python in and out.
 
-Each step takes any mix of prompt chunks, decodes and (later) draft tokens as ``SeqBatchItem``s,
-writes the K/V of all new tokens into their paged slots, attends causally through each
-sequence's block table, and samples where asked. It knows nothing of scheduling: block ids and
-positions come from the caller, so it runs from plain lists in tests.
+Each step takes the scheduler's ``ScheduledSeq``s (any mix of prompt chunks, decodes and draft
+tokens), writes the K/V of all new tokens into their paged slots, attends causally through each
+sequence's block table, and samples where asked. It makes no scheduling decisions: block ids and
+positions come from the caller, so tests run it from hand-built ``ScheduledSeq``s.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from engine_gpu.attention import AttentionBackend, PagedLayout, get_attention_backend
 from engine_gpu.kv_cache import PagedKVCache
 from engine_gpu.sampler import SampledToken, Sampler
-from llm_shared.contract import SamplingParams
+from engine_gpu.sched_output import ScheduledSeq
 from llm_shared.errors import ConfigError
 from llm_shared.llama.loader import load_model
 from llm_shared.llama.model import LlamaModel
@@ -27,22 +27,11 @@ if TYPE_CHECKING:
     from engine_gpu.config import EngineConfig
     from llm_shared.models import ModelConfig
 
-__all__ = ["ModelRunner", "SampledToken", "SeqBatchItem", "build_layout"]
+__all__ = ["ModelRunner", "SampledToken", "build_layout"]
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass
-class SeqBatchItem:
-    request_id: str
-    token_ids: list[int]  # tokens to compute this step: a prompt chunk, 1 decode token, or 1 + k drafts
-    start_pos: int  # absolute position of token_ids[0] (= tokens already in the KV cache)
-    block_table: list[int]  # physical block ids covering positions [0, start_pos + len(token_ids))
-    sample: bool  # sample after the last position (False for a non-final prompt chunk)
-    params: SamplingParams
-    output_index: int  # tokens this request already generated: the RNG key of seeded sampling
 
 
 def build_layout(
@@ -127,37 +116,35 @@ class ModelRunner:
         return cls(model, kv_cache, device=device, dtype=dtype, attention_backend=backend)
 
     @torch.inference_mode()
-    def execute(self, batch: list[SeqBatchItem]) -> list[SampledToken | None]:
-        """One forward over the batch; a token for each item with ``sample=True``, else None."""
+    def execute(self, batch: Sequence[ScheduledSeq]) -> dict[str, SampledToken]:
+        """One forward over the batch; the sampled token of each item with ``sample=True``, by request id."""
         if not batch:
-            return []
+            return {}
         rows = [i for i, item in enumerate(batch) if item.sample]
         hidden = self._forward(batch, self._last_rows(batch, rows))
-        out: list[SampledToken | None] = [None] * len(batch)
-        if rows:
-            logits = self.model.compute_logits(hidden)
-            tokens = self.sampler.sample(logits, [batch[i].params for i in rows], [batch[i].output_index for i in rows])
-            for i, token in zip(rows, tokens, strict=True):
-                out[i] = token
-        return out
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden)
+        tokens = self.sampler.sample(logits, [batch[i].params for i in rows], [batch[i].output_index for i in rows])
+        return {batch[i].request_id: token for i, token in zip(rows, tokens, strict=True)}
 
     @torch.inference_mode()
-    def execute_logits(self, batch: list[SeqBatchItem]) -> list[torch.Tensor]:
-        """The same step, returning float32 logits [len(token_ids), vocab] for every item's every token
-        (for verifying drafts and for tests)."""
+    def execute_logits(self, batch: Sequence[ScheduledSeq]) -> list[torch.Tensor]:
+        """The same step, returning float32 logits [len(token_ids), vocab] for every item's every token,
+        in batch order (for verifying drafts and for tests)."""
         if not batch:
             return []
         logits = self.model.compute_logits(self._forward(batch, None)).float()
         return list(logits.split([len(item.token_ids) for item in batch]))
 
-    def _last_rows(self, batch: list[SeqBatchItem], rows: list[int]) -> list[int]:
+    def _last_rows(self, batch: Sequence[ScheduledSeq], rows: list[int]) -> list[int]:
         ends, total = [], 0
         for item in batch:
             total += len(item.token_ids)
             ends.append(total - 1)
         return [ends[i] for i in rows]
 
-    def _forward(self, batch: list[SeqBatchItem], keep_rows: list[int] | None) -> torch.Tensor:
+    def _forward(self, batch: Sequence[ScheduledSeq], keep_rows: list[int] | None) -> torch.Tensor:
         """Run the model over all new tokens; hidden states [rows, hidden] of ``keep_rows`` (None: all)."""
         self._validate(batch)
         layout = build_layout(
@@ -171,7 +158,7 @@ class ModelRunner:
             return hidden
         return hidden[torch.tensor(keep_rows, dtype=torch.int64, device=self.device)]  # int64 even when empty
 
-    def _validate(self, batch: list[SeqBatchItem]) -> None:
+    def _validate(self, batch: Sequence[ScheduledSeq]) -> None:
         # Cheap O(items) checks: a bad block table would silently corrupt another sequence's KV.
         seen: set[str] = set()
         for item in batch:

@@ -1,8 +1,8 @@
 """What the scheduler hands the model runner each step, and what it reports back to the engine.
 
 Plain dataclasses with no torch, so the scheduler stays testable without a model. The runner
-turns each ``ScheduledSeq`` into its own batch item; lists here are copies the scheduler no
-longer mutates.
+takes ``SchedulerOutput.scheduled`` as its batch and returns sampled tokens keyed by request id;
+lists here are copies the scheduler no longer mutates.
 """
 
 from __future__ import annotations

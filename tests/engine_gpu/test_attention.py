@@ -6,19 +6,19 @@ import sys
 
 import pytest
 import torch
+from runner_batches import scheduled
 from tiny_checkpoint import random_weights, tiny_config, write_hf_checkpoint
 
 from engine_gpu.attention import SMALL_QUERY, TorchAttentionBackend, get_attention_backend
 from engine_gpu.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
-from engine_gpu.runner import ModelRunner, SeqBatchItem
-from llm_shared.contract import SamplingParams
+from engine_gpu.runner import ModelRunner
+from engine_gpu.sched_output import ScheduledSeq
 from llm_shared.errors import ConfigError
 from llm_shared.llama.loader import load_safetensors, read_hf_args
 from llm_shared.llama.model import LlamaModel
 
 TOL = 1e-4
 BLOCK = 8
-GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,8 @@ def reference(model: LlamaModel, ids: list[int]) -> torch.Tensor:
         return model.forward_contiguous(torch.tensor([ids]))[0][0]  # [T, vocab]
 
 
-def item(rid: str, ids: list[int], start: int, table: list[int]) -> SeqBatchItem:
-    return SeqBatchItem(rid, ids, start, table, True, GREEDY, 0)
+def item(rid: str, ids: list[int], start: int, table: list[int]) -> ScheduledSeq:
+    return scheduled(rid, ids, start, table)
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -52,7 +52,7 @@ async def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(
     real = engine.runner.execute
     calls = 0
 
-    def execute_once_broken(batch: list) -> list:
+    def execute_once_broken(batch: list) -> dict:
         nonlocal calls
         calls += 1
         if calls == 2:

