@@ -23,7 +23,7 @@ import msgpack
 
 from engine_gpu.outputs import RequestOutput
 from llm_shared import errors
-from llm_shared.contract import FinishEvent, Priority, SamplingParams, TokenEvent
+from llm_shared.contract import FINISH_REASONS, FinishEvent, Priority, SamplingParams, TokenEvent
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # a 128k-token prompt is ~640 KB; far above any real message
@@ -380,7 +380,7 @@ def _output_from_wire(raw: Any) -> RequestOutput:
         fin = None
         if finish is not None:
             reason, prompt_tokens, completion_tokens, cached_tokens, text, message = finish
-            if reason not in ("stop", "length", "abort", "error"):
+            if reason not in FINISH_REASONS:
                 raise ProtocolError(f"unknown finish reason {reason!r}")
             fin = FinishEvent(reason, int(prompt_tokens), int(completion_tokens), int(cached_tokens),
                               str(text), str(message), tier="gpu")

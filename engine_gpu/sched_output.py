@@ -8,9 +8,8 @@ lists here are copies the scheduler no longer mutates.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
 
-from llm_shared.contract import SamplingParams
+from llm_shared.contract import FinishReason, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class RequestUpdate:
 
     request_id: str
     new_token_ids: list[int]  # tokens to stream, in order; a matched EOS/stop token id is left out
-    finish_reason: Literal["stop", "length"] | None  # None while the request continues
+    finish_reason: FinishReason | None  # None while the request continues; a step ends one only by "stop" or "length"
     stop_token_id: int | None = None  # the EOS or stop token that ended it, for callers that report it
 
 

@@ -21,21 +21,17 @@ from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import Literal
 
 from engine_gpu.block_manager import BlockManager
 from engine_gpu.config import EngineConfig
 from engine_gpu.sched_output import RequestUpdate, ScheduledSeq, SchedulerOutput, SchedulerStats
 from engine_gpu.sequence import SeqStatus, Sequence, as_token_ids, new_sequence
-from llm_shared.contract import Priority, SamplingParams
+from llm_shared.contract import FINISH_REASONS, FinishReason, Priority, SamplingParams
 from llm_shared.errors import (
     DuplicateRequestError,
     OverloadedError,
     PromptTooLongError,
 )
-
-FINISH_REASONS = ("stop", "length", "abort", "error")
-_StepEnd = Literal["stop", "length"] | None  # how a step can end a request by itself
 
 
 @dataclass
@@ -119,7 +115,7 @@ class Scheduler:
         self._finish(seq, "abort")
         return True
 
-    def finish_request(self, request_id: str, reason: str) -> None:
+    def finish_request(self, request_id: str, reason: FinishReason) -> None:
         """End a request the caller decided is done (a stop string matched). Unknown or already
         finished ids are ignored: the request may have ended on its own in the same step."""
         if reason not in FINISH_REASONS:
@@ -142,7 +138,7 @@ class Scheduler:
         seq.draft_token_ids = drafts[:room]
         return len(seq.draft_token_ids)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SeqStatus.RUNNING:
             self.block_manager.deallocate(seq)
             del self._running[seq.request_id]
@@ -319,7 +315,7 @@ class Scheduler:
             raise ValueError(f"{item.request_id!r}: accepted tokens must be a prefix of the drafts")
         return tokens
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], _StepEnd, int | None]:
+    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], FinishReason | None, int | None]:
         """Append accepted tokens up to the first finishing one; returns (to stream, reason, stop id)."""
         params = seq.params
         new_ids: list[int] = []

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from llm_shared.contract import Priority, SamplingParams
+from llm_shared.contract import FinishReason, Priority, SamplingParams
 from llm_shared.errors import EmptyPromptError, InvalidRequestError
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids are hashed as int64 and fed to int32 tensors
@@ -44,7 +44,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0  # leading block_table entries already offered to the prefix cache
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to verify next step
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,7 @@ from abc import abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, get_args, runtime_checkable
 
 from llm_shared.errors import InvalidSamplingError
 
@@ -84,6 +84,7 @@ class SamplingParams:
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
 
 
 @dataclass(frozen=True)
