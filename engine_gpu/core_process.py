@@ -64,8 +64,8 @@ MAX_OUTBUF_BYTES = 64 * 1024 * 1024  # a client this far behind is dropped (its 
 class StepEngine(Protocol):
     """What the loop needs of LLMEngine (kept narrow so the loop reads on its own)."""
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    priority: Priority) -> None: ...
+    def add_checked_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                            priority: Priority) -> None: ...
     def abort_request(self, request_id: str, reason: FinishReason = "abort", message: str = "") -> RequestOutput | None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
@@ -302,7 +302,8 @@ class CoreServer:
         # Request ids are the client's own: namespacing them per connection keeps clients apart.
         engine_id = f"{conn.cid}/{msg.request_id}"
         try:
-            self.engine.add_request(engine_id, msg.prompt_ids, msg.params, msg.priority)
+            # decode_client_message checked the fields; the engine checks only its own limits
+            self.engine.add_checked_request(engine_id, msg.prompt_ids, msg.params, msg.priority)
         except EngineError as e:
             self._send(conn, Rejected(msg.request_id, e.code, e.message, e.param))
             return

@@ -18,7 +18,6 @@ from engine_gpu.runner import ModelRunner, SampledToken
 from engine_gpu.sched_output import RequestUpdate, SchedulerOutput
 from engine_gpu.scheduler import Scheduler
 from llm_shared.contract import FinishEvent, FinishReason, Priority, SamplingParams, TokenEvent
-from llm_shared.errors import EmptyPromptError, InvalidRequestError
 from llm_shared.models import ModelConfig, tokenizer_for
 from llm_shared.textstream import TextStream
 from llm_shared.tokenizer import Tokenizer
@@ -50,7 +49,8 @@ class LLMEngine:
         self.config = config
         self.model_cfg = model_cfg
         self.last_plan: SchedulerOutput | None = None  # the latest step's plan, for benchmarks and logs
-        self.scheduler = Scheduler(config, runner.num_blocks, eos_token_id=tokenizer.eos_id)
+        self.scheduler = Scheduler(config, runner.num_blocks, eos_token_id=tokenizer.eos_id,
+                                   vocab_size=runner.vocab_size)
         self._requests: dict[str, _Request] = {}
         self._steps = 0
         self._last_step_s = 0.0
@@ -72,17 +72,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                     priority: Priority = Priority.INTERACTIVE) -> None:
-        """Queue a request; raises EmptyPromptError, PromptTooLongError, OverloadedError,
-        DuplicateRequestError or InvalidRequestError (token outside the vocabulary)."""
-        if not prompt_ids:
-            raise EmptyPromptError("the prompt has no tokens", param="prompt")
-        vocab = self.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
-        stream = TextStream(self.tokenizer, params.stop)
-        self.scheduler.add_request(request_id, list(prompt_ids), params, priority, arrival=time.monotonic())
-        self._requests[request_id] = _Request(stream, prompt_tokens=len(prompt_ids))
+        """Queue a request from an in-process caller. The scheduler checks its fields, then this
+        engine's limits; raises EmptyPromptError, InvalidRequestError (a malformed field or a token
+        outside the vocabulary), PromptTooLongError, DuplicateRequestError or OverloadedError."""
+        self.scheduler.add_request(request_id, prompt_ids, params, priority, arrival=time.monotonic())
+        self._requests[request_id] = _Request(TextStream(self.tokenizer, params.stop), prompt_tokens=len(prompt_ids))
+
+    def add_checked_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                            priority: Priority) -> None:
+        """Queue a request whose fields the core's socket decoder checked; only this engine's limits
+        are checked (vocabulary, length, duplicates, load), raising as ``add_request`` does."""
+        self.scheduler.add_checked_request(request_id, prompt_ids, params, priority, arrival=time.monotonic())
+        self._requests[request_id] = _Request(TextStream(self.tokenizer, params.stop), prompt_tokens=len(prompt_ids))
 
     def abort_request(self, request_id: str, reason: FinishReason = "abort", message: str = "") -> RequestOutput | None:
         """Free the request's blocks now; its final output, or None if it is not live."""

@@ -28,8 +28,8 @@ from llm_shared.contract import FINISH_REASONS, FinishEvent, Priority, SamplingP
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # a 128k-token prompt is ~640 KB; far above any real message
 MAX_REQUEST_ID_CHARS = 256
-MAX_PROMPT_TOKENS = 1 << 20
-PRIVATE_SOCKET_PREFIX = "engine-core-"  # temp dir of a core's private unix socket (listen = "")  # sanity bound before the scheduler's own max_model_len check
+MAX_PROMPT_TOKENS = 1 << 20  # sanity bound before the scheduler's own max_model_len check
+PRIVATE_SOCKET_PREFIX = "engine-core-"  # temp dir of a core's private unix socket (listen = "")
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _ERROR_CLASSES: dict[str, type[errors.EngineError]] = {
@@ -334,6 +334,8 @@ def _decode_add(obj: Mapping[str, Any], request_id: str) -> AddRequest:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
     ):
         raise errors.InvalidRequestError("prompt must be a list of non-negative token ids", param="prompt")
+    if not prompt:
+        raise errors.EmptyPromptError("the prompt has no tokens", param="prompt")
     priority = obj.get("priority")
     if isinstance(priority, bool) or priority not in {int(p) for p in Priority}:
         raise errors.InvalidRequestError(f"priority must be one of {[int(p) for p in Priority]}", param="priority")

@@ -29,6 +29,7 @@ from engine_gpu.sequence import SeqStatus, Sequence, as_token_ids, new_sequence
 from llm_shared.contract import FINISH_REASONS, FinishReason, Priority, SamplingParams
 from llm_shared.errors import (
     DuplicateRequestError,
+    InvalidRequestError,
     OverloadedError,
     PromptTooLongError,
 )
@@ -56,9 +57,11 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, *, eos_token_id: int | None) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, *, eos_token_id: int | None,
+                 vocab_size: int | None = None) -> None:
         self.config = config
         self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size  # None: prompts are not checked against a vocabulary (no model)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -84,8 +87,32 @@ class Scheduler:
         priority: Priority = Priority.INTERACTIVE,
         arrival: float | None = None,
     ) -> None:
-        """Queue a request, or raise: invalid input, a request that can never fit, or overload."""
-        seq = new_sequence(request_id, prompt_ids, params, priority, arrival, next(self._seq_numbers))
+        """Queue a request from an in-process caller, or raise: a malformed field (checked here),
+        a token outside the vocabulary, a request that can never fit, or overload."""
+        self._admit(new_sequence(request_id, prompt_ids, params, priority, arrival, next(self._seq_numbers)))
+
+    def add_checked_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: Priority, arrival: float
+    ) -> None:
+        """Queue a request whose fields a trust boundary already checked (the core's socket decoder:
+        a non-empty list of non-negative ints, a valid priority); only this engine's limits are checked."""
+        self._admit(Sequence(
+            request_id=request_id,
+            token_ids=list(prompt_ids),  # a copy: the sequence appends its output to it
+            num_prompt_tokens=len(prompt_ids),
+            params=params,
+            priority=priority,
+            arrival=arrival,
+            seq_no=next(self._seq_numbers),
+        ))
+
+    def _admit(self, seq: Sequence) -> None:
+        """Queue a well-formed sequence if this engine can serve it: vocabulary, duplicates, length, load."""
+        request_id, params = seq.request_id, seq.params
+        if self.vocab_size is not None and max(seq.token_ids) >= self.vocab_size:
+            bad = next(t for t in seq.token_ids if t >= self.vocab_size)
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})",
+                                      param="prompt")
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
         total = seq.max_total_tokens

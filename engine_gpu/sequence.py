@@ -97,8 +97,9 @@ def as_token_ids(values: Iterable[object]) -> list[int]:
 def new_sequence(
     request_id: object, prompt_ids: Iterable[object], params: object, priority: object, arrival: object, seq_no: int
 ) -> Sequence:
-    """A waiting sequence from caller input, or an ``InvalidRequestError`` naming the bad field.
-    Limits that depend on the engine (context length, pool size, load) are the scheduler's."""
+    """A waiting sequence from an in-process caller's input, or an ``InvalidRequestError`` naming
+    the bad field. Limits that depend on the engine (vocabulary, context length, pool size, load)
+    are the scheduler's."""
     if not isinstance(request_id, str) or not request_id:
         raise InvalidRequestError("request id must be a non-empty string", param="request_id")
     if not isinstance(params, SamplingParams):

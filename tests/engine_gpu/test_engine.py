@@ -12,7 +12,7 @@ from engine_gpu.config import EngineConfig
 from engine_gpu.engine import LLMEngine
 from engine_gpu.outputs import RequestOutput
 from llm_shared import errors
-from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent
+from llm_shared.contract import FinishEvent, Priority, SamplingParams, TokenEvent
 from llm_shared.models import ModelConfig
 
 CONFIG = EngineConfig(dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8,
@@ -126,6 +126,20 @@ def test_bad_requests_raise_typed_errors(engine: LLMEngine, prompt_ids: list[int
     with pytest.raises(error):
         engine.add_request("bad", prompt_ids, params)
     assert not engine.has_unfinished()
+
+
+def test_checked_requests_still_meet_the_engines_limits(engine: LLMEngine) -> None:
+    """The core's path skips the field checks its socket decoder made, not the engine's limits."""
+    with pytest.raises(errors.InvalidRequestError, match="vocabulary"):
+        engine.add_checked_request("bad", [3, 96], GREEDY, Priority.INTERACTIVE)
+    with pytest.raises(errors.PromptTooLongError):
+        engine.add_checked_request("long", prompt(500), replace(GREEDY, max_tokens=20), Priority.INTERACTIVE)
+    assert not engine.has_unfinished()
+    engine.add_checked_request("ok", prompt(10), GREEDY, Priority.INTERACTIVE)
+    with pytest.raises(errors.DuplicateRequestError):
+        engine.add_checked_request("ok", prompt(10), GREEDY, Priority.INTERACTIVE)
+    _, finish = events(run(engine)["ok"])
+    assert finish.reason == "length" and finish.prompt_tokens == 10
 
 
 def test_duplicate_and_overload(model_cfg: ModelConfig) -> None:

@@ -144,6 +144,7 @@ def add(**fields: object) -> bytes:
         ({"prompt": [1, -2]}, "invalid_request", "prompt"),
         ({"prompt": [1, True]}, "invalid_request", "prompt"),
         ({"prompt": "hello"}, "invalid_request", "prompt"),
+        ({"prompt": []}, "empty_prompt", "prompt"),
         ({"priority": 9}, "invalid_request", "priority"),
     ],
 )
