@@ -277,6 +277,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6, help="interleaved pairs of prefix caching on/off runs")
     parser.add_argument("--pairs", type=int, default=3, help="interleaved pairs of the batching and chunking arms")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=NUM_REQUESTS,
+                        help="requests in the main workload (fewer for a quick comparison on a slow CPU)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                         help="auto: bfloat16 where the CPU computes it natively (AVX-512 bf16, AMX), else float32")
     args = parser.parse_args()
@@ -286,7 +288,7 @@ def main() -> None:
     cpu = cpu_facts()
     progress(f"CPU: {cpu['model']}, {cpu['cores']} cores, flags {cpu['flags']}")
     b = Bench(args.threads, cpu_dtype(args.dtype))
-    reqs = make_requests(NUM_REQUESTS, 1, prompt_len=(32, 512), output_len=(16, 256), vocab=b.vocab)
+    reqs = make_requests(args.requests, 1, prompt_len=(32, 512), output_len=(16, 256), vocab=b.vocab)
     progress("warming up")
     b.engine().generate([r.prompt for r in reqs[:4]], Req([], 8).params(), prefix="warmup")
 
@@ -317,7 +319,7 @@ def main() -> None:
     }
     results = {
         "summary": summary,
-        "workload": {"requests": NUM_REQUESTS, "prompt_len": [32, 512], "output_len": [16, 256], "seed": 1,
+        "workload": {"requests": args.requests, "prompt_len": [32, 512], "output_len": [16, 256], "seed": 1,
                      "ignore_eos": True},
         "engine_config": {k: getattr(b.base, k) for k in ("dtype", "block_size", "max_num_batched_tokens",
                                                           "max_num_seqs", "long_prefill_threshold", "threads")},
