@@ -152,11 +152,16 @@ class EngineClient:
         return self._ready
 
     def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                 priority: Priority = Priority.INTERACTIVE) -> _Stream:
+                 priority: Priority = Priority.INTERACTIVE, session_id: str = "") -> _Stream:
+        # session_id is not sent: the core's prefix cache finds a conversation by its token
+        # blocks, whoever asks, and evicts them by LRU, so there is nothing to end per session.
         stream = _Stream(self, request_id, prompt_ids, params, priority)
         if isinstance(request_id, str):
             self._unstarted[request_id] = stream
         return stream
+
+    async def end_session(self, session_id: str) -> None:
+        """Nothing is kept per session here (see ``generate``)."""
 
     async def abort(self, request_id: str) -> None:
         """Returns once the core confirmed the request's blocks are free (idempotent)."""

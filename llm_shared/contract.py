@@ -128,6 +128,8 @@ class Engine(Protocol):
 
     ``generate`` validates before yielding anything: a bad request raises an
     ``InvalidRequestError`` subclass (or ``OverloadedError``) from the first ``__anext__``.
+    ``session_id`` names the conversation a request continues ("" for none): a tier may keep
+    state for its next turn until ``end_session``.
     Every stream that starts ends with exactly one ``FinishEvent``. ``abort`` is idempotent;
     after it returns the request's KV is freed (edge: at once; torch: before the next step)
     and its stream ends with ``FinishEvent(reason="abort")``.
@@ -150,7 +152,13 @@ class Engine(Protocol):
         prompt_ids: Sequence[int],
         params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
+        session_id: str = "",
     ) -> AsyncIterator[StreamEvent]: ...
+
+    @abstractmethod
+    async def end_session(self, session_id: str) -> None:
+        """The conversation ``session_id`` named in ``generate`` is over: state a tier kept for
+        its next turn (the edge tier's idle KV and host snapshots) may go now. Idempotent."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None: ...

@@ -90,6 +90,8 @@ class FakeEngine:
         self._last_prompt: list[int] = []
         self.prefix_cache_hits = 0
         self.started: list[tuple[str, Priority]] = []  # (request id, priority) of every admitted request
+        self.sessions: dict[str, str] = {}  # request id -> the session id it named
+        self.ended_sessions: list[str] = []  # session ids passed to end_session, in order
         self.prompts: dict[str, list[int]] = {}  # request id -> the prompt ids it was given
         self.aborts: list[str] = []  # request ids aborted while running
         self.finished: dict[str, str] = {}  # request id -> finish reason, once its last event is made
@@ -103,6 +105,9 @@ class FakeEngine:
     @property
     def ready(self) -> bool:
         return self.is_ready and not self.closed
+
+    async def end_session(self, session_id: str) -> None:
+        self.ended_sessions.append(session_id)
 
     @property
     def blocks_in_use(self) -> int:
@@ -133,7 +138,7 @@ class FakeEngine:
         return cached
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                       priority: Priority = Priority.INTERACTIVE) -> AsyncIterator[StreamEvent]:
+                       priority: Priority = Priority.INTERACTIVE, session_id: str = "") -> AsyncIterator[StreamEvent]:
         """Like a real engine, tokens are made by the engine's own task, not by the reader of
         this stream: a reader that goes away without ``abort`` leaves the request running."""
         if not self.ready:
@@ -148,6 +153,7 @@ class FakeEngine:
         request = _Request(list(prompt_ids), priority, params, blocks=self._blocks_for(len(prompt_ids)))
         self._requests[request_id] = request
         self.started.append((request_id, priority))
+        self.sessions[request_id] = session_id
         self.prompts[request_id] = list(prompt_ids)
         request.producer = asyncio.create_task(self._produce(request_id, request))
         async with self.admitted:
