@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 from aiohttp import WSMsgType, web
 
@@ -25,6 +23,7 @@ from gateway.engines import encode_chat
 from gateway.metrics import GatewayMetrics
 from gateway.ws.codec import DecodeError, FrameCodec
 from gateway.ws.outbox import Outbox
+from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent
 from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
 from llm_shared.contract import Engine, FinishEvent, Priority, TokenEvent
 from llm_shared.errors import EngineError
@@ -213,18 +212,14 @@ class RealtimeConnection:
             self.session.cancel_active("client_too_slow")  # its events are drained next round
         return True
 
-    def _observe(self, event: Mapping[str, Any]) -> None:
-        kind = event.get("type")
-        if kind == "error":
-            self._metrics.errors.labels("realtime", str(event["error"].get("code"))).inc()
-        elif kind == "response.done":
-            response = event["response"]
-            details = response.get("status_details") or {}
-            if response.get("status") == "cancelled":
-                self._metrics.cancels.labels("realtime", str(details.get("reason"))).inc()
-            elif response.get("status") == "failed":
-                code = (details.get("error") or {}).get("code")
-                self._metrics.errors.labels("realtime", str(code)).inc()
+    def _observe(self, event: ServerEvent) -> None:
+        if isinstance(event, ErrorEvent):
+            self._metrics.errors.labels("realtime", event.code).inc()
+        elif isinstance(event, ResponseDone):
+            if event.status == "cancelled":
+                self._metrics.cancels.labels("realtime", str(event.reason)).inc()
+            elif event.status == "failed":
+                self._metrics.errors.labels("realtime", str(event.error_code)).inc()
 
     def _start(self, command: StartGeneration) -> None:
         task = asyncio.create_task(self._generate(command), name=f"generate-{command.response_id}")

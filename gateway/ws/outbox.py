@@ -7,8 +7,9 @@ gets fewer, longer deltas instead of a growing backlog. Past ``limit`` frames or
 the connection cancels the response (``over_limit``); the reader stops reading client events
 while the queue is above ``high`` (``wait_writable``), so a client cannot grow it either.
 
-Events are encoded when queued, except text deltas, which stay unencoded until sent so that
-they can still be merged (their texts are joined once, at send time, not copied per merge).
+Events are encoded when queued (``to_wire``, then the codec), except text deltas, which stay
+typed until sent so that they can still be merged (their texts are joined once, at send time,
+not copied per merge).
 """
 
 from __future__ import annotations
@@ -18,32 +19,27 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from gateway.ws.server_events import ServerEvent, TextDelta
+
 Frame = str | bytes
-# A queued delta's share of memory besides its text (its dict and ids); an estimate.
+# A queued delta's share of memory besides its text (its object and ids); an estimate.
 DELTA_OVERHEAD_BYTES = 192
-_DELTA_KEY_FIELDS = ("type", "response_id", "item_id", "output_index", "content_index")
-
-
-def _is_text_delta(event: dict[str, Any]) -> bool:
-    kind = event.get("type")
-    return isinstance(kind, str) and kind.endswith(".delta") and isinstance(event.get("delta"), str)
-
-
-def _same_part(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(a.get(k) == b.get(k) for k in _DELTA_KEY_FIELDS)
 
 
 class _PendingDelta:
+    """A queued text delta and the texts merged into it since."""
+
     __slots__ = ("chars", "event", "texts")
 
-    def __init__(self, event: dict[str, Any]) -> None:
+    def __init__(self, event: TextDelta) -> None:
         self.event = event
-        self.texts = [event["delta"]]
-        self.chars = len(event["delta"])
+        self.texts = [event.delta]
+        self.chars = len(event.delta)
 
-    def frame_event(self) -> dict[str, Any]:
-        # A copy: the session may still hold the dict it emitted.
-        return {**self.event, "delta": "".join(self.texts)}
+    def wire(self) -> dict[str, Any]:
+        wire = self.event.to_wire()  # a new dict: the event itself stays as the session made it
+        wire["delta"] = "".join(self.texts)
+        return wire
 
 
 class Outbox:
@@ -75,22 +71,22 @@ class Outbox:
     def closed(self) -> bool:
         return self._closed
 
-    def put(self, event: dict[str, Any]) -> None:
+    def put(self, event: ServerEvent) -> None:
         """Queue one server event (dropped once the outbox is closed)."""
         if self._closed:
             return
-        if _is_text_delta(event):
+        if isinstance(event, TextDelta):
             last = self._items[-1] if self._items else None
-            if len(self._items) >= self._high and isinstance(last, _PendingDelta) and _same_part(last.event, event):
-                last.texts.append(event["delta"])
-                last.chars += len(event["delta"])
-                self._bytes += len(event["delta"])
+            if len(self._items) >= self._high and isinstance(last, _PendingDelta) and event.continues(last.event):
+                last.texts.append(event.delta)
+                last.chars += len(event.delta)
+                self._bytes += len(event.delta)
                 self.coalesced += 1
                 return
             self._items.append(_PendingDelta(event))
-            self._bytes += len(event["delta"]) + DELTA_OVERHEAD_BYTES
+            self._bytes += len(event.delta) + DELTA_OVERHEAD_BYTES
         else:
-            frame = self._encode(event)
+            frame = self._encode(event.to_wire())
             self._items.append(frame)
             self._bytes += len(frame)
         self._nonempty.set()
@@ -107,7 +103,7 @@ class Outbox:
         item = self._items.popleft()
         if isinstance(item, _PendingDelta):
             self._bytes -= item.chars + DELTA_OVERHEAD_BYTES
-            frame = self._encode(item.frame_event())
+            frame = self._encode(item.wire())
         else:
             self._bytes -= len(item)
             frame = item

@@ -12,10 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.ws.conversation import Conversation, Item
+from gateway.ws.server_events import Emitter
 from gateway.ws.wire import item_wire, response_wire, usage_wire
 from llm_shared.contract import FinishEvent
-
-Emit = Callable[..., None]  # emit(ga_event_type, **fields)
 
 
 class ResponseStream:
@@ -30,7 +29,7 @@ class ResponseStream:
         metadata: dict[str, str] | None,
         beta: bool,
         ids: Callable[[str], str],
-        emit: Emit,
+        events: Emitter,
     ) -> None:
         self.id = response_id
         self.item: Item | None = None  # opened on the first engine output
@@ -44,7 +43,7 @@ class ResponseStream:
         self._extra_metadata: dict[str, str] = {}
         self._beta = beta
         self._ids = ids
-        self._emit = emit
+        self._events = events
 
     @property
     def needs_slot(self) -> bool:
@@ -52,7 +51,7 @@ class ResponseStream:
         return self._conversation is not None and self.item is None and not self.done
 
     def created(self) -> None:
-        self._emit("response.created", response=self._wire("in_progress", None, None))
+        self._events.emit("response.created", response=self._wire("in_progress", None, None))
 
     def token(self, text: str) -> None:
         self.tokens += 1
@@ -66,23 +65,24 @@ class ResponseStream:
             self._extra_metadata["x_tier"] = event.tier
         usage = usage_wire(event.prompt_tokens, event.completion_tokens, event.cached_tokens, self._beta)
         if event.reason == "stop":
-            self._finish("completed", None, usage)
+            self._finish("completed", usage)
         elif event.reason == "length":
-            self._finish("incomplete", {"type": "incomplete", "reason": "max_output_tokens"}, usage)
+            self._finish("incomplete", usage, reason="max_output_tokens")
         elif event.reason == "abort":
             # Our own aborts end the response before the engine confirms them; an abort we did
             # not ask for is the engine giving up (e.g. shutting down).
-            self._finish("cancelled", {"type": "cancelled", "reason": "engine_aborted"}, usage)
+            self._finish("cancelled", usage, reason="engine_aborted")
         else:
             self.fail({"type": "server_error", "code": "engine_error",
                        "message": event.message or "the engine failed while generating"}, usage)
 
     def cancel(self, reason: str) -> None:
         # Input tokens are unknown until the engine finishes; report what was streamed.
-        self._finish("cancelled", {"type": "cancelled", "reason": reason}, self._streamed_usage())
+        self._finish("cancelled", self._streamed_usage(), reason=reason)
 
-    def fail(self, error: dict[str, Any], usage: dict[str, Any] | None = None) -> None:
-        self._finish("failed", {"type": "failed", "error": error}, usage or self._streamed_usage())
+    def fail(self, error: dict[str, str], usage: dict[str, Any] | None = None) -> None:
+        """End ``failed`` with ``error`` (its type, code and message, as sent)."""
+        self._finish("failed", usage or self._streamed_usage(), error=error)
 
     def _streamed_usage(self) -> dict[str, Any]:
         return usage_wire(0, self.tokens, 0, self._beta)
@@ -90,24 +90,25 @@ class ResponseStream:
     def _open_item(self) -> Item:
         item = Item(id=self._ids("item"), role="assistant", parts=[], status="in_progress")
         self.item = item
-        self._emit("response.output_item.added", response_id=self.id, output_index=0,
+        self._events.emit("response.output_item.added", response_id=self.id, output_index=0,
                    item=item_wire(item, self._beta))
         if self._conversation is not None:
             previous_id = self._conversation.insert(item)
-            self._emit("conversation.item.added", previous_item_id=previous_id, item=item_wire(item, self._beta))
+            self._events.emit("conversation.item.added", previous_item_id=previous_id, item=item_wire(item, self._beta))
         item.parts.append("")
-        self._emit("response.content_part.added", response_id=self.id, item_id=item.id, output_index=0,
+        self._events.emit("response.content_part.added", response_id=self.id, item_id=item.id, output_index=0,
                    content_index=0, part={"type": "text", "text": ""})
         return item
 
     def _delta(self, text: str) -> None:
         item = self.item or self._open_item()
         item.parts[0] += text
-        self._emit("response.output_text.delta", response_id=self.id, item_id=item.id, output_index=0,
-                   content_index=0, delta=text)
+        self._events.text_delta(response_id=self.id, item_id=item.id, output_index=0, content_index=0, delta=text)
 
-    def _finish(self, status: str, details: dict[str, Any] | None, usage: dict[str, Any]) -> None:
-        """Close the open message, then ``response.done``; nothing is emitted after it."""
+    def _finish(self, status: str, usage: dict[str, Any], *, reason: str | None = None,
+                error: dict[str, str] | None = None) -> None:
+        """Close the open message, then ``response.done``; nothing is emitted after it.
+        ``reason`` explains a cancelled or incomplete response, ``error`` a failed one."""
         if self.done:
             return
         item = self.item
@@ -117,16 +118,22 @@ class ResponseStream:
             item.status = "completed" if status == "completed" else "incomplete"
             text = item.parts[0] if item.parts else ""
             ids = {"response_id": self.id, "item_id": item.id, "output_index": 0, "content_index": 0}
-            self._emit("response.output_text.done", **ids, text=text)
-            self._emit("response.content_part.done", **ids, part={"type": "text", "text": text})
-            self._emit("response.output_item.done", response_id=self.id, output_index=0,
+            self._events.emit("response.output_text.done", **ids, text=text)
+            self._events.emit("response.content_part.done", **ids, part={"type": "text", "text": text})
+            self._events.emit("response.output_item.done", response_id=self.id, output_index=0,
                        item=item_wire(item, self._beta))
             conversation = self._conversation
             if conversation is not None and not self._beta and item.id in conversation:
-                self._emit("conversation.item.done", previous_item_id=conversation.previous_id(item.id),
+                self._events.emit("conversation.item.done", previous_item_id=conversation.previous_id(item.id),
                            item=item_wire(item, self._beta))
         self.done = True
-        self._emit("response.done", response=self._wire(status, details, usage))
+        details: dict[str, Any] | None = None
+        if error is not None:
+            details = {"type": status, "error": error}
+        elif reason is not None:
+            details = {"type": status, "reason": reason}
+        self._events.response_done(self._wire(status, details, usage), status, reason=reason,
+                                   error_code=error["code"] if error is not None else None)
 
     def _wire(self, status: str, details: dict[str, Any] | None, usage: dict[str, Any] | None) -> dict[str, Any]:
         metadata = self._metadata

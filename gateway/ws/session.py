@@ -1,10 +1,10 @@
 """Sans-I/O core of one Realtime session (text subset of the OpenAI Realtime API).
 
 No sockets, no asyncio: the adapter feeds decoded client events (``receive``) and engine
-stream events (``engine_event`` / ``engine_failed``), then drains server events
-(``events_to_send``) and engine commands (``commands``), the way websockets' protocol.py
-turns bytes in into events out. Nothing here raises at the caller: bad input becomes an
-``error`` event, an unexpected failure a generic ``server_error`` one.
+stream events (``engine_event`` / ``engine_failed``), then drains typed server events
+(``events_to_send``, see ``server_events``) and engine commands (``commands``), the way
+websockets' protocol.py turns bytes in into events out. Nothing here raises at the caller:
+bad input becomes an ``error`` event, an unexpected failure a generic ``server_error`` one.
 
 Guarantees the adapter can rely on:
 - at most one response is active; a second ``response.create`` is refused;
@@ -36,7 +36,8 @@ from gateway.ws.events import (
     parse_client_event,
 )
 from gateway.ws.responses import ResponseStream
-from gateway.ws.wire import SessionView, event_name, item_wire, session_wire
+from gateway.ws.server_events import Emitter, ServerEvent
+from gateway.ws.wire import SessionView, item_wire, session_wire
 from llm_shared.contract import FinishEvent, SamplingParams, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError
 
@@ -91,7 +92,7 @@ class RealtimeSession:
         self._max_output_tokens: int | str = limits.default_max_output_tokens
         self._temperature = DEFAULT_TEMPERATURE
         self._conversation = Conversation(id=self._ids("conv"))
-        self._events: list[dict[str, Any]] = []
+        self._events = Emitter(self._ids, beta)
         self._commands: list[Command] = []
         self._active: ResponseStream | None = None
         self._started = False
@@ -173,9 +174,9 @@ class RealtimeSession:
         reset_seconds)."""
         self._emit("rate_limits.updated", rate_limits=[dict(limit) for limit in limits])
 
-    def events_to_send(self) -> list[dict[str, Any]]:
-        events, self._events = self._events, []
-        return events
+    def events_to_send(self) -> list[ServerEvent]:
+        """The server events queued since the last call, in order (``to_wire`` makes dicts)."""
+        return self._events.drain()
 
     def commands(self) -> list[Command]:
         commands, self._commands = self._commands, []
@@ -282,7 +283,7 @@ class RealtimeSession:
         response = ResponseStream(
             response_id=self._ids("resp"), conversation=self._conversation if in_conversation else None,
             conversation_id=self._conversation.id, max_output_tokens=max_output, temperature=temperature,
-            metadata=event.metadata, beta=self._beta, ids=self._ids, emit=self._emit)
+            metadata=event.metadata, beta=self._beta, ids=self._ids, events=self._events)
         self._active = response
         response.created()
         self._commands.append(StartGeneration(response_id=response.id, messages=messages, params=params,
@@ -365,10 +366,10 @@ class RealtimeSession:
                                 f"of {self._limits.max_conversation_chars}; delete old items first", param)
 
     def _emit(self, ga_type: str, **fields: Any) -> None:
-        self._events.append({"type": event_name(ga_type, self._beta), "event_id": self._ids("event"), **fields})
+        self._events.emit(ga_type, **fields)
 
     def _error(self, e: ProtocolError) -> None:
-        self._emit("error", error={**e.to_dict(), "event_id": e.event_id})
+        self._events.error(e)
 
     def _internal_error(self, event_id: str | None) -> None:
         self._error(ProtocolError("server_error", INTERNAL_ERROR_MESSAGE, type="server_error", event_id=event_id))

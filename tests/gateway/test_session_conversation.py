@@ -10,6 +10,7 @@ import pytest
 from realtime_sdk_check import check_server_event
 
 from gateway.ws.responses import ResponseStream
+from gateway.ws.server_events import to_wire
 from gateway.ws.session import AbortGeneration, RealtimeSession, SessionLimits, StartGeneration
 from llm_shared.contract import FinishEvent, TokenEvent
 
@@ -23,7 +24,7 @@ def make(*, beta: bool = False, limits: SessionLimits | None = None) -> Realtime
 
 
 def drain(session: RealtimeSession) -> list[dict[str, Any]]:
-    events = session.events_to_send()
+    events = [to_wire(e) for e in session.events_to_send()]
     for event in events:
         check_server_event(event, beta=session.beta)
     return events

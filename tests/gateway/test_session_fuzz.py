@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from realtime_sdk_check import check_server_event
 
+from gateway.ws.server_events import to_wire
 from gateway.ws.session import AbortGeneration, RealtimeSession, SessionLimits, StartGeneration
 from llm_shared.contract import FinishEvent, TokenEvent
 from llm_shared.errors import EngineUnavailableError, OverloadedError
@@ -129,7 +130,7 @@ class Checker:
 
     def step(self) -> None:
         active_before = self.open
-        for event in self.session.events_to_send():
+        for event in map(to_wire, self.session.events_to_send()):
             check_server_event(event, beta=self.session.beta)
             assert event["event_id"] not in self.event_ids
             self.event_ids.add(event["event_id"])

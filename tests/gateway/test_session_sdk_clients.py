@@ -16,6 +16,7 @@ from openai.types.realtime.response_create_event import ResponseCreateEvent
 from pydantic import BaseModel
 from realtime_sdk_check import check_server_event
 
+from gateway.ws.server_events import to_wire
 from gateway.ws.session import RealtimeSession, StartGeneration
 from llm_shared.contract import FinishEvent, TokenEvent
 
@@ -29,7 +30,7 @@ def run(session: RealtimeSession, events: list[dict[str, Any]]) -> list[dict[str
     out = []
     for event in events:
         session.receive(event)
-        produced = session.events_to_send()
+        produced = [to_wire(e) for e in session.events_to_send()]
         for server_event in produced:
             check_server_event(server_event, beta=session.beta)
         errors = [e["error"] for e in produced if e["type"] == "error"]
@@ -99,7 +100,7 @@ def test_the_sdk_parser_reads_a_turn_as_typed_events() -> None:
                                                         cached_tokens=2))
     # The same path as the SDK's connection.recv(): json text -> construct_type_unchecked.
     parsed = [construct_type_unchecked(value=json.loads(json.dumps(e)), type_=RealtimeServerEvent)
-              for e in session.events_to_send()]
+              for e in map(to_wire, session.events_to_send())]
     kinds = {type(p).__name__ for p in parsed}
     assert {"SessionCreatedEvent", "ConversationItemAdded", "ResponseTextDeltaEvent", "ResponseDoneEvent"} <= kinds
     done = parsed[-1]
