@@ -1,18 +1,16 @@
 """HTTP routes: health, readiness, Prometheus metrics, models and chat completions (+ SSE).
 
-A chat completion whose client goes away is aborted in the engine: aiohttp cancels the
-handler when the connection drops (``handler_cancellation=True``), and writing to a closed
-stream raises; both paths reach the ``finally`` that aborts the request.
+A chat completion runs as one ``Turn`` (gateway.turns: routing, metering, charging); this
+module turns its events into a JSON body or SSE chunks. A completion whose client goes away
+is aborted in the engine: aiohttp cancels the handler when the connection drops
+(``handler_cancellation=True``), and writing to a closed stream raises; both paths reach the
+``finally`` that closes the turn.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import logging
 import secrets
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -28,13 +26,11 @@ from gateway.chat_schema import (
     parse_chat_request,
     usage_chunk,
 )
-from gateway.engines import encode_chat
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.metrics import CONTENT_TYPE
 from gateway.state import STATE, GatewayState
-from llm_shared.contract import Engine, FinishEvent, StreamEvent, TokenEvent
+from gateway.turns import Turn
+from llm_shared.contract import FinishEvent, StreamEvent
 from llm_shared.errors import EngineError, EngineUnavailableError, InvalidRequestError, OverloadedError
-
-log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -120,48 +116,6 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-class _Metered:
-    """The engine stream of one request, observed for metrics; knows whether it finished."""
-
-    def __init__(self, stream: AsyncIterator[StreamEvent], metrics: GatewayMetrics) -> None:
-        self._stream = stream
-        self._metrics = metrics
-        self._loop = asyncio.get_running_loop()
-        self._last = self._loop.time()
-        self._first = True
-        self.finished = False
-
-    def __aiter__(self) -> _Metered:
-        return self
-
-    async def __anext__(self) -> StreamEvent:
-        event = await anext(self._stream)
-        metrics = self._metrics
-        if isinstance(event, TokenEvent):
-            now = self._loop.time()
-            (metrics.ttft if self._first else metrics.itl).labels("chat").observe(now - self._last)
-            self._first, self._last = False, now
-            metrics.output_tokens.labels("chat").inc()
-        else:
-            self.finished = True
-            metrics.prompt_tokens.labels("chat").inc(event.prompt_tokens)
-            metrics.cached_tokens.labels("chat").inc(event.cached_tokens)
-        return event
-
-    async def close(self, engine: Engine, rid: str) -> None:
-        """Abort the request unless it finished, then close the engine's stream (its clean-up
-        runs now rather than whenever the generator is collected)."""
-        if not self.finished:
-            try:
-                await engine.abort(rid)
-            except EngineError as e:
-                log.warning("engine abort of %s failed: %s", rid, e.message)
-        aclose = getattr(self._stream, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(EngineError, RuntimeError):
-                await aclose()
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     metrics = state.metrics
@@ -179,46 +133,44 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             error = engine_http_error(e)
             error.headers.update(state.limiter.headers(key_id))
             raise error from e
+        turn = Turn(router=state.router, messages=req.messages, params=req.params, priority=req.priority,
+                    request_id=f"chatcmpl-{secrets.token_hex(12)}", api="chat", metrics=metrics,
+                    limiter=state.limiter, key_id=key_id)
         try:
-            engine = state.router.choose(req.messages, req.params)
-            prompt_ids = await encode_chat(engine, req.messages)
+            await turn.prepare()
         except EngineError as e:
             raise engine_http_error(e) from e
     except HttpError as e:
         metrics.errors.labels("chat", e.code).inc()
         return json_error(e)
-    return await _generate(request, state, key_id, req, engine, prompt_ids)
+    return await _generate(request, state, key_id, req, turn)
 
 
-async def _generate(request: web.Request, state: GatewayState, key_id: str, req: ChatRequest, engine: Engine,
-                    prompt_ids: list[int]) -> web.StreamResponse:
-    rid = f"chatcmpl-{secrets.token_hex(12)}"
-    ids = CompletionIds.new(rid, req.model, engine.tier)
-    state.metrics.requests.labels("chat", engine.tier).inc()
-    events = _Metered(engine.generate(rid, prompt_ids, req.params, req.priority), state.metrics)
-    state.http_requests[rid] = engine
+async def _generate(request: web.Request, state: GatewayState, key_id: str, req: ChatRequest,
+                    turn: Turn) -> web.StreamResponse:
+    rid = turn.request_id
+    ids = CompletionIds.new(rid, req.model, turn.engine.tier)
+    state.http_requests[rid] = turn.engine
     try:
         try:
             # generate() validates before yielding: a refusal surfaces here, before any header is sent.
-            first = await anext(events)
+            first = await anext(turn)
         except EngineError as e:
-            events.finished = True  # refused: there is no request to abort
             error = engine_http_error(e)
             state.metrics.errors.labels("chat", error.code).inc()
             return json_error(error)
         if req.stream:
-            return await _stream(request, state, key_id, req, ids, engine, first, events)
-        return await _collect(state, key_id, req, ids, engine, first, events)
+            return await _stream(request, state, key_id, req, ids, turn, first)
+        return await _collect(state, key_id, req, ids, turn, first)
     finally:
         state.http_requests.pop(rid, None)
-        if not events.finished:
+        if not turn.finished:
             state.metrics.cancels.labels("chat", "client_disconnected").inc()
-        # Shielded: a cancelled handler (client gone) must still free the engine's work.
-        await asyncio.shield(events.close(engine, rid))
+        await turn.aclose()
 
 
-def _account(state: GatewayState, key_id: str, finish: FinishEvent) -> None:
-    state.limiter.charge_tokens(key_id, finish.completion_tokens)
+def _count_end(state: GatewayState, finish: FinishEvent) -> None:
+    """Count a completion the engine ended early (the turn has charged its tokens already)."""
     if finish.reason == "abort":
         reason = "server_shutdown" if state.shutting_down else "engine_aborted"
         state.metrics.cancels.labels("chat", reason).inc()
@@ -234,8 +186,8 @@ def _end_error(state: GatewayState, finish: FinishEvent) -> HttpError:
                      type_="server_error")
 
 
-async def _collect(state: GatewayState, key_id: str, req: ChatRequest, ids: CompletionIds, engine: Engine,
-                   first: StreamEvent, events: _Metered) -> web.Response:
+async def _collect(state: GatewayState, key_id: str, req: ChatRequest, ids: CompletionIds, turn: Turn,
+                   first: StreamEvent) -> web.Response:
     texts: list[str] = []
     logprobs: list[dict[str, Any]] | None = [] if req.logprobs else None
     event: StreamEvent = first
@@ -244,9 +196,9 @@ async def _collect(state: GatewayState, key_id: str, req: ChatRequest, ids: Comp
             break
         texts.append(event.text)
         if logprobs is not None:
-            logprobs.append(logprob_entry(engine.tokenizer, event))
-        event = await anext(events)
-    _account(state, key_id, event)
+            logprobs.append(logprob_entry(turn.engine.tokenizer, event))
+        event = await anext(turn)
+    _count_end(state, event)
     if event.reason not in ("stop", "length"):
         return json_error(_end_error(state, event))
     body = completion(ids, "".join(texts) + event.text, event, logprobs)
@@ -254,19 +206,18 @@ async def _collect(state: GatewayState, key_id: str, req: ChatRequest, ids: Comp
 
 
 async def _stream(request: web.Request, state: GatewayState, key_id: str, req: ChatRequest, ids: CompletionIds,
-                  engine: Engine, first: StreamEvent, events: _Metered) -> web.StreamResponse:
+                  turn: Turn, first: StreamEvent) -> web.StreamResponse:
     response = web.StreamResponse(headers={**SSE_HEADERS, **state.limiter.headers(key_id)})
     await response.prepare(request)
     try:
-        await _stream_events(response, state, key_id, req, ids, engine, first, events)
+        await _stream_events(response, state, req, ids, turn, first)
     except ConnectionError:
         pass  # the client went away; the caller's finally aborts the engine request
     return response
 
 
-async def _stream_events(response: web.StreamResponse, state: GatewayState, key_id: str, req: ChatRequest,
-                         ids: CompletionIds, engine: Engine, first: StreamEvent,
-                         events: _Metered) -> None:
+async def _stream_events(response: web.StreamResponse, state: GatewayState, req: ChatRequest, ids: CompletionIds,
+                         turn: Turn, first: StreamEvent) -> None:
     usage = req.include_usage
 
     async def send(obj: Any) -> None:
@@ -277,13 +228,13 @@ async def _stream_events(response: web.StreamResponse, state: GatewayState, key_
     event: StreamEvent = first
     while not isinstance(event, FinishEvent):
         if req.logprobs:
-            pending.append(logprob_entry(engine.tokenizer, event))
+            pending.append(logprob_entry(turn.engine.tokenizer, event))
         if event.text:
             await send(chunk(ids, {"content": event.text}, logprobs=pending if req.logprobs else None,
                              include_usage=usage))
             pending = []
-        event = await anext(events)
-    _account(state, key_id, event)
+        event = await anext(turn)
+    _count_end(state, event)
     if event.text or pending:
         await send(chunk(ids, {"content": event.text}, logprobs=pending if req.logprobs else None,
                          include_usage=usage))

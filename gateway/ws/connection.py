@@ -19,13 +19,13 @@ from aiohttp import WSMsgType, web
 from gateway.auth import RateLimitedError, RateLimiter
 from gateway.cascade.router import Router
 from gateway.config import ServerConfig
-from gateway.engines import encode_chat
 from gateway.metrics import GatewayMetrics
+from gateway.turns import Turn
 from gateway.ws.codec import DecodeError, FrameCodec
 from gateway.ws.outbox import Outbox
 from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent
 from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
-from llm_shared.contract import Engine, FinishEvent, Priority, TokenEvent
+from llm_shared.contract import FinishEvent, Priority
 from llm_shared.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class RealtimeConnection:
         self._outbox = Outbox(codec.encode, high=config.send_queue_high, limit=config.send_queue_limit,
                               max_bytes=config.send_queue_max_bytes)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # response id -> its generation task
-        self._running: dict[str, Engine] = {}  # response id -> engine, once a request may exist there
+        self._turns: dict[str, Turn] = {}  # response id -> its turn, once created
         self._aborted: set[str] = set()  # aborted before the engine request started
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
@@ -117,7 +117,7 @@ class RealtimeConnection:
         self.session.cancel_active("client_disconnected")
         self._outbox.discard()
         await self._pump()
-        for response_id in list(self._running):
+        for response_id in list(self._turns):
             await self._abort(response_id)
         tasks = list(self._tasks.values())
         if tasks:
@@ -231,26 +231,29 @@ class RealtimeConnection:
             # Its task may not have started the engine request yet (an abort then is a no-op in
             # the engine); the task checks this set right before it does.
             self._aborted.add(response_id)
-        engine = self._running.get(response_id)
-        if engine is None:
-            return
-        try:
-            await engine.abort(response_id)
-        except EngineError as e:
-            log.warning("engine abort of %s failed: %s", response_id, e.message)
+        turn = self._turns.get(response_id)
+        if turn is not None:
+            await turn.abort()
 
     async def _generate(self, command: StartGeneration) -> None:
         rid = command.response_id
+        if rid in self._aborted:
+            self._aborted.discard(rid)
+            return
+        turn = Turn(router=self._router, messages=command.messages, params=command.params,
+                    priority=Priority.REALTIME, request_id=rid, api="realtime", metrics=self._metrics,
+                    limiter=self._limiter, key_id=self.key_id)
+        self._turns[rid] = turn
         try:
-            if rid in self._aborted:
-                return
             try:
-                engine = self._router.choose(command.messages, command.params)
-                self._running[rid] = engine
-                prompt_ids = await encode_chat(engine, command.messages)
+                await turn.prepare()
                 if rid in self._aborted:
                     return
-                await self._stream(engine, rid, prompt_ids, command)
+                async for event in turn:
+                    self.session.engine_event(rid, event)
+                    if isinstance(event, FinishEvent):
+                        self.session.rate_limits(self._limiter.snapshot(self.key_id))
+                    await self._pump()
             except EngineError as e:
                 self.session.engine_failed(rid, e)
             except Exception:  # a bug in an engine must end this response, not the connection
@@ -258,33 +261,9 @@ class RealtimeConnection:
                 self.session.engine_failed(rid, EngineError("the engine failed while generating"))
             await self._pump()
         finally:
-            self._running.pop(rid, None)
+            self._turns.pop(rid, None)
             self._aborted.discard(rid)
-
-    async def _stream(self, engine: Engine, rid: str, prompt_ids: list[int], command: StartGeneration) -> None:
-        loop = asyncio.get_running_loop()
-        started = last = loop.time()
-        first = True
-        metrics = self._metrics
-        metrics.requests.labels("realtime", engine.tier).inc()
-        async for event in engine.generate(rid, prompt_ids, command.params, Priority.REALTIME):
-            if isinstance(event, TokenEvent):
-                now = loop.time()
-                if first:
-                    metrics.ttft.labels("realtime").observe(now - started)
-                    first = False
-                else:
-                    metrics.itl.labels("realtime").observe(now - last)
-                last = now
-                metrics.output_tokens.labels("realtime").inc()
-                self.session.engine_event(rid, event)
-            elif isinstance(event, FinishEvent):
-                metrics.prompt_tokens.labels("realtime").inc(event.prompt_tokens)
-                metrics.cached_tokens.labels("realtime").inc(event.cached_tokens)
-                self.session.engine_event(rid, event)
-                self._limiter.charge_tokens(self.key_id, event.completion_tokens)
-                self.session.rate_limits(self._limiter.snapshot(self.key_id))
-            await self._pump()
+            await turn.aclose()
 
     # ----- writing ---------------------------------------------------------------------
 

@@ -1,0 +1,144 @@
+"""One generation turn, the same for a Realtime response and a chat completion.
+
+A ``Turn`` routes the chat to an engine tier (``prepare``: the router, then the tokenizer),
+then streams the engine's events (``async for``), metering each one under its API label and
+charging the caller's key for the tokens at the finish. ``aclose`` aborts the engine request
+unless it finished, so a turn that its caller leaves early (a client gone, a cancel, a bug)
+never keeps engine work alive. What the events become (session events, SSE chunks, a JSON
+body) is the adapters' business, not this module's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Literal
+
+from gateway.auth import RateLimiter
+from gateway.cascade.router import Router
+from gateway.engines import encode_chat
+from gateway.metrics import GatewayMetrics
+from llm_shared.contract import Engine, FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
+from llm_shared.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+Api = Literal["realtime", "chat"]  # the ``api`` label of every metric a turn touches
+
+
+class Turn:
+    """The engine side of one turn: ``await prepare()``, iterate, then ``await aclose()``.
+
+    ``finished`` is True once the engine holds nothing more for the request: it sent the
+    ``FinishEvent``, or it refused the request before any event (``generate`` validates
+    before yielding, so there is no request to abort then).
+    """
+
+    def __init__(
+        self,
+        *,
+        router: Router,
+        messages: Sequence[Mapping[str, str]],
+        params: SamplingParams,
+        priority: Priority,
+        request_id: str,
+        api: Api,
+        metrics: GatewayMetrics,
+        limiter: RateLimiter,
+        key_id: str,
+    ) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._router = router
+        self._messages = messages
+        self._params = params
+        self._priority = priority
+        self._api = api
+        self._metrics = metrics
+        self._limiter = limiter
+        self._key_id = key_id
+        self._engine: Engine | None = None
+        self._prompt_ids: list[int] = []
+        self._stream: AsyncIterator[StreamEvent] | None = None
+        self._aborted = False  # an abort was sent; closing need not send another
+        self._started = 0.0  # loop time when the engine stream started, for time to first token
+        self._last: float | None = None  # loop time of the latest token; None before the first
+
+    @property
+    def engine(self) -> Engine:
+        """The engine the router chose (only after ``prepare``)."""
+        assert self._engine is not None, "Turn.prepare() picks the engine"
+        return self._engine
+
+    async def prepare(self) -> Engine:
+        """Choose the engine and encode the prompt; raises the EngineError that refused it."""
+        self._engine = self._router.choose(self._messages, self._params)
+        self._prompt_ids = await encode_chat(self._engine, self._messages)
+        return self._engine
+
+    def __aiter__(self) -> Turn:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._stream is None:
+            self._start()
+        assert self._stream is not None
+        try:
+            event = await anext(self._stream)
+        except EngineError:
+            if self._last is None:
+                self.finished = True  # refused: the engine never took the request
+            raise
+        metrics, api = self._metrics, self._api
+        if isinstance(event, TokenEvent):
+            now = asyncio.get_running_loop().time()
+            if self._last is None:
+                metrics.ttft.labels(api).observe(now - self._started)
+            else:
+                metrics.itl.labels(api).observe(now - self._last)
+            self._last = now
+            metrics.output_tokens.labels(api).inc()
+        elif isinstance(event, FinishEvent):
+            self.finished = True
+            metrics.prompt_tokens.labels(api).inc(event.prompt_tokens)
+            metrics.cached_tokens.labels(api).inc(event.cached_tokens)
+            self._limiter.charge_tokens(self._key_id, event.completion_tokens)
+        return event
+
+    def _start(self) -> None:
+        engine = self.engine
+        self._metrics.requests.labels(self._api, engine.tier).inc()
+        self._started = asyncio.get_running_loop().time()
+        self._stream = engine.generate(self.request_id, self._prompt_ids, self._params, self._priority)
+
+    async def abort(self) -> None:
+        """Ask the engine to stop now (its stream then ends with ``reason="abort"``). Safe
+        before the stream starts: aborting an unknown request is a no-op in the engine."""
+        if self._engine is None or self.finished:
+            return
+        self._aborted = True
+        try:
+            await self._engine.abort(self.request_id)
+        except EngineError as e:
+            log.warning("engine abort of %s failed: %s", self.request_id, e.message)
+
+    async def aclose(self) -> None:
+        """Abort the request unless it finished or was aborted, then close the engine's stream
+        (its clean-up runs now rather than whenever the generator is collected). Shielded: a
+        caller cancelled because its client left must still free the engine's work."""
+        await asyncio.shield(self._close())
+
+    async def _close(self) -> None:
+        stream = self._stream
+        if stream is None:
+            return  # never started: the engine has no request under this id
+        if not self._aborted:
+            await self.abort()
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            # An engine whose stream breaks while closing has nothing more to free; a stream
+            # still running in another task (RuntimeError) is closed by that task.
+            with contextlib.suppress(EngineError, RuntimeError):
+                await aclose()

@@ -1,0 +1,79 @@
+"""One generation turn against the fake engine: metering, charging, and aborting when left early."""
+
+from __future__ import annotations
+
+import pytest
+from fake_engine import FakeEngine
+
+from gateway.auth import RateLimiter
+from gateway.cascade.router import SingleTierRouter
+from gateway.metrics import GatewayMetrics
+from gateway.turns import Turn
+from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
+from llm_shared.errors import PromptTooLongError
+
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+def make(engine: FakeEngine, *, max_tokens: int = 5) -> tuple[Turn, GatewayMetrics, RateLimiter]:
+    metrics = GatewayMetrics(lambda: {"edge": engine})
+    limiter = RateLimiter(requests_per_minute=60, tokens_per_minute=1000)
+    turn = Turn(router=SingleTierRouter(engine), messages=MESSAGES, params=SamplingParams(max_tokens=max_tokens),
+                priority=Priority.INTERACTIVE, request_id="req-1", api="chat", metrics=metrics, limiter=limiter,
+                key_id="k")
+    return turn, metrics, limiter
+
+
+def sample(metrics: GatewayMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+async def test_a_whole_turn_is_metered_and_charged_and_not_aborted() -> None:
+    engine = FakeEngine()
+    turn, metrics, limiter = make(engine, max_tokens=5)
+    assert (await turn.prepare()) is engine
+    events: list[StreamEvent] = [event async for event in turn]
+    await turn.aclose()
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    finish = events[-1]
+    assert isinstance(finish, FinishEvent) and turn.finished
+    assert sample(metrics, "gateway_requests_total", api="chat", tier="edge") == 1
+    assert sample(metrics, "gateway_output_tokens_total", api="chat") == len(tokens)
+    assert sample(metrics, "gateway_prompt_tokens_total", api="chat") == finish.prompt_tokens
+    assert sample(metrics, "gateway_ttft_seconds_count", api="chat") == 1
+    assert sample(metrics, "gateway_inter_token_latency_seconds_count", api="chat") == len(tokens) - 1
+    assert limiter.snapshot("k")[1]["remaining"] == 1000 - finish.completion_tokens
+    assert engine.aborts == []
+
+
+async def test_a_turn_left_early_aborts_its_engine_request() -> None:
+    engine = FakeEngine(tokens_per_second=50)
+    turn, _, _ = make(engine, max_tokens=50)
+    await turn.prepare()
+    assert isinstance(await anext(turn), TokenEvent)
+    await turn.aclose()
+    assert engine.aborts == ["req-1"] and not turn.finished
+    await turn.aclose()  # once is enough
+    assert engine.aborts == ["req-1"]
+
+
+async def test_a_refused_turn_has_nothing_to_abort() -> None:
+    engine = FakeEngine(n_ctx=8)
+    turn, metrics, _ = make(engine, max_tokens=50)
+    await turn.prepare()
+    with pytest.raises(PromptTooLongError):
+        await anext(turn)
+    assert turn.finished
+    await turn.aclose()
+    assert engine.aborts == []
+    assert sample(metrics, "gateway_ttft_seconds_count", api="chat") is None
+
+
+async def test_a_turn_never_started_sends_nothing_to_the_engine() -> None:
+    engine = FakeEngine()
+    turn, metrics, _ = make(engine)
+    await turn.prepare()
+    await turn.abort()  # before the stream starts: the engine knows no such request, a no-op
+    await turn.aclose()
+    assert engine.started == [] and engine.aborts == []
+    assert sample(metrics, "gateway_requests_total", api="chat", tier="edge") is None
