@@ -48,8 +48,12 @@ class Turn:
         metrics: GatewayMetrics,
         limiter: RateLimiter,
         key_id: str,
+        session_id: str = "",
     ) -> None:
+        """``session_id`` names the conversation (a Realtime session) so a tier can keep its
+        state for the next turn; chat completions name none."""
         self.request_id = request_id
+        self.session_id = session_id
         self.finished = False
         self._router = router
         self._messages = messages
@@ -111,7 +115,8 @@ class Turn:
         engine = self.engine
         self._metrics.requests.labels(self._api, engine.tier).inc()
         self._started = asyncio.get_running_loop().time()
-        self._stream = engine.generate(self.request_id, self._prompt_ids, self._params, self._priority)
+        self._stream = engine.generate(self.request_id, self._prompt_ids, self._params, self._priority,
+                                       session_id=self.session_id)
 
     async def abort(self) -> None:
         """Ask the engine to stop now (its stream then ends with ``reason="abort"``). Safe

@@ -25,7 +25,7 @@ from gateway.ws.codec import DecodeError, FrameCodec
 from gateway.ws.outbox import Outbox
 from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent
 from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
-from llm_shared.contract import FinishEvent, Priority
+from llm_shared.contract import Engine, FinishEvent, Priority
 from llm_shared.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # How long teardown waits for aborted generations to end before cancelling their tasks.
 ABORT_GRACE_S = 5.0
 CLOSE_TIMEOUT_S = 2.0
+END_SESSION_TIMEOUT_S = 5.0  # an engine that cannot forget a session in time only keeps a cache longer
 
 WS_CLOSE_OK = 1000
 WS_CLOSE_GOING_AWAY = 1001
@@ -69,6 +70,7 @@ class RealtimeConnection:
                               max_bytes=config.send_queue_max_bytes)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # response id -> its generation task
         self._turns: dict[str, Turn] = {}  # response id -> its turn, once created
+        self._engines_used: set[Engine] = set()  # told at teardown that this conversation is over
         self._aborted: set[str] = set()  # aborted before the engine request started
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
@@ -127,6 +129,7 @@ class RealtimeConnection:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
+        await self._end_session()
         if self._writer is not None:
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -135,6 +138,16 @@ class RealtimeConnection:
             with contextlib.suppress(TimeoutError, ConnectionError):
                 await asyncio.wait_for(self._ws.close(code=WS_CLOSE_GOING_AWAY, message=b"session ended"),
                                        CLOSE_TIMEOUT_S)
+
+    async def _end_session(self) -> None:
+        """Let every tier that served this session drop what it kept for its next turn (the
+        edge tier's idle KV and host snapshots), within a bounded wait each."""
+        for engine in self._engines_used:
+            try:
+                await asyncio.wait_for(engine.end_session(self.session_id), END_SESSION_TIMEOUT_S)
+            except (EngineError, TimeoutError) as e:
+                log.warning("the %s engine did not end session %s: %s", engine.tier, self.session_id, e)
+        self._engines_used.clear()
 
     # ----- reading ---------------------------------------------------------------------
 
@@ -242,11 +255,11 @@ class RealtimeConnection:
             return
         turn = Turn(router=self._router, messages=command.messages, params=command.params,
                     priority=Priority.REALTIME, request_id=rid, api="realtime", metrics=self._metrics,
-                    limiter=self._limiter, key_id=self.key_id)
+                    limiter=self._limiter, key_id=self.key_id, session_id=self.session_id)
         self._turns[rid] = turn
         try:
             try:
-                await turn.prepare()
+                self._engines_used.add(await turn.prepare())
                 if rid in self._aborted:
                     return
                 async for event in turn:

@@ -136,3 +136,18 @@ async def test_unknown_model_is_refused_before_upgrade() -> None:
             assert e.response.status_code == 404
             assert json.loads(e.response.body)["error"]["code"] == "model_not_found"
         assert gw.state.metrics.sessions_total._value.get() == 0
+
+
+async def test_the_engine_hears_which_session_a_turn_continues_and_when_it_ends() -> None:
+    """Turns name their session, so a tier can keep the conversation warm; closing the session
+    tells every tier that served it, so nothing is kept for a conversation that is over."""
+    async with running_gateway() as gw:
+        async with websockets.connect(gw.ws_url) as ws:
+            session_id = (await recv_json(ws))["session"]["id"]
+            for text in ("Hi", "And again"):
+                await send(ws, user_item(text))
+                await send(ws, {"type": "response.create"})
+                await recv_until(ws, "response.done")
+        await gw.wait_sessions_gone()
+        assert list(gw.engine.sessions.values()) == [session_id, session_id]
+        assert gw.engine.ended_sessions == [session_id]
