@@ -154,10 +154,15 @@ def test_random_event_objects_json(harness: Harness, event: dict[str, Any]) -> N
     result = harness.run(harness.exchange("json", json.dumps(event)))
     check(result)
     if event["type"] not in EVENT_TYPES[:7]:
-        # Exactly one error; other events can only be late ones of an earlier example's response.
-        assert isinstance(result, list) and [e["type"] for e in result if e["type"] == "error"] == ["error"]
-        assert all(e["type"].startswith(("response.", "rate_limits.", "conversation.item.")) for e in result
-                   if e["type"] != "error")
+        assert_one_error(result)
+
+
+def assert_one_error(result: list[dict[str, Any]] | int) -> None:
+    """Exactly one error; other events can only be late ones of an earlier example's response
+    (a slow machine delivers them after the next frame was sent)."""
+    assert isinstance(result, list) and [e["type"] for e in result if e["type"] == "error"] == ["error"]
+    assert all(e["type"].startswith(("response.", "rate_limits.", "conversation.item.")) for e in result
+               if e["type"] != "error")
 
 
 @FUZZ
@@ -172,7 +177,7 @@ def test_binary_garbage(harness: Harness, data: bytes) -> None:
     for encoding in ("json", "msgpack"):
         result = harness.run(harness.exchange(encoding, data))
         check(result)
-        assert isinstance(result, list) and [e["type"] for e in result] == ["error"]
+        assert_one_error(result)
 
 
 def nested_list(depth: int) -> list[Any]:
