@@ -145,8 +145,11 @@ class RealtimeConnection:
         for engine in self._engines_used:
             try:
                 await asyncio.wait_for(engine.end_session(self.session_id), END_SESSION_TIMEOUT_S)
-            except (EngineError, TimeoutError) as e:
-                log.warning("the %s engine did not end session %s: %s", engine.tier, self.session_id, e)
+            except TimeoutError:
+                log.warning("the %s engine did not end session %s within %.0f s; its cache stays until evicted",
+                            engine.tier, self.session_id, END_SESSION_TIMEOUT_S)
+            except EngineError as e:
+                log.warning("the %s engine did not end session %s: %s", engine.tier, self.session_id, e.message)
         self._engines_used.clear()
 
     # ----- reading ---------------------------------------------------------------------

@@ -1,7 +1,13 @@
 """Conversations that stay warm on the llama.cpp edge tier, with the real model: a resumed turn
 (resident, restored from host memory, after a truncate) gives the same greedy tokens as the
 same prompt computed from scratch, sessions cycling through few slots never see each other's
-KV, the snapshot budget holds, and ending the sessions leaves nothing behind."""
+KV, the snapshot budget holds, and ending the sessions leaves nothing behind.
+
+"The same greedy tokens" allows one thing: llama.cpp's CPU kernels round differently for
+different batch splits of the same prompt (a prompt fed as 42 + 51 tokens vs 93 at once, or a
+reply's KV made one token at a time), so two greedy runs may part at a near-tie. They must agree
+up to a point where the reference's own top two were within ``NEAR_TIE`` nats; a slot holding
+another conversation's KV would disagree at once and by far."""
 
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ from llm_shared.modelfile import default_gguf_path
 
 pytestmark = pytest.mark.model
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)
+NEAR_TIE = 0.5  # nats between the reference's top two where a different rounding may flip the pick
 MiB = 2**20
 
 
@@ -31,16 +38,28 @@ async def scratch() -> AsyncIterator[LlamaCppBackend]:
 
 
 async def turn(engine: LlamaCppBackend, rid: str, prompt: Sequence[int], session: str = "",
-               params: SamplingParams = GREEDY) -> tuple[list[int], str, FinishEvent]:
-    ids, texts = [], []
+               params: SamplingParams = GREEDY) -> tuple[list[TokenEvent], str, FinishEvent]:
+    tokens: list[TokenEvent] = []
     async for event in engine.generate(rid, prompt, params, session_id=session):
         if isinstance(event, TokenEvent):
-            ids.append(event.token_id)
-            texts.append(event.text)
+            tokens.append(event)
         else:
             assert event.reason in ("stop", "length"), event
-            return ids, "".join(texts) + event.text, event
+            return tokens, "".join(t.text for t in tokens) + event.text, event
     raise AssertionError("no finish event")
+
+
+def assert_same_greedy(tokens: list[TokenEvent], reference: list[TokenEvent]) -> None:
+    """Equal tokens, or equal up to a near-tie of the reference (see the module docstring)."""
+    for i, (ours, ref) in enumerate(zip(tokens, reference, strict=False)):
+        if ours.token_id == ref.token_id:
+            continue
+        alternatives = dict(ref.top_logprobs)
+        assert ours.token_id in alternatives and ref.logprob - alternatives[ours.token_id] < NEAR_TIE, (
+            f"token {i}: {ours.token_id} where the reference picked {ref.token_id} with a clear margin "
+            f"({ref.top_logprobs})")
+        return  # past a near-tie the two continuations are different texts
+    assert len(tokens) == len(reference)
 
 
 def conversation(engine: LlamaCppBackend, *messages: tuple[str, str]) -> list[int]:
@@ -64,7 +83,8 @@ async def test_a_resumed_turn_equals_the_same_turn_from_scratch(scratch: LlamaCp
         prompt, ids, finish = await two_turns(engine, "s", "Name a color.", "And a fruit?")
         assert finish.cached_tokens > len(prompt) // 2  # turn 1's prompt and most of its reply
         reference, _, ref_finish = await turn(scratch, "ref", prompt)
-        assert ids == reference and ref_finish.cached_tokens == 0
+        assert_same_greedy(ids, reference)
+        assert ref_finish.cached_tokens == 0
         assert engine.stats()["prefix_cache_hits"] >= finish.cached_tokens
     finally:
         await engine.close()
@@ -73,7 +93,7 @@ async def test_a_resumed_turn_equals_the_same_turn_from_scratch(scratch: LlamaCp
 async def test_after_a_truncate_only_the_heard_part_is_reused(scratch: LlamaCppBackend) -> None:
     engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=4096, n_seq_max=2, n_threads=1))
     try:
-        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
         first = conversation(engine, ("user", "Tell me about the moon."))
         _, reply, _ = await turn(engine, "t-1", first, "t", long)
         heard = reply[: len(reply) // 3]
@@ -81,7 +101,7 @@ async def test_after_a_truncate_only_the_heard_part_is_reused(scratch: LlamaCppB
         ids, _, finish = await turn(engine, "t-2", prompt, "t")
         assert len(first) <= finish.cached_tokens < len(first) + 40  # the unheard rest was not reused
         reference, _, _ = await turn(scratch, "ref", prompt)
-        assert ids == reference
+        assert_same_greedy(ids, reference)
     finally:
         await engine.close()
 
@@ -97,7 +117,7 @@ async def test_a_conversation_evicted_to_host_memory_is_restored_exactly(scratch
         ids, _, finish = await turn(engine, "a-2", prompt, "a")
         stats = engine.stats()
         assert stats["snapshot_restores"] == 1 and finish.cached_tokens > len(prompt) // 2
-        assert (await turn(scratch, "ref", prompt))[0] == ids
+        assert_same_greedy(ids, (await turn(scratch, "ref", prompt))[0])
         assert stats["snapshots"] == 1  # b went to host memory when a came back
     finally:
         await engine.close()
@@ -107,7 +127,7 @@ async def cycle_sessions(n_sessions: int, n_slots: int, scratch: LlamaCppBackend
     budget = 4 * MiB  # ~180 tokens of this model's KV: a few conversations, so snapshots get evicted
     engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=1024 * (n_slots + 1), n_seq_max=n_slots,
                                                              n_threads=1, snapshot_mib=budget // MiB))
-    short = SamplingParams(temperature=0.0, max_tokens=4)
+    short = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)
     try:
         # Distinct conversations, started together so they interleave through the slots.
         firsts = [f"My name is Robot{i}. Say hi." for i in range(n_sessions)]
@@ -123,7 +143,8 @@ async def cycle_sessions(n_sessions: int, n_slots: int, scratch: LlamaCppBackend
         assert sum(finish.cached_tokens > 0 for _, _, finish in seconds) >= n_slots  # reuse happened
         references = await asyncio.gather(*(turn(scratch, f"r{i}", prompts[i], "", short)
                                             for i in reversed(range(n_sessions))))
-        assert [ids for ids, _, _ in seconds] == [ids for ids, _, _ in references]
+        for (ids, _, _), (reference, _, _) in zip(seconds, references, strict=True):
+            assert_same_greedy(ids, reference)
         for i in range(n_sessions):
             await engine.end_session(f"c{i}")
         state = await engine.kv_state()
@@ -141,3 +162,11 @@ async def test_sessions_cycling_through_few_slots_keep_their_own_kv(scratch: Lla
 @pytest.mark.slow
 async def test_200_sessions_cycling_through_8_slots(scratch: LlamaCppBackend) -> None:
     await cycle_sessions(200, 8, scratch)
+
+
+async def test_the_comparison_catches_another_conversations_continuation(scratch: LlamaCppBackend) -> None:
+    """What a slot mixed up with another conversation's KV would look like: clearly different."""
+    ours, _, _ = await turn(scratch, "x", conversation(scratch, ("user", "Name a color.")))
+    theirs, _, _ = await turn(scratch, "y", conversation(scratch, ("user", "What is two plus two?")))
+    with pytest.raises(AssertionError, match="clear margin"):
+        assert_same_greedy(ours, theirs)
