@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/edge.py
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/gateway.py
+	$(BIN)/python bench/conversation.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
