@@ -43,6 +43,11 @@ def derive_config(base: Path, directory: Path, clients: int, idle_sessions: int)
     edge = raw.setdefault("edge", {})
     edge["n_seq_max"] = clients
     edge["n_ctx"] = (clients + 1) * CTX_PER_SEQUENCE  # one cache stream per sequence, plus the drafter's
+    # Every round sends the same prompts: with the edge tier's prefix reuse the in-process arm
+    # (no session, its KV kept) would skip prefills that the WebSocket arms (whose closed
+    # sessions release theirs) pay again. This bench measures the gateway, so reuse is off in
+    # every arm; bench/conversation.py measures reuse.
+    edge["prefix_reuse"] = False
     server = raw.setdefault("server", {})
     server["max_sessions_per_key"] = idle_sessions + 4 * clients + 64  # all bench clients share one key
     server["requests_per_minute"] = 1_000_000
