@@ -341,7 +341,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle-sessions", type=int, default=1000)
     p.add_argument("--seed", type=int, default=4)
     p.add_argument("--out", type=Path, default=OUT_DIR / "gateway.json")
-    p.add_argument("--plot", type=Path, default=IMG_DIR / "gateway_overhead.png", help="figure path ('' for none)")
+    p.add_argument("--plot", default=str(IMG_DIR / "gateway_overhead.png"), help="figure path ('' for none)")
     args = p.parse_args(argv)
     if not 1 <= args.clients <= 64:
         p.error("--clients must be in 1..64 (the edge engine's n_seq_max range)")
@@ -361,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     result = uvloop.run(run(args))
     result["cpu"] = cpu_facts()
     write_json(args.out, result)
-    if str(args.plot):
-        plot(result, args.plot)
+    if args.plot:  # a str: Path("") would be "." and write a file named ".png"
+        plot(result, Path(args.plot))
     for line in summary_lines(result):
         print(line)
     figures = {k: round(result[k], 4) for k in ("ws_vs_inprocess", "added_itl_p50_ms", "added_itl_p99_ms",
