@@ -32,7 +32,7 @@ MiB = 2**20
 async def scratch() -> AsyncIterator[LlamaCppBackend]:
     """The reference: every prompt computed from its first token."""
     engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=4096, n_seq_max=2, n_threads=1,
-                                                             prefix_reuse=False))
+                                                             prefix_reuse=False, max_queued=256))
     yield engine
     await engine.close()
 
@@ -126,7 +126,8 @@ async def test_a_conversation_evicted_to_host_memory_is_restored_exactly(scratch
 async def cycle_sessions(n_sessions: int, n_slots: int, scratch: LlamaCppBackend) -> None:
     budget = 4 * MiB  # ~180 tokens of this model's KV: a few conversations, so snapshots get evicted
     engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=1024 * (n_slots + 1), n_seq_max=n_slots,
-                                                             n_threads=1, snapshot_mib=budget // MiB))
+                                                             n_threads=1, snapshot_mib=budget // MiB,
+                                                             max_queued=n_sessions))  # all start at once
     short = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)
     try:
         # Distinct conversations, started together so they interleave through the slots.
