@@ -219,8 +219,7 @@ class LlamaWorker:
             self._ctx.seq_rm(self._draft_slot)
             self._draft_cache = []
         while self._reserved_cells() + cells > self._ctx.n_ctx and self._cache.resident:
-            slot = min(self._cache.resident, key=lambda s: self._cache.resident[s].last_used)
-            self._evict(slot)
+            self._evict(self._cache.least_recent(self._cache.resident))
         return self._reserved_cells() + cells <= self._ctx.n_ctx
 
     def _evict(self, slot: int) -> None:

@@ -14,7 +14,7 @@ token is always computed again, since its logits are the first token's distribut
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -117,9 +117,11 @@ class PrefixCache:
     def _emptiest(self, free_slots: Sequence[int]) -> int:
         """A free slot holding no KV, else the one whose KV was used longest ago."""
         empty = [slot for slot in free_slots if slot not in self.resident]
-        if empty:
-            return min(empty)
-        return min(free_slots, key=lambda slot: self.resident[slot].last_used)
+        return min(empty) if empty else self.least_recent(free_slots)
+
+    def least_recent(self, slots: Iterable[int]) -> int:
+        """Of ``slots`` (each holding resident KV), the one used longest ago: the first to give way."""
+        return min(slots, key=lambda slot: self.resident[slot].last_used)
 
     def _take(self, slot: int, keep: int, restore: Snapshot | None) -> Placement:
         resident = self.resident.pop(slot, None)
