@@ -23,8 +23,9 @@ import psutil
 from bench._common import REPO_ROOT, dump_toml, free_port, median
 from bench._gateway_clients import BenchError
 
-# KV cells per sequence: a prompt of ~40 tokens plus up to 256 generated fit with room to spare.
-CTX_PER_SEQUENCE = 512
+# KV memory per sequence: ~540 cells of the embedded model, where a prompt of ~40 tokens plus
+# up to 256 generated fit with room to spare.
+KV_MIB_PER_SEQUENCE = 12
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 RSS_SETTLE_S = 1.0
@@ -42,7 +43,7 @@ def derive_config(base: Path, directory: Path, clients: int, idle_sessions: int)
     raw = tomllib.loads(base.read_text(encoding="utf-8"))
     edge = raw.setdefault("edge", {})
     edge["n_seq_max"] = clients
-    edge["n_ctx"] = (clients + 1) * CTX_PER_SEQUENCE  # one cache stream per sequence, plus the drafter's
+    edge["kv_cache_mib"] = (clients + 1) * KV_MIB_PER_SEQUENCE  # every sequence, plus the drafter
     # Every round sends the same prompts: with the edge tier's prefix reuse the in-process arm
     # (no session, its KV kept) would skip prefills that the WebSocket arms (whose closed
     # sessions release theirs) pay again. This bench measures the gateway, so reuse is off in

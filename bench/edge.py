@@ -96,7 +96,7 @@ async def decode_rate(engine: LlamaCppBackend, n_seqs: int, n_tokens: int, run: 
 
 async def measure(model_path: Path, n_tokens: int, repeats: int) -> dict[str, float | int]:
     progress(f"loading {model_path.name}")
-    engine = LlamaCppBackend(model_path, EdgeConfig(n_ctx=8192, n_seq_max=8))
+    engine = LlamaCppBackend(model_path, EdgeConfig(n_seq_max=8))
     try:
         weight_bytes = engine.weight_bytes
         progress(f"weights {weight_bytes / 1e6:.1f} MB, {engine.n_threads} threads")

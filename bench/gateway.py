@@ -276,7 +276,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         config = load_config(config_path)
         server = GatewayProcess(config_path, Path(tmp) / "gateway.log", HOST)
         progress(f"starting the gateway on {server.url} (edge n_seq_max={config.edge.n_seq_max}, "
-                 f"n_ctx={config.edge.n_ctx})")
+                 f"kv_cache_mib={config.edge.kv_cache_mib:g})")
         server.start()
         loading = asyncio.create_task(asyncio.to_thread(build_edge_engine, config))  # meanwhile, in this process
         engine: Engine | None = None
@@ -315,7 +315,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "setup": {
             "command": "python bench/gateway.py " + " ".join(sys.argv[1:]), "clients": args.clients,
             "max_output_tokens": args.max_tokens, "rounds": args.rounds, "base_config": str(args.config),
-            "edge": {"backend": config.edge.backend, "n_seq_max": config.edge.n_seq_max, "n_ctx": config.edge.n_ctx},
+            "edge": {"backend": config.edge.backend, "n_seq_max": config.edge.n_seq_max, "kv_cache_mib": config.edge.kv_cache_mib},
             "cpus": os.cpu_count(), "load_before": load_before, "load_after": load_average(),
         },
         "throughput": tp,

@@ -64,6 +64,10 @@ class LlamaModel:
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(model)
         self.size_bytes: int = llama_cpp.llama_model_size(model)  # tensor data, what one decode step reads
+        head_dim = llama_cpp.llama_model_n_embd(model) // max(1, llama_cpp.llama_model_n_head(model))
+        # One KV cell: K and V of every layer in f16 (llama.cpp's default cache type).
+        self.kv_bytes_per_cell: int = (llama_cpp.llama_model_n_layer(model) * 2
+                                       * llama_cpp.llama_model_n_head_kv(model) * head_dim * 2)
 
     @property
     def handle(self) -> ctypes.c_void_p:
@@ -105,10 +109,11 @@ def per_stream_cells(n_ctx: int, n_seqs: int) -> int:
 class LlamaContext:
     """One llama.cpp context serving ``n_seqs`` sequence ids.
 
-    Separate streams (the default) give each sequence ``n_ctx_seq = n_ctx / n_seqs`` cells
-    (llama.cpp rounds up to a multiple of 256) and attention over its own cells only, so a
-    sequence computes the same logits whatever else is in the batch. A unified pool lets one
-    sequence use all ``n_ctx`` cells, but attention then spans every used cell of the pool.
+    Separate streams give each sequence ``n_ctx_seq = n_ctx / n_seqs`` cells (llama.cpp rounds
+    up to a multiple of 256) and attention over its own cells only, so a sequence computes the
+    same logits whatever else is in the batch. A unified pool lets one sequence use any free
+    cell, up to the model's trained context, but attention then runs over the pool's cell
+    layout, and the rounding of a sequence's logits depends on where its cells landed.
     """
 
     def __init__(self, model: LlamaModel, shape: ContextShape) -> None:
@@ -129,7 +134,9 @@ class LlamaContext:
         self._mem = llama_cpp.llama_get_memory(ctx)
         self.n_vocab = model.n_vocab
         self.n_ctx: int = llama_cpp.llama_n_ctx(ctx)
-        self.n_ctx_seq: int = llama_cpp.llama_n_ctx_seq(ctx)  # cells one sequence may use
+        # cells one sequence may use: no position past what the model was trained on
+        self.n_ctx_seq: int = min(llama_cpp.llama_n_ctx_seq(ctx), model.n_ctx_train or llama_cpp.llama_n_ctx_seq(ctx))
+        self.separate_streams = not shape.kv_unified  # no sequence can take another's cells
         self.n_batch: int = llama_cpp.llama_n_batch(ctx)
         self.n_threads = threads
 

@@ -108,8 +108,7 @@ class LlamaWorker:
         self._commands = commands
         self._free_slots = list(range(n_slots))
         self._cache = PrefixCache(n_slots, snapshot_budget_bytes, enabled=prefix_reuse)
-        # One KV stream per slot (llama.cpp's default here): no slot can take another's cells.
-        self._separate_streams = ctx.n_ctx_seq * (n_slots + 1) <= ctx.n_ctx
+        self._separate_streams = ctx.separate_streams  # one KV stream per slot: no slot takes another's cells
         self._draft_slot = n_slots
         self._running: dict[str, GenSeq] = {}  # insertion order = admission order
         self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, arrival, request id)

@@ -46,10 +46,11 @@ class OnnxBackend(WorkerFront):
         tokenizer: Tokenizer | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> None:
-        """``model_path`` is the GGUF (tokenizer, and the weights if it must export); ``config.n_ctx``
-        is the KV cells all sequences share; ``n_threads`` 0 lets onnxruntime use every core."""
+        """``model_path`` is the GGUF (tokenizer, and the weights if it must export); all sequences
+        share one pool of the cells ``config.kv_cache_mib`` holds (``kv_layout`` has no other
+        choice here); ``n_threads`` 0 lets onnxruntime use every core."""
         config = config if config is not None else EdgeConfig(backend="onnx")
-        n_ctx, n_seq_max = config.n_ctx, config.n_seq_max
+        n_seq_max = config.n_seq_max
         model_path, tokenizer = open_gguf(model_path, tokenizer)
         if onnx_path is None:
             from engine_edge.export_onnx import ensure_onnx
@@ -60,11 +61,16 @@ class OnnxBackend(WorkerFront):
                                  "`python -m engine_edge.export_onnx`")
         decoder = OnnxDecoder(Path(onnx_path), n_threads=config.n_threads)
         require_same_vocab(tokenizer, decoder.shape.vocab_size, "ONNX model")
+        shape = decoder.shape
+        # float32 K and V of every layer, as the graph takes and returns its past_key_values
+        bytes_per_cell = shape.n_layers * 2 * shape.n_kv_heads * shape.head_dim * 4
+        n_ctx = config.kv_cells(bytes_per_cell)
         trained = decoder.metadata.get(CONTEXT_LENGTH_KEY, "")
         n_ctx_seq = min(n_ctx, int(trained)) if trained.isdigit() else n_ctx
         self.model_path = model_path
         self.onnx_path = Path(onnx_path)
         self.n_ctx = n_ctx
+        self.kv_cache_bytes = n_ctx * bytes_per_cell
         self.n_threads = config.n_threads
         eog = end_of_generation_ids(tokenizer.eos_id, ((i, tokenizer.token_bytes(i)) for i in tokenizer.special_ids))
         context = OnnxContext(decoder, n_ctx=n_ctx, n_ctx_seq=n_ctx_seq)
@@ -75,6 +81,8 @@ class OnnxBackend(WorkerFront):
             tokenizer=tokenizer, n_vocab=decoder.shape.vocab_size, n_ctx_seq=context.n_ctx_seq, thread_name="onnx-worker",
         )
         self._context = context
+        logger.info("edge KV (ONNX): %d float32 cells of %d bytes (%.0f MiB) in one pool; a turn may use up to %d "
+                    "tokens", n_ctx, bytes_per_cell, self.kv_cache_bytes / 2**20, context.n_ctx_seq)
         logger.info("ONNX edge backend: a conversation's next turn reuses the KV its last turn left in its slot%s; "
                     "idle conversations are not copied to host memory (only the llama.cpp backend has snapshots)",
                     "" if config.prefix_reuse else " (switched off: edge.prefix_reuse = false)")

@@ -97,6 +97,7 @@ class OnnxContext:
         self.n_vocab = decoder.shape.vocab_size
         self.n_ctx = n_ctx  # cells shared by all sequences
         self.n_ctx_seq = min(n_ctx_seq, n_ctx)  # cells one sequence may use
+        self.separate_streams = False  # one pool: the worker keeps admitted sequences within it
         self._states: dict[int, KVState] = {}
         self._logits: dict[int, np.ndarray] = {}  # batch index -> logits of the last decode
 

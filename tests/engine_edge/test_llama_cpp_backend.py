@@ -34,10 +34,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def backend() -> Iterator[LlamaCppBackend]:
+    # Separate streams: batched outputs equal solo ones bit for bit, which the tests below check.
     # One thread: llama.cpp's threads meet at a barrier after every graph node, so on a CPU
     # shared with other test runs two threads can be 10x slower than one. The "small"
     # backend below keeps the default (all cores).
-    engine = create_backend(EdgeConfig(n_ctx=8192, n_seq_max=8, n_threads=1), default_gguf_path())
+    engine = create_backend(EdgeConfig(kv_cache_mib=202.5, kv_layout="per_sequence", n_seq_max=8, n_threads=1), default_gguf_path())
     assert isinstance(engine, LlamaCppBackend)
     yield engine
     asyncio.run(engine.close())
@@ -45,8 +46,10 @@ def backend() -> Iterator[LlamaCppBackend]:
 
 @pytest.fixture(scope="module")
 def small() -> Iterator[LlamaCppBackend]:
-    """One sequence slot and two queue places, to reach the limits quickly."""
-    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=512, n_seq_max=1, max_queued=2))
+    """One sequence slot and two queue places, to reach the limits quickly; a stream of 256 cells
+    each for it and the drafter (23,040 bytes a cell)."""
+    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(kv_cache_mib=11.25, kv_layout="per_sequence",
+                                                             n_seq_max=1, max_queued=2))
     yield engine
     asyncio.run(engine.close())
 
@@ -87,7 +90,9 @@ PROMPTS = [
 async def test_implements_the_engine_protocol(backend: LlamaCppBackend) -> None:
     assert isinstance(backend, Engine)
     assert backend.tier == "edge" and backend.ready
-    # Separate KV streams: 8 request slots plus the drafter's split the 8192 cells (rounded up).
+    # Separate KV streams: 202.5 MiB is 9,216 cells of 23,040 bytes, 1,024 for each of the 8
+    # request slots and the drafter (test_long_context covers the default shared pool).
+    assert backend.n_ctx == 9216 and backend.kv_cache_bytes == 9216 * 23040
     assert backend.n_ctx_seq == 1024 and backend.max_prompt_tokens == 1023
 
 
@@ -340,7 +345,7 @@ async def test_sequence_stops_at_its_context(small: LlamaCppBackend) -> None:
 
 
 async def test_unified_kv_lets_one_sequence_use_the_whole_context() -> None:
-    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=512, n_seq_max=2, kv_unified=True))
+    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(kv_cache_mib=11.25, n_seq_max=2))
     try:
         assert engine.n_ctx_seq == 512 and engine.max_prompt_tokens == 511
         tokens, finish = await collect(engine, "long", [1] + [28] * 399,

@@ -44,7 +44,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, LlamaMod
 def make_backend(tiny: tuple[Path, Path, LlamaModel], **kwargs: Any) -> OnnxBackend:
     gguf, onnx_path, _ = tiny
     tokenizer = kwargs.pop("tokenizer", None) or tiny_tokenizer()
-    limits: dict[str, Any] = {"n_ctx": 2048, "n_seq_max": 4, "n_threads": 1, "max_queued": 2, **kwargs}
+    limits: dict[str, Any] = {"kv_cache_mib": 1, "n_seq_max": 4, "n_threads": 1, "max_queued": 2, **kwargs}
     return OnnxBackend(gguf, EdgeConfig(backend="onnx", **limits), onnx_path=onnx_path, tokenizer=tokenizer)
 
 
@@ -246,14 +246,14 @@ def test_construction_checks_its_inputs(tiny: tuple, tmp_path: Path) -> None:
     garbage.write_bytes(b"\x08\x07 definitely not a protobuf graph")
     with pytest.raises(ModelFileError, match="cannot load"):
         OnnxBackend(gguf, onnx_path=garbage, tokenizer=tiny_tokenizer())
-    with pytest.raises(ConfigError, match="n_ctx"):
-        make_backend(tiny, n_ctx=10)
+    with pytest.raises(ConfigError, match=r"kv_cache_mib = 0\.01 holds 20 KV cells"):
+        make_backend(tiny, kv_cache_mib=0.01)  # 512 bytes a cell of the tiny model
     with pytest.raises(ConfigError, match="n_seq_max"):
         make_backend(tiny, n_seq_max=0)
 
 
 async def test_context_is_capped_by_the_trained_length(tiny: tuple) -> None:
-    backend = make_backend(tiny, n_ctx=4096)
+    backend = make_backend(tiny, kv_cache_mib=2)
     try:
         assert backend.n_ctx_seq == 512 and backend.max_prompt_tokens == 511  # tiny_config's context
     finally:
@@ -275,7 +275,7 @@ async def test_real_model_greedy_equals_torch() -> None:
     assert time.perf_counter() - started < 10
     model = load_gguf(gguf, dtype=torch.float32)
     tokenizer = Tokenizer.from_gguf(gguf)
-    backend = OnnxBackend(gguf, EdgeConfig(backend="onnx", n_ctx=4096, n_seq_max=4))
+    backend = OnnxBackend(gguf, EdgeConfig(backend="onnx", kv_cache_mib=192, n_seq_max=4))
     try:
         prompts = [
             tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]),

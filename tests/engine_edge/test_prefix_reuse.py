@@ -3,63 +3,33 @@
 same prompt computed from scratch, sessions cycling through few slots never see each other's
 KV, the snapshot budget holds, and ending the sessions leaves nothing behind.
 
-"The same greedy tokens" allows one thing: llama.cpp's CPU kernels round differently for
-different batch splits of the same prompt (a prompt fed as 42 + 51 tokens vs 93 at once, or a
-reply's KV made one token at a time), so two greedy runs may part at a near-tie. They must agree
-up to a point where the reference's own top two were within ``NEAR_TIE`` nats; a slot holding
-another conversation's KV would disagree at once and by far."""
+Greedy runs are compared with ``edge_turns.assert_same_greedy`` (equal up to a near-tie)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import pytest
+from edge_turns import assert_same_greedy, turn
 
 from engine_edge.config import EdgeConfig
 from engine_edge.llama_cpp_backend import LlamaCppBackend
-from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent
+from llm_shared.contract import FinishEvent, SamplingParams
 from llm_shared.modelfile import default_gguf_path
 
 pytestmark = pytest.mark.model
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)
-NEAR_TIE = 0.5  # nats between the reference's top two where a different rounding may flip the pick
 MiB = 2**20
 
 
 @pytest.fixture
 async def scratch() -> AsyncIterator[LlamaCppBackend]:
     """The reference: every prompt computed from its first token."""
-    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=4096, n_seq_max=2, n_threads=1,
+    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(kv_cache_mib=96, n_seq_max=2, n_threads=1,
                                                              prefix_reuse=False, max_queued=256))
     yield engine
     await engine.close()
-
-
-async def turn(engine: LlamaCppBackend, rid: str, prompt: Sequence[int], session: str = "",
-               params: SamplingParams = GREEDY) -> tuple[list[TokenEvent], str, FinishEvent]:
-    tokens: list[TokenEvent] = []
-    async for event in engine.generate(rid, prompt, params, session_id=session):
-        if isinstance(event, TokenEvent):
-            tokens.append(event)
-        else:
-            assert event.reason in ("stop", "length"), event
-            return tokens, "".join(t.text for t in tokens) + event.text, event
-    raise AssertionError("no finish event")
-
-
-def assert_same_greedy(tokens: list[TokenEvent], reference: list[TokenEvent]) -> None:
-    """Equal tokens, or equal up to a near-tie of the reference (see the module docstring)."""
-    for i, (ours, ref) in enumerate(zip(tokens, reference, strict=False)):
-        if ours.token_id == ref.token_id:
-            continue
-        alternatives = dict(ref.top_logprobs)
-        assert ours.token_id in alternatives and ref.logprob - alternatives[ours.token_id] < NEAR_TIE, (
-            f"token {i}: {ours.token_id} where the reference picked {ref.token_id} with a clear margin "
-            f"({ref.top_logprobs})")
-        return  # past a near-tie the two continuations are different texts
-    assert len(tokens) == len(reference)
 
 
 def conversation(engine: LlamaCppBackend, *messages: tuple[str, str]) -> list[int]:
@@ -78,7 +48,7 @@ async def two_turns(engine: LlamaCppBackend, session: str, first: str, second: s
 
 
 async def test_a_resumed_turn_equals_the_same_turn_from_scratch(scratch: LlamaCppBackend) -> None:
-    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=4096, n_seq_max=2, n_threads=1))
+    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(kv_cache_mib=96, n_seq_max=2, n_threads=1))
     try:
         prompt, ids, finish = await two_turns(engine, "s", "Name a color.", "And a fruit?")
         assert finish.cached_tokens > len(prompt) // 2  # turn 1's prompt and most of its reply
@@ -91,7 +61,7 @@ async def test_a_resumed_turn_equals_the_same_turn_from_scratch(scratch: LlamaCp
 
 
 async def test_after_a_truncate_only_the_heard_part_is_reused(scratch: LlamaCppBackend) -> None:
-    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=4096, n_seq_max=2, n_threads=1))
+    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(kv_cache_mib=96, n_seq_max=2, n_threads=1))
     try:
         long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
         first = conversation(engine, ("user", "Tell me about the moon."))
@@ -108,7 +78,7 @@ async def test_after_a_truncate_only_the_heard_part_is_reused(scratch: LlamaCppB
 
 async def test_a_conversation_evicted_to_host_memory_is_restored_exactly(scratch: LlamaCppBackend) -> None:
     # One slot: every other conversation pushes the previous one out to a host snapshot.
-    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=2048, n_seq_max=1, n_threads=1, snapshot_mib=64))
+    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(kv_cache_mib=48, n_seq_max=1, n_threads=1, snapshot_mib=64))
     try:
         _, reply_a, _ = await turn(engine, "a-1", conversation(engine, ("user", "Name a color.")), "a")
         await turn(engine, "b-1", conversation(engine, ("user", "What is two plus two?")), "b")
@@ -125,7 +95,7 @@ async def test_a_conversation_evicted_to_host_memory_is_restored_exactly(scratch
 
 async def cycle_sessions(n_sessions: int, n_slots: int, scratch: LlamaCppBackend) -> None:
     budget = 4 * MiB  # ~180 tokens of this model's KV: a few conversations, so snapshots get evicted
-    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(n_ctx=1024 * (n_slots + 1), n_seq_max=n_slots,
+    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(kv_cache_mib=24 * (n_slots + 1), n_seq_max=n_slots,
                                                              n_threads=1, snapshot_mib=budget // MiB,
                                                              max_queued=n_sessions))  # all start at once
     short = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)

@@ -61,7 +61,7 @@ def load_config_small():
     from dataclasses import replace
 
     config = make_config()
-    return replace(config, edge=replace(config.edge, n_ctx=2048, n_seq_max=2))
+    return replace(config, edge=replace(config.edge, kv_cache_mib=48, n_seq_max=2))
 
 
 async def test_user_text_never_becomes_special_tokens() -> None:
