@@ -26,9 +26,9 @@ import logging
 from pathlib import Path
 
 from engine_edge.config import EdgeConfig
-from engine_edge.llama_cpp_runtime import KV_PAD, ContextShape, LlamaContext, LlamaModel, TokenBatch
 from engine_edge.llama_cpp_worker import LlamaWorker
 from engine_edge.worker_front import WorkerFront, open_gguf, require_same_vocab
+from llm_shared.llamacpp_runtime import KV_PAD, ContextShape, LlamaContext, LlamaModel, TokenBatch
 from llm_shared.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

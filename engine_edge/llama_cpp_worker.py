@@ -45,7 +45,7 @@ from llm_shared.errors import EngineUnavailableError
 from llm_shared.textstream import TextStream
 
 if TYPE_CHECKING:
-    from engine_edge.llama_cpp_runtime import LlamaContext, LlamaModel, TokenBatch
+    from llm_shared.llamacpp_runtime import LlamaContext, LlamaModel, TokenBatch
     from llm_shared.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The ONNX decoder behind the same model/context/batch surface as ``llama_cpp_runtime``.
+"""The ONNX decoder behind the same model/context/batch surface as ``llm_shared.llamacpp_runtime``.
 
 The edge worker (``engine_edge.llama_cpp_worker.LlamaWorker``) schedules, samples, streams,
 aborts and drafts against three small objects: a model (``is_eog``), a context (``decode`` a

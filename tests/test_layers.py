@@ -64,7 +64,8 @@ def test_the_check_catches_a_backward_import(tmp_path: Path) -> None:
 
 TORCH_FREE = [
     "llm_shared", "llm_shared.contract", "llm_shared.errors", "llm_shared.models", "llm_shared.tokenizer",
-    "llm_shared.textstream", "llm_shared.chat_template", "engine_edge", "engine_edge.config",
+    "llm_shared.textstream", "llm_shared.chat_template", "llm_shared.llamacpp_runtime", "engine_edge",
+    "engine_edge.config",
     "engine_gpu.config", "engine_gpu.client", "engine_gpu.scheduler", "gateway.config",
 ]
 

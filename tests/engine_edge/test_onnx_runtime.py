@@ -112,7 +112,7 @@ def test_end_of_generation_ids_from_special_token_texts() -> None:
 
 @pytest.mark.model
 def test_end_of_generation_ids_match_llama_cpp() -> None:
-    from engine_edge.llama_cpp_runtime import LlamaModel
+    from llm_shared.llamacpp_runtime import LlamaModel
     from llm_shared.modelfile import default_gguf_path
     from llm_shared.tokenizer import Tokenizer
 

@@ -1,8 +1,12 @@
 """Typed wrappers over llama-cpp-python's low-level ctypes API (0.3.36): model, context, batch.
 
-Imported only when the llama_cpp backend is chosen. A ``LlamaContext`` and its batches are not
-thread-safe: exactly one thread (the backend's worker) may call them. Logit views returned by
-``LlamaContext.logits`` point into llama.cpp's buffer and are valid only until the next decode.
+Both engines use it: the edge tier's llama.cpp backend (``engine_edge.llama_cpp_backend``) and
+the torch engine's speculative drafter (``engine_gpu.speculative.edge_drafter``), which runs
+the edge model inside the engine's own process. It lives here because engines import only
+``llm_shared``. Imported only where llama.cpp is chosen, so llama-cpp-python stays optional;
+it imports no torch. A ``LlamaContext`` and its batches are not thread-safe: exactly one
+thread (the owner's worker) may call them. Logit views returned by ``LlamaContext.logits``
+point into llama.cpp's buffer and are valid only until the next decode.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 from llm_shared.errors import EngineError, ModelFileError
 from llm_shared.modelfile import check_gguf
 
-_log = logging.getLogger("engine_edge.llama_cpp")
+_log = logging.getLogger("llm_shared.llamacpp")
 # ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (llama-cpp-python's own
 # _logger.py still assumes the older numbering, which is why it prints model loads as warnings).
 _GGML_LOG_WARN = 3
