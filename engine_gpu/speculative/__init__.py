@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, verification, the self-disable switch."""
