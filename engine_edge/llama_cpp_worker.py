@@ -53,6 +53,10 @@ logger = logging.getLogger(__name__)
 # While other sequences are decoding, a prompt enters at most this many tokens per step, so a
 # long prompt stretches one step to ~0.3 s on two cores instead of ~1 s (n_batch tokens).
 PREFILL_CHUNK_WHILE_DECODING = 128
+# In a shared pool a sequence reserves its prompt plus this many cells, and this many more each
+# time it reaches its reservation: reserving all of max_tokens up front would let a few default
+# Realtime turns (4,096 tokens allowed each) keep every other request waiting.
+GROW_CELLS = 256
 INTERNAL_ERROR = "internal error while generating; please retry"
 
 
@@ -63,7 +67,7 @@ class GenSeq:
     tokens: list[int]  # prompt, then sampled tokens; the last one is not in the KV yet
     stream: TextStream
     rng: np.random.Generator
-    reservation: int  # KV cells this sequence may grow to (counts against a unified pool)
+    reservation: int  # KV cells this sequence may grow to before it asks for more (counts against a shared pool)
     n_cached: int = 0
     n_reused: int = 0  # prompt tokens whose KV was already there (reported as cached_tokens)
     n_generated: int = 0
@@ -113,13 +117,15 @@ class LlamaWorker:
         self._running: dict[str, GenSeq] = {}  # insertion order = admission order
         self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, arrival, request id)
         self._waiting_cmds: dict[str, GenerateCmd] = {}
+        self._preempted: deque[GenSeq] = deque()  # lost their cells to older sequences; resume first
         self._arrivals = itertools.count()
         self._draft_queue: deque[ProposeCmd] = deque()
         self._draft_job: DraftJob | None = None
         self._draft_cache: list[int] = []  # tokens whose KV the drafter slot holds
         self._closing = False
         self._counters = {"steps": 0, "tokens_generated": 0, "prompt_tokens": 0,
-                          "draft_tokens_reused": 0, "draft_prefill_tokens": 0, "errors": 0, "restore_ms_total": 0}
+                          "draft_tokens_reused": 0, "draft_prefill_tokens": 0, "errors": 0, "restore_ms_total": 0,
+                          "preemptions": 0}
         self.snapshot: dict[str, float] = {}  # replaced (never mutated) after every step
         self._publish()
 
@@ -147,9 +153,12 @@ class LlamaWorker:
             self._shutdown()
 
     def _idle(self) -> bool:
-        return not (self._running or self._waiting_cmds or self._draft_job or self._draft_queue)
+        return not (self._running or self._waiting_cmds or self._preempted or self._draft_job or self._draft_queue)
 
     def _step(self) -> None:
+        self._grow_reservations()
+        if not (self._running or self._draft_job):
+            return
         active: list[Active] = [*([self._draft_job] if self._draft_job else []), *self._running.values()]
         spans = plan_batch(active, self._batch.capacity, PREFILL_CHUNK_WHILE_DECODING)
         started = time.perf_counter()
@@ -193,7 +202,8 @@ class LlamaWorker:
             self._closing = True
 
     def _abort(self, request_id: str) -> None:
-        seq = self._running.get(request_id)
+        seq = self._running.get(request_id) or next(
+            (s for s in self._preempted if s.cmd.request_id == request_id), None)
         if seq is not None:
             self._finish(seq, "abort", seq.stream.finish())
             return
@@ -229,17 +239,65 @@ class LlamaWorker:
         self._cache.dropped(slot)
         self._ctx.seq_rm(slot)
 
+    def _cap(self, seq: GenSeq) -> int:
+        """The most cells ``seq`` can ever hold: its prompt plus max_tokens, within one sequence's limit."""
+        return min(len(seq.cmd.prompt) + seq.params.max_tokens - 1, self._ctx.n_ctx_seq)
+
+    def _grow_reservations(self) -> None:
+        """Before a step: every running sequence gets the cells it may fill this step. One that
+        has reached its reservation asks for ``GROW_CELLS`` more; if the pool cannot give them
+        (idle caches already gave way), the most recently admitted other sequence is preempted:
+        its cells are freed and it resumes, by recomputing its tokens, when cells are free again."""
+        for seq in list(self._running.values()):  # oldest first: the oldest keep their cells
+            if seq.cmd.request_id not in self._running:
+                continue  # preempted for an older one in this loop
+            while seq.reservation < min(len(seq.tokens) + 1, self._cap(seq)):
+                more = min(GROW_CELLS, self._cap(seq) - seq.reservation)
+                if self._fits(more):
+                    seq.reservation += more
+                    break
+                victim = next(reversed(self._running.values()))
+                self._preempt(victim)
+                if victim is seq:
+                    break
+
+    def _preempt(self, seq: GenSeq) -> None:
+        del self._running[seq.cmd.request_id]
+        self._ctx.seq_rm(seq.slot)
+        self._cache.dropped(seq.slot)
+        self._free_slots.append(seq.slot)
+        seq.slot, seq.n_cached, seq.reservation = -1, 0, 0
+        self._preempted.append(seq)
+        self._counters["preemptions"] += 1
+
+    def _resume_preempted(self) -> bool:
+        """Put preempted sequences back, oldest first; False while one still cannot fit."""
+        while self._preempted and self._free_slots:
+            seq = self._preempted[0]
+            reservation = min(len(seq.tokens) + GROW_CELLS, self._cap(seq))
+            if not self._fits(reservation):
+                return False
+            self._preempted.popleft()
+            placement = self._cache.place(tuple(seq.tokens), self._free_slots)
+            self._free_slots.remove(placement.slot)
+            seq.slot, seq.reservation = placement.slot, reservation
+            seq.n_cached = self._prepare_slot(placement)
+            self._running[seq.cmd.request_id] = seq
+        return not self._preempted
+
     def _admit(self) -> None:
         if self._draft_job is None and self._draft_queue:
             if self._fits(len(self._draft_queue[0].context) + self._draft_queue[0].k):
                 self._start_draft(self._draft_queue.popleft())
+        if not self._resume_preempted():
+            return  # preempted sequences go before new ones
         while self._free_slots and self._waiting:
             request_id = self._waiting[0][2]
             cmd = self._waiting_cmds.get(request_id)
             if cmd is None:  # aborted while waiting
                 heapq.heappop(self._waiting)
                 continue
-            reservation = min(len(cmd.prompt) + cmd.params.max_tokens - 1, self._ctx.n_ctx_seq)
+            reservation = min(len(cmd.prompt) + min(cmd.params.max_tokens, GROW_CELLS) - 1, self._ctx.n_ctx_seq)
             if not self._fits(reservation):
                 return  # first come first served: later requests do not jump a big one
             heapq.heappop(self._waiting)
@@ -366,6 +424,14 @@ class LlamaWorker:
     # ---- finishing -------------------------------------------------------------------------------
 
     def _finish(self, seq: GenSeq, reason: FinishReason, tail: str, message: str = "") -> None:
+        if seq.slot < 0:  # preempted: it holds no slot and no cells
+            self._preempted.remove(seq)
+        else:
+            self._release_slot(seq, reason)
+        seq.cmd.sink.put(FinishEvent(reason, prompt_tokens=len(seq.cmd.prompt), completion_tokens=seq.n_generated,
+                                     cached_tokens=seq.n_reused, text=tail, message=message, tier="edge"))
+
+    def _release_slot(self, seq: GenSeq, reason: FinishReason) -> None:
         del self._running[seq.cmd.request_id]
         self._free_slots.append(seq.slot)
         if reason == "error":  # its KV may be partial: nothing of it is reused
@@ -375,8 +441,6 @@ class LlamaWorker:
             self._cache.finished(seq.slot, seq.tokens[: seq.n_cached], seq.cmd.session, len(seq.cmd.prompt))
             if not self._cache.enabled:
                 self._ctx.seq_rm(seq.slot)
-        seq.cmd.sink.put(FinishEvent(reason, prompt_tokens=len(seq.cmd.prompt), completion_tokens=seq.n_generated,
-                                     cached_tokens=seq.n_reused, text=tail, message=message, tier="edge"))
 
     def kv_state(self) -> dict[str, dict[int, int]]:
         """Cells per generation slot, read at once: every slot's (``held``), those of running
@@ -397,7 +461,7 @@ class LlamaWorker:
     def _fail(self, seq: Active, message: str) -> None:
         self._counters["errors"] += 1
         if isinstance(seq, GenSeq):
-            if seq.cmd.request_id in self._running:
+            if seq.cmd.request_id in self._running or seq in self._preempted:
                 self._finish(seq, "error", "", message)
         elif isinstance(seq, DraftJob):
             self._ctx.seq_rm(self._draft_slot)
@@ -407,7 +471,7 @@ class LlamaWorker:
             reject(seq.cmd.done, EngineUnavailableError(message))
 
     def _fail_all(self, message: str) -> None:
-        for seq in list(self._running.values()):
+        for seq in [*self._running.values(), *self._preempted]:
             self._fail(seq, message)
         if self._draft_job is not None:
             self._fail(self._draft_job, message)
@@ -433,7 +497,7 @@ class LlamaWorker:
         cache = self._cache
         self.snapshot = {
             "running": float(len(self._running)),
-            "waiting": float(len(self._waiting_cmds)),
+            "waiting": float(len(self._waiting_cmds) + len(self._preempted)),
             "kv_cells_used": float(cells),  # held by running work
             "kv_cells_cached": float(cache.resident_tokens),  # kept by idle slots for their conversations
             "kv_cells_total": float(self._ctx.n_ctx),

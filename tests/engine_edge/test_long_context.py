@@ -6,14 +6,14 @@ solo ones (up to near-ties, see ``edge_turns``), and the pool is sized from a me
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from edge_turns import assert_same_greedy, turn
 
 from engine_edge.config import EdgeConfig
 from engine_edge.llama_cpp_backend import LlamaCppBackend
-from llm_shared.contract import SamplingParams, TokenEvent
+from llm_shared.contract import SamplingParams
 from llm_shared.errors import ConfigError, PromptTooLongError
 from llm_shared.modelfile import default_gguf_path
 
@@ -85,28 +85,27 @@ async def test_batched_outputs_equal_solo_outputs_in_the_shared_pool(pool: Llama
         assert_same_greedy(batched[1][0], solo[0])
 
 
-async def wait_for_stats(engine: LlamaCppBackend, ready: Callable[[dict[str, float]], bool]) -> dict[str, float]:
-    async with asyncio.timeout(120):
-        while not ready(stats := engine.stats()):
-            await asyncio.sleep(0.05)
-    return stats
-
-
-async def test_a_long_turn_waits_for_cells_instead_of_failing(pool: LlamaCppBackend) -> None:
-    """Two turns that may each grow to 7,000 cells cannot share the 11,520: the second waits
-    until the first is done (here: aborted), then runs."""
-    params = SamplingParams(temperature=0.0, max_tokens=7000, ignore_eos=True)
-    prompt = pool.tokenizer.encode_chat([{"role": "user", "content": "Count to a thousand."}])
-    first, second = pool.generate("big-1", prompt, params), pool.generate("big-2", prompt, params)
-    assert isinstance(await anext(first), TokenEvent)
-    second_started = asyncio.ensure_future(anext(second))
-    stats = await wait_for_stats(pool, lambda s: s["waiting"] == 1)
-    assert stats["running"] == 1 and not second_started.done()
-    await pool.abort("big-1")  # frees its reservation: the second is admitted
-    assert isinstance(await asyncio.wait_for(second_started, timeout=120), TokenEvent)
-    await pool.abort("big-2")
-    assert [e.reason async for e in first if not isinstance(e, TokenEvent)] == ["abort"]
-    assert [e.reason async for e in second if not isinstance(e, TokenEvent)] == ["abort"]
+async def test_turns_that_outgrow_the_pool_take_turns_instead_of_failing() -> None:
+    """Two turns that each fit the pool but not together (2 x ~440 > 768 cells): both start (a turn
+    reserves its prompt plus 256 cells, not all of max_tokens), the newer is preempted when the
+    older needs its cells, resumes by recomputing once they are free, and both finish whole, with
+    the same greedy text as alone."""
+    engine = LlamaCppBackend(default_gguf_path(), EdgeConfig(kv_cache_mib=16.875, n_seq_max=2, n_threads=1,
+                                                             prefix_reuse=False))
+    try:
+        assert engine.n_ctx == 768
+        params = SamplingParams(temperature=0.0, max_tokens=420, ignore_eos=True, logprobs=5)
+        prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in PROMPTS[:2]]
+        solo = [(await turn(engine, f"solo-{i}", p, "", params))[0] for i, p in enumerate(prompts)]
+        assert engine.stats()["preemptions"] == 0
+        together = await asyncio.gather(*(turn(engine, f"both-{i}", p, "", params) for i, p in enumerate(prompts)))
+        assert engine.stats()["preemptions"] >= 1
+        for (tokens, _, finish), reference in zip(together, solo, strict=True):
+            assert finish.reason == "length" and len(tokens) == 420
+            assert_same_greedy(tokens, reference)
+        assert engine.stats()["kv_cells_used"] == 0 and engine.stats()["waiting"] == 0
+    finally:
+        await engine.close()
 
 
 def test_a_budget_too_small_for_one_page_is_a_config_error() -> None:
