@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from engine_gpu.config import BF16_CPU_FLAGS, resolve_dtype
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO_ROOT / "bench" / "out"
 IMG_DIR = REPO_ROOT / "docs" / "img"
@@ -80,7 +82,7 @@ def machine_busy_s() -> float:
     return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
 
 
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU flags under which torch computes bfloat16 natively
+BF16_FLAGS = BF16_CPU_FLAGS
 
 
 def cpu_facts() -> dict[str, Any]:
@@ -102,11 +104,9 @@ def cpu_facts() -> dict[str, Any]:
 
 
 def cpu_dtype(requested: str = "auto") -> str:
-    """``requested``, or for "auto" bfloat16 where the CPU computes it natively, else float32
-    (on an AVX2-only CPU bf16 prefill ran 5x slower than fp32)."""
-    if requested != "auto":
-        return requested
-    return "bfloat16" if any(f in cpu_facts()["flags"] for f in BF16_FLAGS) else "float32"
+    """``requested``, or what the torch engine picks for "auto" on this CPU (bfloat16 where it is
+    computed natively, else float32: on an AVX2-only CPU bf16 prefill ran 5x slower)."""
+    return resolve_dtype(requested, "cpu")[0]
 
 
 def write_json(path: Path, obj: Any) -> None:

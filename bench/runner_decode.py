@@ -51,7 +51,7 @@ def main() -> None:
         out = runner.execute([ScheduledSeq(f"r{i}", prompts[i], 0, tables[i], sample=True, num_draft_tokens=0,
                                            params=greedy, output_index=0) for i in range(batch)])
         prefill = time.perf_counter() - started
-        last = [out[f"r{i}"].token_id for i in range(batch)]
+        last = [out[f"r{i}"][0].token_id for i in range(batch)]
         times = []
         for step in range(args.steps):
             items = [ScheduledSeq(f"r{i}", [last[i]], args.context + step, tables[i], sample=True, num_draft_tokens=0,
@@ -60,7 +60,7 @@ def main() -> None:
             started = time.perf_counter()
             out = runner.execute(items)
             times.append(time.perf_counter() - started)
-            last = [out[f"r{i}"].token_id for i in range(batch)]
+            last = [out[f"r{i}"][0].token_id for i in range(batch)]
         median = statistics.median(times)
         print(f"batch {batch:3d}: prefill {batch * args.context / prefill:7.0f} tok/s; "
               f"decode step median {median * 1e3:6.1f} ms (min {min(times) * 1e3:.1f}) -> {batch / median:5.0f} tok/s")

@@ -145,6 +145,19 @@ class BlockManager:
         self._ref_count[block_id] = 1
         return block_id
 
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Give back the seq's blocks past those covering positions [0, num_tokens): the blocks
+        that rejected draft tokens were written to. Never published (only computed tokens are),
+        so they go straight to the free pool. Returns how many were freed."""
+        keep = max(self.blocks_for(num_tokens), seq.num_published_blocks)
+        tail = seq.block_table[keep:]
+        for block_id in reversed(tail):
+            assert self._ref_count[block_id] == 1 and self._hash[block_id] is None, f"block {block_id} is shared"
+            self._ref_count[block_id] = 0
+            self._free.append(block_id)
+        del seq.block_table[keep:]
+        return len(tail)
+
     def deallocate(self, seq: Sequence) -> None:
         """Drop the seq's references. Tail blocks go into the LRU first, so they are evicted
         before the prefix blocks that other requests are likelier to share."""

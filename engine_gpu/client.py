@@ -90,15 +90,15 @@ class EngineClient:
 
     @classmethod
     async def start(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
-                    startup_timeout: float = 600.0) -> EngineClient:
-        """Spawn a core process for these configs, wait until its model is loaded, connect."""
+                    draft_model_cfg: ModelConfig | None = None, startup_timeout: float = 600.0) -> EngineClient:
+        """Spawn a core process for these configs, wait until its model (and drafter) is loaded, connect."""
         from engine_gpu.core_process import config_args  # the module is torch-free until main() runs
 
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         # stdin is a pipe the core watches: if this process dies, the core sees EOF and exits.
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engine_gpu.core_process", *config_args(model_cfg, engine_cfg),
+            sys.executable, "-m", "engine_gpu.core_process", *config_args(model_cfg, engine_cfg, draft_model_cfg),
             "--exit-on-stdin-eof", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
         )
         tokenizer_task = asyncio.create_task(asyncio.to_thread(tokenizer_for, model_cfg))

@@ -6,19 +6,55 @@ The engine core process reads its own tables (``[engine]`` and the model it name
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from llm_shared.configtools import build, read_toml, require
+from llm_shared.errors import ConfigError
 from llm_shared.models import ModelConfig, parse_models, require_model
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``[engine.speculative]``: a drafter proposes, the target verifies in one pass."""
+
+    method: Literal["off", "ngram", "edge"] = "off"  # edge: draft_model through llama.cpp in the core process
+    num_draft_tokens: int = 4  # most drafts per sequence and round
+    max_batch: int = 8  # no speculation while more sequences than this are decoding
+    adaptive: bool = True  # per-sequence draft length, and off wherever it measures no gain
+    probe_every: int = 32  # the losing arm is retried once every this many steps (per batch-size bucket)
+    draft_model: str = ""  # a gguf [models] id with the target's tokenizer (method = "edge")
+    draft_kv_mib: float = 64  # the drafter's KV pool (f16 cells; 64 MiB = ~2,900 tokens of a 135M model)
+    draft_threads: int = 0  # llama.cpp threads for drafting; 0 = all usable cores
+    ngram_min: int = 2  # n-gram sizes prompt lookup tries, longest first
+    ngram_max: int = 4
+    initial_acceptance: float = 0.7  # a new sequence's assumed acceptance rate, until it has its own
+    initial_cost_ratio: float = 0.1  # drafter cost per token / target step, until measured
+
+    def __post_init__(self) -> None:
+        require(self.method in ("off", "ngram", "edge"),
+                f"engine.speculative.method must be 'off', 'ngram' or 'edge', got {self.method!r}")
+        require(1 <= self.num_draft_tokens <= 16, "engine.speculative.num_draft_tokens must be in 1..16")
+        require(self.max_batch >= 1, "engine.speculative.max_batch must be >= 1")
+        require(self.probe_every >= 2, "engine.speculative.probe_every must be >= 2")
+        require(self.draft_kv_mib > 0, "engine.speculative.draft_kv_mib must be positive")
+        require(self.draft_threads >= 0, "engine.speculative.draft_threads must be >= 0")
+        require(1 <= self.ngram_min <= self.ngram_max <= 16,
+                "engine.speculative needs 1 <= ngram_min <= ngram_max <= 16")
+        require(0.0 < self.initial_acceptance < 1.0, "engine.speculative.initial_acceptance must be in (0, 1)")
+        require(0.0 <= self.initial_cost_ratio <= 10.0, "engine.speculative.initial_cost_ratio must be in [0, 10]")
+        require(self.method != "edge" or self.draft_model != "",
+                "engine.speculative.method = 'edge' needs draft_model (a gguf model id from [models])")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"  # id in [models]
     device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # auto: bfloat16 on CUDA, and on a CPU that computes it natively (AVX-512 bf16 or AMX);
+    # float32 on other CPUs, where bf16 is emulated (5x slower prefill on an AVX2-only machine)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     attention: Literal["auto", "torch", "flash_attn"] = "auto"  # flash_attn: CUDA only
     block_size: int = 16  # tokens per KV block
     kv_cache_mib: int = 512  # memory budget for the KV block pool
@@ -31,6 +67,7 @@ class EngineConfig:
     long_prefill_threshold: int = 256  # a prompt chunk is at most this many tokens while others decode
     listen: str = ""  # "unix:/path" or "tcp:host:port"; "" picks a private unix socket
     threads: int = 0  # torch intra-op threads in the engine process; 0 = torch default
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         require(self.block_size in (8, 16, 32, 64, 128, 256), f"engine.block_size must be a power of two in 8..256, got {self.block_size}")
@@ -52,8 +89,62 @@ class EngineConfig:
         )
 
 
-def load_engine_config(path: str | Path) -> tuple[ModelConfig, EngineConfig]:
-    """The engine's own tables of a config file: ``[engine]`` and the ``[models]`` entry it serves."""
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU flags under which torch computes bfloat16 natively
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_dtype(requested: str, device: str) -> tuple[str, str]:
+    """The dtype to run in for ``requested`` ("auto" or a name), and why, for the log."""
+    if requested != "auto":
+        return requested, "configured"
+    if device == "cuda":
+        return "bfloat16", "auto: CUDA"
+    native = sorted(BF16_CPU_FLAGS & cpu_flags())
+    if native:
+        return "bfloat16", f"auto: the CPU computes bfloat16 natively ({', '.join(native)})"
+    return "float32", "auto: no native bfloat16 on this CPU (no avx512_bf16 or amx_bf16), where it is emulated"
+
+
+def parse_engine_table(table: Any) -> EngineConfig:
+    """``[engine]`` with its ``[engine.speculative]`` sub-table."""
+    if not isinstance(table, dict):
+        raise ConfigError("[engine] must be a table")
+    table = dict(table)
+    speculative = build(SpeculativeConfig, table.pop("speculative", {}), "engine.speculative")
+    return replace(build(EngineConfig, table, "engine"), speculative=speculative)
+
+
+def check_engine_models(engine: EngineConfig, models: dict[str, ModelConfig]) -> tuple[ModelConfig, ModelConfig | None]:
+    """The model the engine serves and, with an edge drafter, the model it drafts with."""
+    target = require_model(models, engine.model, "engine.model")
+    spec = engine.speculative
+    if spec.method != "edge":
+        return target, None
+    draft = require_model(models, spec.draft_model, "engine.speculative.draft_model")
+    if draft.format != "gguf":
+        raise ConfigError(f"engine.speculative.draft_model {draft.id!r} is {draft.format}; the edge drafter "
+                          "runs llama.cpp and needs a gguf model")
+    if draft.family and target.family and draft.family != target.family:
+        raise ConfigError(f"engine.speculative.draft_model {draft.id!r} is of the {draft.family!r} tokenizer family "
+                          f"but the target {target.id!r} is {target.family!r}; a drafter must share its target's tokenizer")
+    return target, draft
+
+
+def load_engine_config(path: str | Path) -> tuple[ModelConfig, EngineConfig, ModelConfig | None]:
+    """The engine's own tables of a config file: ``[engine]``, the ``[models]`` entry it serves,
+    and the one it drafts with (None unless ``engine.speculative.method = "edge"``)."""
     raw = read_toml(path)
-    engine = build(EngineConfig, raw.get("engine", {}), "engine")
-    return require_model(parse_models(raw.get("models")), engine.model, "engine.model"), engine
+    engine = parse_engine_table(raw.get("engine", {}))
+    target, draft = check_engine_models(engine, parse_models(raw.get("models")))
+    return target, engine, draft

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
-from engine_gpu.config import EngineConfig, load_engine_config
+from engine_gpu.config import EngineConfig, load_engine_config, parse_engine_table
 from engine_gpu.outputs import RequestOutput
 from engine_gpu.protocol import (
     PRIVATE_SOCKET_PREFIX,
@@ -313,20 +313,26 @@ class CoreServer:
 
 # --- process entry point --------------------------------------------------------------------
 
-def _configs(args: argparse.Namespace) -> tuple[ModelConfig, EngineConfig]:
+def _configs(args: argparse.Namespace) -> tuple[ModelConfig, EngineConfig, ModelConfig | None]:
     if args.config:
-        model_cfg, engine_cfg = load_engine_config(args.config)
+        model_cfg, engine_cfg, draft_cfg = load_engine_config(args.config)
     else:
         model_cfg = build(ModelConfig, json.loads(args.model_json), "model")
-        engine_cfg = build(EngineConfig, json.loads(args.engine_json), "engine")
+        engine_cfg = parse_engine_table(json.loads(args.engine_json))
+        draft_cfg = build(ModelConfig, json.loads(args.draft_model_json), "draft_model") if args.draft_model_json else None
+        if engine_cfg.speculative.method == "edge" and draft_cfg is None:
+            raise ConfigError("engine.speculative.method = 'edge' needs --draft-model-json")
     if args.listen is not None:
         engine_cfg = replace(engine_cfg, listen=args.listen)
-    return model_cfg, engine_cfg
+    return model_cfg, engine_cfg, draft_cfg
 
 
-def config_args(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> list[str]:
-    """Command-line arguments that hand both configs to a core process (used by EngineClient.start)."""
-    return ["--model-json", json.dumps(asdict(model_cfg)), "--engine-json", json.dumps(asdict(engine_cfg))]
+def config_args(model_cfg: ModelConfig, engine_cfg: EngineConfig, draft_cfg: ModelConfig | None = None) -> list[str]:
+    """Command-line arguments that hand the configs to a core process (used by EngineClient.start)."""
+    args = ["--model-json", json.dumps(asdict(model_cfg)), "--engine-json", json.dumps(asdict(engine_cfg))]
+    if draft_cfg is not None:
+        args += ["--draft-model-json", json.dumps(asdict(draft_cfg))]
+    return args
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
@@ -340,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--config", help="TOML config; serves its [engine] table and the [models] entry it names")
     source.add_argument("--model-json", help="ModelConfig as JSON (with --engine-json)")
     parser.add_argument("--engine-json", default="{}", help="EngineConfig as JSON")
+    parser.add_argument("--draft-model-json", default="", help="ModelConfig of the edge drafter as JSON")
     parser.add_argument("--listen", default=None, help="override engine.listen: unix:/path or tcp:host:port")
     parser.add_argument("--exit-on-stdin-eof", action="store_true", help="stop when the parent closes our stdin")
     args = parser.parse_args(argv)
@@ -356,11 +363,11 @@ def main(argv: list[str] | None = None) -> int:
 
     tmpdir = None
     try:
-        model_cfg, engine_cfg = _configs(args)
+        model_cfg, engine_cfg, draft_cfg = _configs(args)
         listener, address, tmpdir = open_listener(engine_cfg.listen)
         from engine_gpu.engine import LLMEngine  # torch is imported only once the configs are valid
 
-        engine = LLMEngine.from_config(model_cfg, engine_cfg)
+        engine = LLMEngine.from_config(model_cfg, engine_cfg, draft_cfg)
     except (EngineError, ConfigError, OSError) as e:
         log.error("engine core failed to start: %s", e)
         report(error=str(e), code="config_error" if isinstance(e, ConfigError) else getattr(e, "code", "start_failed"))
@@ -375,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.serve_forever()
     finally:
+        engine.close()
         listener.close()
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)

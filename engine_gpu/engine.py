@@ -17,6 +17,7 @@ from engine_gpu.outputs import RequestOutput
 from engine_gpu.runner import ModelRunner, SampledToken
 from engine_gpu.sched_output import RequestUpdate, SchedulerOutput
 from engine_gpu.scheduler import Scheduler
+from engine_gpu.speculative.speculator import Speculator, build_speculator
 from llm_shared.contract import FinishEvent, FinishReason, Priority, SamplingParams, TokenEvent
 from llm_shared.models import ModelConfig, tokenizer_for
 from llm_shared.textstream import TextStream
@@ -39,7 +40,7 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
-                 *, model_cfg: ModelConfig | None = None) -> None:
+                 *, model_cfg: ModelConfig | None = None, speculator: Speculator | None = None) -> None:
         if config.max_model_len > runner.max_position:
             # Positions past what the model was built for would run, but produce garbage.
             log.info("max_model_len %d capped at the model's %d positions", config.max_model_len, runner.max_position)
@@ -51,6 +52,7 @@ class LLMEngine:
         self.last_plan: SchedulerOutput | None = None  # the latest step's plan, for benchmarks and logs
         self.scheduler = Scheduler(config, runner.num_blocks, eos_token_id=tokenizer.eos_id,
                                    vocab_size=runner.vocab_size)
+        self.speculator = speculator
         self._requests: dict[str, _Request] = {}
         self._steps = 0
         self._last_step_s = 0.0
@@ -58,7 +60,10 @@ class LLMEngine:
         self._generated = 0
 
     @classmethod
-    def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> LLMEngine:
+    def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                    draft_model_cfg: ModelConfig | None = None) -> LLMEngine:
+        """Load the model (and the drafter ``engine_cfg.speculative`` names; an edge drafter needs
+        ``draft_model_cfg``, which ``config.check_engine_models`` resolves)."""
         started = time.perf_counter()
         log.info("loading tokenizer of %s", model_cfg.id)
         tokenizer = tokenizer_for(model_cfg)
@@ -66,7 +71,8 @@ class LLMEngine:
         runner = ModelRunner.from_config(model_cfg, engine_cfg)
         log.info("model loaded in %.1f s: %d KV blocks of %d tokens", time.perf_counter() - started,
                  runner.num_blocks, runner.block_size)
-        return cls(runner, tokenizer, engine_cfg, model_cfg=model_cfg)
+        speculator = build_speculator(engine_cfg.speculative, draft_model_cfg, tokenizer, engine_cfg.max_num_seqs)
+        return cls(runner, tokenizer, engine_cfg, model_cfg=model_cfg, speculator=speculator)
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -91,6 +97,8 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.abort_request(request_id)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         return RequestOutput(request_id, [], self._finish(req, reason, text="", message=message))
 
     def has_unfinished(self) -> bool:
@@ -100,15 +108,27 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        spec = self.speculator
+        round_ = spec.prepare(self.scheduler, self.runner.sampler) if spec is not None else None
         plan = self.last_plan = self.scheduler.schedule()
-        sampled = self.runner.execute(plan.scheduled)
-        updates = self.scheduler.update_from_output(plan, {rid: [tok.token_id] for rid, tok in sampled.items()})
+        if round_ is not None:
+            sampled = self.runner.execute(plan.scheduled, round_.probs, round_.seeds)
+        else:
+            sampled = self.runner.execute(plan.scheduled)
+        updates = self.scheduler.update_from_output(
+            plan, {rid: [tok.token_id for tok in tokens] for rid, tokens in sampled.items()})
         outputs = self._outputs(plan, updates, sampled)
-        self._record_step(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        if spec is not None and round_ is not None:
+            spec.finish(round_, sampled, seconds)
+            for out in outputs:
+                if out.finish is not None:
+                    spec.release(out.request_id)
+        self._record_step(seconds)
         return outputs
 
     def _outputs(self, plan: SchedulerOutput, updates: list[RequestUpdate],
-                 sampled: dict[str, SampledToken]) -> list[RequestOutput]:
+                 sampled: dict[str, list[SampledToken]]) -> list[RequestOutput]:
         for request_id, cached in plan.cached_tokens.items():
             if request_id in self._requests:
                 self._requests[request_id].cached_tokens = cached
@@ -119,12 +139,12 @@ class LLMEngine:
                 continue
             out = RequestOutput(update.request_id)
             reason: FinishReason | None = update.finish_reason
-            chosen = sampled.get(update.request_id)
-            for token_id in update.new_token_ids:
+            chosen = sampled.get(update.request_id, [])
+            for i, token_id in enumerate(update.new_token_ids):  # a prefix of what the runner emitted
                 text, stopped = req.stream.push(token_id)
                 req.completion_tokens += 1
-                if chosen is not None and chosen.token_id == token_id:
-                    out.tokens.append(TokenEvent(token_id, text, chosen.logprob, tuple(chosen.top_logprobs)))
+                if i < len(chosen) and chosen[i].token_id == token_id:
+                    out.tokens.append(TokenEvent(token_id, text, chosen[i].logprob, tuple(chosen[i].top_logprobs)))
                 else:
                     out.tokens.append(TokenEvent(token_id, text, 0.0))
                 if stopped:
@@ -164,7 +184,14 @@ class LLMEngine:
         out = self.scheduler.stats().as_dict()
         out.update(step_time_ms=self._last_step_s * 1e3, step_time_ms_avg=self._avg_step_s * 1e3,
                    steps=float(self._steps), generated_tokens=float(self._generated))
+        if self.speculator is not None:
+            out.update(self.speculator.stats())
         return out
+
+    def close(self) -> None:
+        """Free what lives outside torch's memory (the drafter's llama.cpp context)."""
+        if self.speculator is not None:
+            self.speculator.close()
 
     def info(self) -> dict[str, object]:
         """Static facts a client needs to validate requests cheaply before sending them."""

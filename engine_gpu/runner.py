@@ -9,15 +9,17 @@ positions come from the caller, so tests run it from hand-built ``ScheduledSeq``
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine_gpu.attention import AttentionBackend, PagedLayout, get_attention_backend
+from engine_gpu.config import resolve_dtype
 from engine_gpu.kv_cache import PagedKVCache
 from engine_gpu.sampler import SampledToken, Sampler
 from engine_gpu.sched_output import ScheduledSeq
+from engine_gpu.speculative.verify import accept, token_logprobs
 from llm_shared.errors import ConfigError
 from llm_shared.llama.loader import load_model
 from llm_shared.llama.model import LlamaModel
@@ -98,7 +100,9 @@ class ModelRunner:
             raise ConfigError("engine.device = 'cuda' but torch sees no CUDA device")
         if engine_cfg.threads > 0:
             torch.set_num_threads(engine_cfg.threads)
-        dtype = DTYPES[engine_cfg.dtype]
+        dtype_name, why = resolve_dtype(engine_cfg.dtype, engine_cfg.device)
+        log.info("dtype %s (%s)", dtype_name, why)
+        dtype = DTYPES[dtype_name]
         device = torch.device(engine_cfg.device)
         path = resolve_source(model_cfg.source)
         model = load_model(path, model_cfg.format, dtype=dtype, device=device)
@@ -116,17 +120,46 @@ class ModelRunner:
         return cls(model, kv_cache, device=device, dtype=dtype, attention_backend=backend)
 
     @torch.inference_mode()
-    def execute(self, batch: Sequence[ScheduledSeq]) -> dict[str, SampledToken]:
-        """One forward over the batch; the sampled token of each item with ``sample=True``, by request id."""
+    def execute(
+        self,
+        batch: Sequence[ScheduledSeq],
+        draft_probs: Mapping[str, torch.Tensor | None] | None = None,
+        seeds: Mapping[str, int] | None = None,
+    ) -> dict[str, list[SampledToken]]:
+        """One forward over the batch; for each item with ``sample=True``, by request id, the
+        tokens it emits: one sampled token, or for an item with draft tokens, the drafts that
+        verification accepted and one more (``speculative.verify``). ``draft_probs`` holds the
+        distributions drafts were drawn from (absent or None: point masses) and ``seeds`` the
+        seed of each sampled request with drafts (absent: drawn here)."""
         if not batch:
             return {}
         rows = [i for i, item in enumerate(batch) if item.sample]
-        hidden = self._forward(batch, self._last_rows(batch, rows))
+        widths = [batch[i].num_draft_tokens + 1 for i in rows]  # logit rows each sampled item needs
+        hidden = self._forward(batch, self._last_rows(batch, rows, widths))
         if not rows:
             return {}
-        logits = self.model.compute_logits(hidden)
-        tokens = self.sampler.sample(logits, [batch[i].params for i in rows], [batch[i].output_index for i in rows])
-        return {batch[i].request_id: token for i, token in zip(rows, tokens, strict=True)}
+        logits = self.model.compute_logits(hidden).float()
+        firsts = [sum(widths[:n]) for n in range(len(rows))]
+        plain = [n for n, width in enumerate(widths) if width == 1]
+        out: dict[str, list[SampledToken]] = {}
+        if plain:
+            tokens = self.sampler.sample(logits[[firsts[n] for n in plain]], [batch[rows[n]].params for n in plain],
+                                         [batch[rows[n]].output_index for n in plain])
+            for n, token in zip(plain, tokens, strict=True):
+                out[batch[rows[n]].request_id] = [token]
+        for n, width in enumerate(widths):
+            if width == 1:
+                continue
+            item = batch[rows[n]]
+            drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens:]
+            q = (draft_probs or {}).get(item.request_id)
+            seed = (seeds or {}).get(item.request_id)
+            if seed is None:
+                seed = self.sampler.seed_for(item.params)
+            rows_logits = logits[firsts[n]: firsts[n] + width]
+            emitted = accept(rows_logits, drafts, q, item.params, seed, item.output_index)
+            out[item.request_id] = token_logprobs(rows_logits, emitted, item.params)
+        return out
 
     @torch.inference_mode()
     def execute_logits(self, batch: Sequence[ScheduledSeq]) -> list[torch.Tensor]:
@@ -137,12 +170,14 @@ class ModelRunner:
         logits = self.model.compute_logits(self._forward(batch, None)).float()
         return list(logits.split([len(item.token_ids) for item in batch]))
 
-    def _last_rows(self, batch: Sequence[ScheduledSeq], rows: list[int]) -> list[int]:
+    @staticmethod
+    def _last_rows(batch: Sequence[ScheduledSeq], rows: list[int], widths: list[int]) -> list[int]:
+        """Flat token rows of the last ``widths[n]`` tokens of item ``rows[n]``, in order."""
         ends, total = [], 0
         for item in batch:
             total += len(item.token_ids)
-            ends.append(total - 1)
-        return [ends[i] for i in rows]
+            ends.append(total)
+        return [r for i, width in zip(rows, widths, strict=True) for r in range(ends[i] - width, ends[i])]
 
     def _forward(self, batch: Sequence[ScheduledSeq], keep_rows: list[int] | None) -> torch.Tensor:
         """Run the model over all new tokens; hidden states [rows, hidden] of ``keep_rows`` (None: all)."""

@@ -104,6 +104,10 @@ class Sampler:
         # Only for unseeded requests; seeded ones never consult it.
         self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
+    def seed_for(self, params: SamplingParams) -> int:
+        """The request's seed, or a fresh one from this sampler's generator if it has none."""
+        return params.seed if params.seed is not None else self._rng.getrandbits(63)
+
     def sample(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
     ) -> list[SampledToken]:

@@ -63,6 +63,9 @@ class SchedulerStats:
     prefix_cache_hits: int  # of those, tokens found
     preemptions: int  # total since start
     num_scheduled_tokens: int  # tokens in the last step's plan
+    spec_draft_tokens: int = 0  # draft tokens verified, total since start
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_freed_blocks: int = 0  # blocks given back because only rejected drafts had reached them
 
     def as_dict(self) -> dict[str, float]:
         """Flat numbers for ``Engine.stats()`` and metrics."""

@@ -76,6 +76,9 @@ class Scheduler:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._last_num_scheduled = 0
+        self._draft_tokens = 0  # verified draft tokens, and of those the accepted ones
+        self._accepted_tokens = 0
+        self._freed_draft_blocks = 0
 
     # ---- requests in and out ----
 
@@ -324,7 +327,12 @@ class Scheduler:
             seq.num_computed_tokens += len(item.token_ids) - rejected
             seq.draft_token_ids = []  # drafted from an older last token; the drafter offers new ones
             new_ids, reason, stop_id = self._append_tokens(seq, tokens)
-            self.block_manager.publish_full_blocks(seq)
+            self.block_manager.publish_full_blocks(seq)  # accepted tokens only: rejected ones were never computed
+            if item.num_draft_tokens:
+                self._draft_tokens += item.num_draft_tokens
+                self._accepted_tokens += len(tokens) - 1
+                if rejected:  # blocks that only rejected drafts reached go back now
+                    self._freed_draft_blocks += self.block_manager.trim(seq, seq.num_tokens)
             updates.append(RequestUpdate(seq.request_id, new_ids, reason, stop_id))
             if reason is not None:
                 self._finish(seq, reason)
@@ -369,6 +377,11 @@ class Scheduler:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
+    def decoding(self) -> list[Sequence]:
+        """Running requests whose next step is a decode (all their tokens but the last computed):
+        the ones a drafter can propose for."""
+        return [seq for seq in self._running.values() if seq.is_caught_up]
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -385,6 +398,9 @@ class Scheduler:
             prefix_cache_hits=self._prefix_hits,
             preemptions=self._num_preemptions,
             num_scheduled_tokens=self._last_num_scheduled,
+            spec_draft_tokens=self._draft_tokens,
+            spec_accepted_tokens=self._accepted_tokens,
+            spec_freed_blocks=self._freed_draft_blocks,
         )
 
     def check_invariants(self) -> None:

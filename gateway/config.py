@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from engine_edge.config import EdgeConfig
-from engine_gpu.config import EngineConfig
+from engine_gpu.config import EngineConfig, check_engine_models, parse_engine_table
 from llm_shared.configtools import build, read_toml, require
 from llm_shared.errors import ConfigError
 from llm_shared.models import REPO_ROOT, ModelConfig, parse_models, require_model
@@ -88,7 +88,7 @@ class Config:
     path: Path | None = None
 
     def __post_init__(self) -> None:
-        require_model(self.models, self.engine.model, "engine.model")
+        check_engine_models(self.engine, self.models)  # the served model, and the drafter's if any
         require(require_model(self.models, self.edge.model, "edge.model").format == "gguf",
                 f"the edge tier ({self.edge.backend}) needs a gguf model; edge.model {self.edge.model!r} is "
                 f"{self.models[self.edge.model].format}")
@@ -113,7 +113,7 @@ def parse_config(raw: dict, path: Path | None = None) -> Config:
         server=build(ServerConfig, raw.get("server", {}), "server"),
         models=parse_models(raw.get("models")),
         edge=build(EdgeConfig, raw.get("edge", {}), "edge"),
-        engine=build(EngineConfig, raw.get("engine", {}), "engine"),
+        engine=parse_engine_table(raw.get("engine", {})),
         routing=build(RoutingConfig, raw.get("routing", {}), "routing"),
         path=path,
     )

@@ -55,7 +55,9 @@ async def build_gpu_engine(config: Config) -> Engine:
 
     log.info("starting the torch engine core for %s on %s (%s)", config.engine.model, config.engine.device,
              config.engine.dtype)
-    return await EngineClient.start(config.model(config.engine.model), config.engine)
+    spec = config.engine.speculative
+    draft = config.model(spec.draft_model) if spec.method == "edge" else None
+    return await EngineClient.start(config.model(config.engine.model), config.engine, draft_model_cfg=draft)
 
 
 async def load_engines(config: Config) -> dict[str, Engine]:

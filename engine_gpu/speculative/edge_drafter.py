@@ -35,6 +35,7 @@ import torch
 
 from engine_gpu.sampler import sampling_probs
 from engine_gpu.speculative.drafter import MAX_DRAFT_TOKENS, Draft, DraftRequest, check_same_tokenizer, draft_uniform
+from engine_gpu.speculative.verify import inverse_cdf
 from llm_shared.errors import EngineError
 from llm_shared.llamacpp_runtime import KV_PAD, ContextShape, LlamaContext, LlamaModel, TokenBatch
 from llm_shared.modelfile import check_gguf
@@ -71,14 +72,6 @@ def _common_prefix(held: list[int], ids: list[int]) -> int:
     return next(i for i in range(n) if held[i] != ids[i])
 
 
-def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
-    """The token whose cumulative mass first exceeds ``u`` of the row's total: one with q > 0."""
-    cdf = torch.cumsum(probs, dim=0)
-    total = cdf[-1]
-    target = torch.minimum(torch.tensor(u, dtype=cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return int(torch.searchsorted(cdf, target.reshape(1), right=True).item())
-
-
 class EdgeDrafter:
     """``Drafter`` over a GGUF model in llama.cpp, all requests' sequences in one unified KV pool.
 
@@ -92,17 +85,19 @@ class EdgeDrafter:
         model_path: Path,
         *,
         max_seqs: int,
-        kv_cells: int,
+        kv_cells: int = 0,
+        kv_mib: float = 0.0,
         n_threads: int = 0,
         target_tokenizer: Tokenizer | None = None,
     ) -> None:
-        """``max_seqs`` requests hold KV at once; ``kv_cells`` cells (rounded up to a multiple
-        of 256) are shared by them; ``n_threads`` 0 = all usable cores. With ``target_tokenizer``
-        the GGUF's own tokenizer must match it id for id (``ConfigError`` otherwise)."""
+        """``max_seqs`` requests hold KV at once and share one pool of ``kv_cells`` cells, or of
+        what ``kv_mib`` MiB hold at the model's cost per cell (one of the two; rounded up to a
+        multiple of 256); ``n_threads`` 0 = all usable cores. With ``target_tokenizer`` the
+        GGUF's own tokenizer must match it id for id (``ConfigError`` otherwise)."""
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
-        if kv_cells < 1:
-            raise ValueError(f"kv_cells must be >= 1, got {kv_cells}")
+        if (kv_cells >= 1) == (kv_mib > 0):
+            raise ValueError(f"give one of kv_cells (>= 1) or kv_mib (> 0), got {kv_cells} and {kv_mib}")
         if n_threads < 0:
             raise ValueError(f"n_threads must be >= 0 (0 = all usable cores), got {n_threads}")
         path = check_gguf(Path(model_path))
@@ -110,6 +105,8 @@ class EdgeDrafter:
             check_same_tokenizer(target_tokenizer, Tokenizer.from_gguf(path), f"{self.name} ({path.name})")
         self._model = LlamaModel(path)
         try:
+            if kv_mib > 0:
+                kv_cells = max(1, int(kv_mib * 2**20) // self._model.kv_bytes_per_cell)
             shape = ContextShape(n_ctx=-(-kv_cells // KV_PAD) * KV_PAD, n_seqs=max_seqs,
                                  n_batch=max(BATCH_TOKENS, max_seqs), n_threads=n_threads, kv_unified=True)
             self._ctx = LlamaContext(self._model, shape)
@@ -322,5 +319,5 @@ class EdgeDrafter:
         )
         for job, row in zip(sampled, q, strict=True):
             u = draft_uniform(job.req.seed, job.req.output_index, len(job.drafts))
-            job.drafts.append(_inverse_cdf(row, u))
+            job.drafts.append(inverse_cdf(row, u))
             job.probs.append(row)

@@ -59,15 +59,15 @@ def generate(runner: ModelRunner, prompts: list[list[int]], steps: int, params: 
         sampled = runner.execute(batch)
         for i in who:
             if f"r{i}" in sampled:
-                out[i].append(sampled[f"r{i}"].token_id)
+                out[i].append(sampled[f"r{i}"][0].token_id)
     for _ in range(steps - 1):
         batch = [scheduled(f"r{i}", [out[i][-1]], len(p) + len(out[i]) - 1, tables[i], True, params[i], len(out[i]))
                  for i, p in enumerate(prompts)]
         sampled = runner.execute(batch)
         for i in range(len(prompts)):
-            tok = sampled.get(f"r{i}")
-            assert tok is not None
-            out[i].append(tok.token_id)
+            tokens = sampled.get(f"r{i}")
+            assert tokens is not None and len(tokens) == 1  # no drafts: one token
+            out[i].append(tokens[0].token_id)
     return out
 
 
@@ -104,7 +104,9 @@ def test_execute_contract(model: LlamaModel) -> None:
     ])
     assert out.get("a") is None
     assert runner.execute([scheduled("c", [1, 2], 0, [2], False, params, 0)]) == {}  # nothing to sample
-    token = out.get("b")
+    tokens = out.get("b")
+    assert tokens is not None and len(tokens) == 1
+    token = tokens[0]
     assert isinstance(token, SampledToken)
     assert 0 <= token.token_id < runner.vocab_size
     assert token.logprob <= 0.0
@@ -219,9 +221,9 @@ def test_smollm2_bf16_agrees_with_transformers_on_dequantized_weights() -> None:
         # greedy continuation through the paged decode path
         got = [int(ours[-1].argmax())]
         for step in range(7):
-            token = runner.execute([scheduled(str(i), [got[-1]], len(ids) + step, table, True, GREEDY, step + 1)]).get(str(i))
-            assert token is not None
-            got.append(token.token_id)
+            tokens = runner.execute([scheduled(str(i), [got[-1]], len(ids) + step, table, True, GREEDY, step + 1)]).get(str(i))
+            assert tokens is not None
+            got.append(tokens[0].token_id)
         # teacher-forced on our own tokens, so one bf16 near-tie does not derail the rest
         ref = reference_logits(hf, ids + got[:-1])
         agree += int((ours[:-1].argmax(-1) == ref[: len(ids) - 1].argmax(-1)).sum())  # inside the prompt

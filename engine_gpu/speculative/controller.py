@@ -1,0 +1,150 @@
+"""When to speculate, and how far: the self-disable switch and per-sequence draft lengths.
+
+The switch is a small two-armed bandit per batch-size bucket (1, 2-3, 4-7, 8-15, ...): it keeps
+a smoothed rate of tokens emitted per second for steps taken with speculation and for steps
+without, and speculates when its rate is at least the plain one (a measured gain >= 1). The
+losing arm is still tried once every ``probe_every`` steps of the bucket, so a switch that went
+off comes back on when speculation would pay again (longer copies, a quieter machine), and one
+that is on notices when it stops paying. Above ``max_batch`` running sequences it is off: a
+full batch already uses the hardware that verification would need.
+
+Each sequence drafts ``k`` tokens with ``k`` chosen from its own running acceptance rate ``a``:
+the ``k`` in ``1..num_draft_tokens`` maximising expected tokens per round,
+``(1 - a^(k+1)) / (1 - a)``, over the round's cost in target steps, ``1 + k * c``, where ``c`` is
+the drafter's measured cost per draft token relative to a plain target step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine_gpu.config import SpeculativeConfig
+
+RATE_EMA = 0.2  # weight of the newest step in a bucket's tokens/s
+ACCEPT_EMA = 0.3  # weight of the newest round in a sequence's acceptance rate
+COST_EMA = 0.2
+MIN_SAMPLES = 3  # steps per arm before a bucket trusts its rates
+
+
+@dataclass
+class _Arm:
+    rate: float = 0.0  # tokens emitted per second, smoothed
+    samples: int = 0
+
+    def add(self, rate: float) -> None:
+        self.rate = rate if self.samples == 0 else (1 - RATE_EMA) * self.rate + RATE_EMA * rate
+        self.samples += 1
+
+
+@dataclass
+class _Bucket:
+    on: _Arm = field(default_factory=_Arm)
+    off: _Arm = field(default_factory=_Arm)
+    steps: int = 0
+
+
+def bucket_of(batch_size: int) -> int:
+    return max(1, batch_size).bit_length() - 1  # 1 -> 0, 2-3 -> 1, 4-7 -> 2, ...
+
+
+class SpecController:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._buckets: dict[int, _Bucket] = {}
+        self._acceptance: dict[str, float] = {}
+        self._draft_cost = config.initial_cost_ratio  # drafter seconds per draft token / plain step seconds
+        self._plain_step_s = 0.0
+        self.enabled = config.method != "off"  # the latest decision, for stats
+        self.rounds = 0
+        self.disabled_by_batch = 0
+        self.disabled_by_gain = 0
+
+    # ---- decisions ----
+
+    def speculate(self, batch_size: int) -> bool:
+        """Whether this step drafts, for ``batch_size`` decoding sequences."""
+        cfg = self.config
+        if cfg.method == "off" or batch_size == 0:
+            self.enabled = False
+            return False
+        if batch_size > cfg.max_batch:
+            self.disabled_by_batch += 1
+            self.enabled = False
+            return False
+        if not cfg.adaptive:
+            self.enabled = True
+            return True
+        bucket = self._buckets.setdefault(bucket_of(batch_size), _Bucket())
+        bucket.steps += 1
+        on, off = bucket.on, bucket.off
+        if on.samples < MIN_SAMPLES or off.samples < MIN_SAMPLES:
+            choice = on.samples <= off.samples  # explore both arms first
+        else:
+            best = on.rate >= off.rate
+            choice = (not best) if bucket.steps % cfg.probe_every == 0 else best
+            if not best:
+                self.disabled_by_gain += 1
+        self.enabled = choice
+        return choice
+
+    def draft_len(self, request_id: str) -> int:
+        """Drafts for this sequence's next round (0: it sits this round out)."""
+        k_max = self.config.num_draft_tokens
+        if not self.config.adaptive:
+            return k_max
+        a = min(self._acceptance.get(request_id, self.config.initial_acceptance), 0.999)
+        c = self._draft_cost
+        best_k, best_value = 0, 1.0  # k = 0: one token for one step
+        for k in range(1, k_max + 1):
+            value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * c)
+            if value > best_value:
+                best_k, best_value = k, value
+        return best_k
+
+    # ---- observations ----
+
+    def observe_step(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A finished step: ``tokens`` emitted by the decoding sequences in ``seconds``."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        bucket = self._buckets.setdefault(bucket_of(batch_size), _Bucket())
+        (bucket.on if speculated else bucket.off).add(tokens / seconds)
+        if not speculated and batch_size == 1:
+            self._plain_step_s = seconds if self._plain_step_s == 0 else (1 - COST_EMA) * self._plain_step_s + COST_EMA * seconds
+
+    def observe_drafting(self, seconds: float, draft_positions: int) -> None:
+        """The drafter took ``seconds`` for ``draft_positions`` rounds (one token per sequence each)."""
+        if draft_positions <= 0 or self._plain_step_s <= 0:
+            return
+        ratio = seconds / draft_positions / self._plain_step_s
+        self._draft_cost = (1 - COST_EMA) * self._draft_cost + COST_EMA * ratio
+
+    def observe_round(self, request_id: str, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.rounds += 1
+        rate = accepted / proposed
+        old = self._acceptance.get(request_id)
+        self._acceptance[request_id] = rate if old is None else (1 - ACCEPT_EMA) * old + ACCEPT_EMA * rate
+
+    def forget(self, request_id: str) -> None:
+        self._acceptance.pop(request_id, None)
+
+    # ---- introspection ----
+
+    def gain(self, batch_size: int) -> float:
+        """Measured tokens/s with speculation over without, for this batch size's bucket (0: unknown)."""
+        bucket = self._buckets.get(bucket_of(batch_size))
+        if bucket is None or not bucket.on.samples or not bucket.off.samples or bucket.off.rate <= 0:
+            return 0.0
+        return bucket.on.rate / bucket.off.rate
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "spec_enabled": float(self.enabled),
+            "spec_rounds": float(self.rounds),
+            "spec_draft_cost_ratio": self._draft_cost,
+            "spec_gain_batch1": self.gain(1),
+            "spec_off_by_batch": float(self.disabled_by_batch),
+            "spec_off_by_gain": float(self.disabled_by_gain),
+        }
