@@ -110,7 +110,7 @@ def resolve_dtype(requested: str, device: str) -> tuple[str, str]:
         return requested, "configured"
     if device == "cuda":
         return "bfloat16", "auto: CUDA"
-    native = sorted(BF16_CPU_FLAGS & cpu_flags())
+    native = sorted(set(BF16_CPU_FLAGS) & cpu_flags())
     if native:
         return "bfloat16", f"auto: the CPU computes bfloat16 natively ({', '.join(native)})"
     return "float32", "auto: no native bfloat16 on this CPU (no avx512_bf16 or amx_bf16), where it is emulated"

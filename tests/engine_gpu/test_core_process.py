@@ -18,7 +18,7 @@ import pytest
 from tiny_engine import write_tiny_model
 
 from engine_gpu.client import EngineClient
-from engine_gpu.config import EngineConfig
+from engine_gpu.config import EngineConfig, SpeculativeConfig
 from engine_gpu.core_process import config_args
 from engine_gpu.protocol import (
     HEADER,
@@ -251,3 +251,26 @@ async def test_an_idle_core_blocks_instead_of_spinning(core_process: tuple[str, 
     await asyncio.sleep(1.0)  # measuring idle CPU over a wall-clock interval, not waiting for an event
     after = proc.cpu_times()
     assert (after.user + after.system) - (before.user + before.system) < 0.1
+
+
+async def test_a_core_with_speculation_reports_its_drafts(model_cfg: ModelConfig) -> None:
+    """[engine.speculative] reaches the core process (the nested table through --engine-json), and
+    its figures reach the client's stats, from where /metrics exports them."""
+    spec = SpeculativeConfig(method="ngram", ngram_min=1, adaptive=False)
+    c = await EngineClient.start(model_cfg, replace(CONFIG, speculative=spec))
+    try:
+        repeating = [5, 6, 7, 8] * 12  # a prompt that n-gram lookup can draft from
+        _, finish = await collect(c.generate("spec", repeating, SamplingParams(temperature=0.0, max_tokens=40,
+                                                                               ignore_eos=True)))
+        assert finish.reason == "length" and finish.completion_tokens == 40
+        stats = await c.refresh_stats()
+        assert stats["spec_draft_tokens"] > 0 and stats["spec_enabled"] == 1.0
+        assert 0.0 <= stats["spec_acceptance_rate"] <= 1.0 and "spec_mean_accepted_len" in stats
+    finally:
+        await c.close()
+
+
+async def test_an_edge_drafter_without_its_model_is_a_config_error(model_cfg: ModelConfig) -> None:
+    spec = SpeculativeConfig(method="edge", draft_model="smollm2")
+    with pytest.raises(errors.ConfigError, match="draft-model"):
+        await EngineClient.start(model_cfg, replace(CONFIG, speculative=spec))

