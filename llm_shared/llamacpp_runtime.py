@@ -30,12 +30,20 @@ _GGML_LOG_WARN = 3
 _GGML_LOG_ERROR = 4
 
 
+# Warnings that describe a choice made on purpose: a shared pool larger than the trained context
+# (LlamaContext caps every sequence at the trained context itself).
+_EXPECTED_WARNINGS = ("> n_ctx_train",)
+
+
 def _forward_llama_log(level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> None:
     # llama.cpp narrates every load and context creation (hundreds of lines on stderr);
     # keep only its warnings and errors, through Python logging.
     if text and level in (_GGML_LOG_WARN, _GGML_LOG_ERROR):
-        _log.log(logging.WARNING if level == _GGML_LOG_WARN else logging.ERROR, "%s",
-                 text.decode("utf-8", errors="replace").rstrip())
+        message = text.decode("utf-8", errors="replace").rstrip()
+        if level == _GGML_LOG_WARN and any(marker in message for marker in _EXPECTED_WARNINGS):
+            _log.debug("%s", message)
+            return
+        _log.log(logging.WARNING if level == _GGML_LOG_WARN else logging.ERROR, "%s", message)
 
 
 # llama.cpp keeps this pointer for the life of the process, so the ctypes object must too.
