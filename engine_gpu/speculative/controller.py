@@ -9,9 +9,14 @@ that is on notices when it stops paying. Above ``max_batch`` running sequences i
 full batch already uses the hardware that verification would need.
 
 Each sequence drafts ``k`` tokens with ``k`` chosen from its own running acceptance rate ``a``:
-the ``k`` in ``1..num_draft_tokens`` maximising expected tokens per round,
-``(1 - a^(k+1)) / (1 - a)``, over the round's cost in target steps, ``1 + k * c``, where ``c`` is
-the drafter's measured cost per draft token relative to a plain target step.
+the ``k`` in ``0..num_draft_tokens`` maximising expected tokens per round,
+``(1 - a^(k+1)) / (1 - a)``, over the round's cost in plain target steps, ``1 + k * (c + b)``:
+``c`` is the drafter's cost per draft token and ``b`` what each extra query token adds to a
+verification step, both measured per bucket against that bucket's plain steps (on a GPU ``b`` is
+near 0 at small batches; on these CPUs a 5-token verification costs ~1.7 plain steps).
+
+Time spent feeding the drafter sequences that were far behind (a new request's prompt, tokens
+missed while speculation was off) is a one-off per request and is left out of both rates.
 """
 
 from __future__ import annotations
@@ -36,11 +41,18 @@ class _Arm:
         self.samples += 1
 
 
+def _ema(old: float, new: float, weight: float) -> float:
+    return new if old <= 0 else (1 - weight) * old + weight * new
+
+
 @dataclass
 class _Bucket:
     on: _Arm = field(default_factory=_Arm)
     off: _Arm = field(default_factory=_Arm)
     steps: int = 0
+    plain_step_s: float = 0.0  # a plain step's seconds, smoothed
+    draft_cost: float = -1.0  # drafter seconds per draft position / plain step (-1: not measured yet)
+    verify_slope: float = -1.0  # extra cost of a verification per draft token / plain step
 
 
 def bucket_of(batch_size: int) -> int:
@@ -52,8 +64,6 @@ class SpecController:
         self.config = config
         self._buckets: dict[int, _Bucket] = {}
         self._acceptance: dict[str, float] = {}
-        self._draft_cost = config.initial_cost_ratio  # drafter seconds per draft token / plain step seconds
-        self._plain_step_s = 0.0
         self.enabled = config.method != "off"  # the latest decision, for stats
         self.rounds = 0
         self.disabled_by_batch = 0
@@ -78,7 +88,7 @@ class SpecController:
         bucket.steps += 1
         on, off = bucket.on, bucket.off
         if on.samples < MIN_SAMPLES or off.samples < MIN_SAMPLES:
-            choice = on.samples <= off.samples  # explore both arms first
+            choice = on.samples < off.samples  # explore both arms first, plain steps first
         else:
             best = on.rate >= off.rate
             choice = (not best) if bucket.steps % cfg.probe_every == 0 else best
@@ -87,37 +97,49 @@ class SpecController:
         self.enabled = choice
         return choice
 
-    def draft_len(self, request_id: str) -> int:
+    def draft_len(self, request_id: str, batch_size: int = 1) -> int:
         """Drafts for this sequence's next round (0: it sits this round out)."""
         k_max = self.config.num_draft_tokens
         if not self.config.adaptive:
             return k_max
         a = min(self._acceptance.get(request_id, self.config.initial_acceptance), 0.999)
-        c = self._draft_cost
+        per_token = self.draft_cost(batch_size) + max(0.0, self._bucket(batch_size).verify_slope)
         best_k, best_value = 0, 1.0  # k = 0: one token for one step
         for k in range(1, k_max + 1):
-            value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * c)
+            value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * per_token)
             if value > best_value:
                 best_k, best_value = k, value
         return best_k
 
     # ---- observations ----
 
-    def observe_step(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A finished step: ``tokens`` emitted by the decoding sequences in ``seconds``."""
+    def _bucket(self, batch_size: int) -> _Bucket:
+        return self._buckets.setdefault(bucket_of(batch_size), _Bucket())
+
+    def draft_cost(self, batch_size: int) -> float:
+        cost = self._bucket(batch_size).draft_cost
+        return cost if cost >= 0 else self.config.initial_cost_ratio
+
+    def observe_step(self, batch_size: int, speculated: bool, tokens: int, seconds: float, *,
+                     draft_seconds: float = 0.0, draft_positions: int = 0, drafts_per_seq: float = 0.0) -> None:
+        """A finished step: ``tokens`` emitted by the decoding sequences in ``seconds`` (one-off
+        catch-up feeding left out); with speculation, ``draft_seconds`` of it were ``draft_positions``
+        drafter rounds, and each sequence verified ``drafts_per_seq`` drafts on average."""
         if seconds <= 0 or tokens <= 0:
             return
-        bucket = self._buckets.setdefault(bucket_of(batch_size), _Bucket())
+        bucket = self._bucket(batch_size)
         (bucket.on if speculated else bucket.off).add(tokens / seconds)
-        if not speculated and batch_size == 1:
-            self._plain_step_s = seconds if self._plain_step_s == 0 else (1 - COST_EMA) * self._plain_step_s + COST_EMA * seconds
-
-    def observe_drafting(self, seconds: float, draft_positions: int) -> None:
-        """The drafter took ``seconds`` for ``draft_positions`` rounds (one token per sequence each)."""
-        if draft_positions <= 0 or self._plain_step_s <= 0:
+        if not speculated:
+            bucket.plain_step_s = _ema(bucket.plain_step_s, seconds, COST_EMA)
             return
-        ratio = seconds / draft_positions / self._plain_step_s
-        self._draft_cost = (1 - COST_EMA) * self._draft_cost + COST_EMA * ratio
+        if bucket.plain_step_s <= 0:
+            return
+        if draft_positions > 0:
+            ratio = draft_seconds / draft_positions / bucket.plain_step_s
+            bucket.draft_cost = ratio if bucket.draft_cost < 0 else _ema(bucket.draft_cost, ratio, COST_EMA)
+        if drafts_per_seq > 0:
+            slope = max(0.0, ((seconds - draft_seconds) / bucket.plain_step_s - 1) / drafts_per_seq)
+            bucket.verify_slope = slope if bucket.verify_slope < 0 else _ema(bucket.verify_slope, slope, COST_EMA)
 
     def observe_round(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
@@ -143,7 +165,8 @@ class SpecController:
         return {
             "spec_enabled": float(self.enabled),
             "spec_rounds": float(self.rounds),
-            "spec_draft_cost_ratio": self._draft_cost,
+            "spec_draft_cost_ratio": self.draft_cost(1),
+            "spec_verify_cost_per_draft": max(0.0, self._bucket(1).verify_slope),
             "spec_gain_batch1": self.gain(1),
             "spec_off_by_batch": float(self.disabled_by_batch),
             "spec_off_by_gain": float(self.disabled_by_gain),

@@ -26,6 +26,7 @@ Not thread-safe by design: the engine core calls it from its one thread.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,7 @@ class EdgeDrafter:
         self._free_ids = list(range(max_seqs - 1, -1, -1))  # pop() hands out the lowest id first
         self._calls = 0
         self._closed = False
+        self.last_catchup_seconds = 0.0  # of the latest propose: feeding sequences that were far behind
         self._counters = {"drafter_tokens_proposed": 0, "drafter_decode_calls": 0, "drafter_catchup_tokens": 0,
                           "drafter_propose_calls": 0, "drafter_evictions": 0, "drafter_decode_failures": 0}
 
@@ -146,6 +148,16 @@ class EdgeDrafter:
                 jobs.append(job)
                 catch_up.append((job, missing))
         self._counters["drafter_catchup_tokens"] += sum(len(missing) for _, missing in catch_up)
+        # A sequence more than the usual bonus (and last draft) behind catches up first, in a call
+        # of its own, timed apart: a one-off per request (its prompt, or what it missed while
+        # speculation was off), which the switch must not mistake for the cost of drafting.
+        started = time.perf_counter()
+        behind = [(job, missing[:-1]) for job, missing in catch_up if len(missing) > 2]
+        if behind:
+            self._feed(behind)
+            catch_up = [(job, missing[-1:] if len(missing) > 2 else missing) for job, missing in catch_up
+                        if not job.failed]
+        self.last_catchup_seconds = time.perf_counter() - started
         self._pick(self._feed(catch_up))
         while drafting := [job for job in jobs if job.drafts and len(job.drafts) < job.n_draft and not job.failed]:
             self._pick(self._feed([(job, [job.drafts[-1]]) for job in drafting]))

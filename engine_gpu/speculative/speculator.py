@@ -39,6 +39,9 @@ class Round:
     seeds: dict[str, int] = field(default_factory=dict)
     proposed: dict[str, int] = field(default_factory=dict)  # drafts the scheduler took, per request
     decoding: set[str] = field(default_factory=set)
+    catchup_seconds: float = 0.0  # feeding the drafter sequences that were far behind (one-off)
+    draft_seconds: float = 0.0  # the drafter's rounds
+    draft_positions: int = 0
 
 
 class Speculator:
@@ -60,7 +63,7 @@ class Speculator:
         requests = []
         for seq in decoding:
             room = max(0, seq.max_total_tokens - seq.num_tokens - 1)  # what set_draft_tokens would keep
-            k = min(self.controller.draft_len(seq.request_id), room)
+            k = min(self.controller.draft_len(seq.request_id, len(decoding)), room)
             if k > 0:
                 seed = sampler.seed_for(seq.params)
                 round_.seeds[seq.request_id] = seed
@@ -69,7 +72,9 @@ class Speculator:
             return round_
         started = time.perf_counter()
         drafts = self.drafter.propose(requests)
-        self.controller.observe_drafting(time.perf_counter() - started, max(r.k for r in requests))
+        round_.catchup_seconds = getattr(self.drafter, "last_catchup_seconds", 0.0)
+        round_.draft_seconds = time.perf_counter() - started - round_.catchup_seconds
+        round_.draft_positions = max(r.k for r in requests)
         for request_id, draft in drafts.items():
             kept = scheduler.set_draft_tokens(request_id, draft.token_ids)
             if kept:
@@ -93,7 +98,11 @@ class Speculator:
                 self._accepted += accepted
                 self._rounds_with_drafts += 1
                 self._emitted_in_rounds += len(tokens)
-        self.controller.observe_step(round_.batch_size, round_.speculated, emitted, seconds)
+        verifying = len(round_.proposed)
+        self.controller.observe_step(
+            round_.batch_size, round_.speculated, emitted, seconds - round_.catchup_seconds,
+            draft_seconds=round_.draft_seconds, draft_positions=round_.draft_positions if verifying else 0,
+            drafts_per_seq=sum(round_.proposed.values()) / round_.batch_size if round_.batch_size else 0.0)
 
     def release(self, request_id: str) -> None:
         self.drafter.release(request_id)

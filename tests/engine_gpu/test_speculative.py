@@ -296,3 +296,19 @@ def test_ngram_drafter_proposes_what_followed_the_last_occurrence() -> None:
     assert drafter.propose([DraftRequest("b", [1, 2, 3], 2, GREEDY, 0, 0)])["b"].token_ids == []
     drafter.release("a")
     assert drafter.stats()["drafter_requests"] == 1
+
+
+def test_draft_length_counts_what_verification_costs_per_token() -> None:
+    """Where each extra query token makes verification dearer (CPU matmuls), fewer drafts pay;
+    where it is nearly free (a GPU at small batch), the most do. Both measured, per bucket."""
+    def controller(verify_step_s: float) -> SpecController:
+        ctl = SpecController(SpeculativeConfig(method="edge", draft_model="d", num_draft_tokens=4,
+                                               initial_acceptance=0.7))
+        ctl.observe_step(1, False, 1, 0.1)  # a plain step: 100 ms
+        # drafting 4 positions took 20 ms (c = 0.05); verifying 4 drafts took verify_step_s
+        ctl.observe_step(1, True, 3, 0.02 + verify_step_s, draft_seconds=0.02, draft_positions=4, drafts_per_seq=4)
+        return ctl
+
+    assert controller(verify_step_s=0.105).draft_len("new", 1) == 4
+    assert controller(verify_step_s=0.28).draft_len("new", 1) == 1
+    assert controller(verify_step_s=0.28).stats()["spec_verify_cost_per_draft"] == pytest.approx(0.45)
