@@ -60,7 +60,7 @@ from bench._spec_drive import (  # noqa: E402
     verify_step_times,
 )
 from bench.engine import OtherLoad  # noqa: E402
-from engine_gpu.config import BF16_CPU_FLAGS, SpeculativeConfig, cpu_flags  # noqa: E402
+from engine_gpu.config import SpeculativeConfig  # noqa: E402
 from engine_gpu.engine import LLMEngine  # noqa: E402
 from engine_gpu.runner import ModelRunner  # noqa: E402
 from engine_gpu.speculative.speculator import Speculator, build_speculator  # noqa: E402
@@ -69,15 +69,6 @@ from llm_shared.models import tokenizer_for  # noqa: E402
 
 DRAFT_MODEL = "smollm2-135m"
 OFF = SpeculativeConfig()
-
-
-def target_dtype(requested: str) -> str:
-    """``cpu_dtype(requested)``. At this commit ``engine_gpu.config.resolve_dtype("auto", "cpu")``
-    raises TypeError (a tuple & a set); until that is fixed, its rule is applied here."""
-    try:
-        return cpu_dtype(requested)
-    except TypeError:
-        return "bfloat16" if set(BF16_CPU_FLAGS) & cpu_flags() else "float32"
 
 
 class Setup:
@@ -303,7 +294,7 @@ def main() -> None:
     load_before = load_average()
     cpu = cpu_facts()
     progress(f"CPU: {cpu['model']}, {cpu['cores']} cores, flags {cpu['flags']}; load average {load_before[0]:.2f}")
-    s = Setup(args.threads, target_dtype(args.dtype))
+    s = Setup(args.threads, cpu_dtype(args.dtype))
     load = OtherLoad()
     c1 = arm_c1(s, chat_prompts(s.tokenizer, args.prompts), args.tokens, args.k, args.verify_reps)
     load.lap("concurrency 1")
