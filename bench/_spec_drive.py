@@ -93,6 +93,10 @@ class TimedDrafter:
                                       first))
         return out
 
+    @property
+    def last_catchup_seconds(self) -> float:
+        return self.inner.last_catchup_seconds
+
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
 

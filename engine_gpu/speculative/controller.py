@@ -9,11 +9,14 @@ that is on notices when it stops paying. Above ``max_batch`` running sequences i
 full batch already uses the hardware that verification would need.
 
 Each sequence drafts ``k`` tokens with ``k`` chosen from its own running acceptance rate ``a``:
-the ``k`` in ``0..num_draft_tokens`` maximising expected tokens per round,
-``(1 - a^(k+1)) / (1 - a)``, over the round's cost in plain target steps, ``1 + k * (c + b)``:
-``c`` is the drafter's cost per draft token and ``b`` what each extra query token adds to a
-verification step, both measured per bucket against that bucket's plain steps (on a GPU ``b`` is
-near 0 at small batches; on these CPUs a 5-token verification costs ~1.7 plain steps).
+the ``k`` in ``1..num_draft_tokens`` maximising expected tokens per round,
+``(1 - a^(k+1)) / (1 - a)``, over the round's cost in plain target steps, ``v(k) + k * c``:
+``c`` is the drafter's cost per draft token and ``v(k)`` a verification step with ``k`` drafts,
+both measured per bucket against that bucket's plain steps (``v(k)`` between measured ``k``s is
+interpolated from ``v(0) = 1``). ``v`` is not linear: on these CPUs (float32) a 2-token forward
+already costs ~1.85 plain steps and a 5-token one ~1.97, while on a GPU at small batch all are
+close to 1. A sequence never drafts fewer than one token while the switch is on, so its
+acceptance rate keeps being measured; the switch decides whether drafting pays at all.
 
 Time spent feeding the drafter sequences that were far behind (a new request's prompt, tokens
 missed while speculation was off) is a one-off per request and is left out of both rates.
@@ -52,7 +55,19 @@ class _Bucket:
     steps: int = 0
     plain_step_s: float = 0.0  # a plain step's seconds, smoothed
     draft_cost: float = -1.0  # drafter seconds per draft position / plain step (-1: not measured yet)
-    verify_slope: float = -1.0  # extra cost of a verification per draft token / plain step
+    verify_cost: dict[int, float] = field(default_factory=dict)  # most drafts in a round -> its step / plain step
+
+    def verify(self, k: int) -> float:
+        """A verification step with ``k`` drafts, in plain steps: measured, else interpolated."""
+        if k in self.verify_cost:
+            return self.verify_cost[k]
+        points = sorted({0: 1.0, **self.verify_cost}.items())
+        below = max((p for p in points if p[0] < k), key=lambda p: p[0])
+        above = [p for p in points if p[0] > k]
+        if not above:
+            return below[1]
+        (k0, v0), (k1, v1) = below, above[0]
+        return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
 
 
 def bucket_of(batch_size: int) -> int:
@@ -103,10 +118,11 @@ class SpecController:
         if not self.config.adaptive:
             return k_max
         a = min(self._acceptance.get(request_id, self.config.initial_acceptance), 0.999)
-        per_token = self.draft_cost(batch_size) + max(0.0, self._bucket(batch_size).verify_slope)
-        best_k, best_value = 0, 1.0  # k = 0: one token for one step
+        c = self.draft_cost(batch_size)
+        bucket = self._bucket(batch_size)
+        best_k, best_value = 1, 0.0
         for k in range(1, k_max + 1):
-            value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * per_token)
+            value = (1 - a ** (k + 1)) / (1 - a) / (bucket.verify(k) + k * c)
             if value > best_value:
                 best_k, best_value = k, value
         return best_k
@@ -121,10 +137,10 @@ class SpecController:
         return cost if cost >= 0 else self.config.initial_cost_ratio
 
     def observe_step(self, batch_size: int, speculated: bool, tokens: int, seconds: float, *,
-                     draft_seconds: float = 0.0, draft_positions: int = 0, drafts_per_seq: float = 0.0) -> None:
+                     draft_seconds: float = 0.0, draft_positions: int = 0, verify_width: int = 0) -> None:
         """A finished step: ``tokens`` emitted by the decoding sequences in ``seconds`` (one-off
         catch-up feeding left out); with speculation, ``draft_seconds`` of it were ``draft_positions``
-        drafter rounds, and each sequence verified ``drafts_per_seq`` drafts on average."""
+        drafter rounds, and the most drafts one sequence verified were ``verify_width``."""
         if seconds <= 0 or tokens <= 0:
             return
         bucket = self._bucket(batch_size)
@@ -137,9 +153,9 @@ class SpecController:
         if draft_positions > 0:
             ratio = draft_seconds / draft_positions / bucket.plain_step_s
             bucket.draft_cost = ratio if bucket.draft_cost < 0 else _ema(bucket.draft_cost, ratio, COST_EMA)
-        if drafts_per_seq > 0:
-            slope = max(0.0, ((seconds - draft_seconds) / bucket.plain_step_s - 1) / drafts_per_seq)
-            bucket.verify_slope = slope if bucket.verify_slope < 0 else _ema(bucket.verify_slope, slope, COST_EMA)
+        if verify_width > 0:
+            verify = max(1.0, (seconds - draft_seconds) / bucket.plain_step_s)
+            bucket.verify_cost[verify_width] = _ema(bucket.verify_cost.get(verify_width, 0.0), verify, COST_EMA)
 
     def observe_round(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
@@ -166,7 +182,7 @@ class SpecController:
             "spec_enabled": float(self.enabled),
             "spec_rounds": float(self.rounds),
             "spec_draft_cost_ratio": self.draft_cost(1),
-            "spec_verify_cost_per_draft": max(0.0, self._bucket(1).verify_slope),
+            "spec_verify_cost_batch1": self._bucket(1).verify(self.config.num_draft_tokens),
             "spec_gain_batch1": self.gain(1),
             "spec_off_by_batch": float(self.disabled_by_batch),
             "spec_off_by_gain": float(self.disabled_by_gain),

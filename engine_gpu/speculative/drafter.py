@@ -53,6 +53,9 @@ class Draft:
 @runtime_checkable
 class Drafter(Protocol):
     name: str
+    # seconds of the latest ``propose`` spent feeding sequences that were far behind (a new
+    # request's prompt): a one-off per request that the switch keeps out of its rates
+    last_catchup_seconds: float
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]: ...
 

@@ -52,6 +52,7 @@ class NgramDrafter:
     """``Drafter`` by prompt lookup. Not thread-safe: the engine core calls it from one thread."""
 
     name = "ngram"
+    last_catchup_seconds = 0.0  # indexing new tokens is part of every lookup, and cheap
 
     def __init__(self, *, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:

@@ -72,7 +72,7 @@ class Speculator:
             return round_
         started = time.perf_counter()
         drafts = self.drafter.propose(requests)
-        round_.catchup_seconds = getattr(self.drafter, "last_catchup_seconds", 0.0)
+        round_.catchup_seconds = self.drafter.last_catchup_seconds
         round_.draft_seconds = time.perf_counter() - started - round_.catchup_seconds
         round_.draft_positions = max(r.k for r in requests)
         for request_id, draft in drafts.items():
@@ -98,11 +98,10 @@ class Speculator:
                 self._accepted += accepted
                 self._rounds_with_drafts += 1
                 self._emitted_in_rounds += len(tokens)
-        verifying = len(round_.proposed)
-        self.controller.observe_step(
-            round_.batch_size, round_.speculated, emitted, seconds - round_.catchup_seconds,
-            draft_seconds=round_.draft_seconds, draft_positions=round_.draft_positions if verifying else 0,
-            drafts_per_seq=sum(round_.proposed.values()) / round_.batch_size if round_.batch_size else 0.0)
+        most = max(round_.proposed.values(), default=0)  # the round's verification width
+        self.controller.observe_step(round_.batch_size, round_.speculated, emitted, seconds - round_.catchup_seconds,
+                                     draft_seconds=round_.draft_seconds, draft_positions=round_.draft_positions,
+                                     verify_width=most)
 
     def release(self, request_id: str) -> None:
         self.drafter.release(request_id)

@@ -282,7 +282,7 @@ def test_draft_length_follows_each_sequences_acceptance() -> None:
         ctl.observe_round("copying", proposed=8, accepted=8)
         ctl.observe_round("guessing", proposed=4, accepted=0)
     assert ctl.draft_len("copying") == 8
-    assert ctl.draft_len("guessing") == 0
+    assert ctl.draft_len("guessing") == 1  # the least: the switch, not k, turns drafting off
 
 
 def test_ngram_drafter_proposes_what_followed_the_last_occurrence() -> None:
@@ -298,17 +298,22 @@ def test_ngram_drafter_proposes_what_followed_the_last_occurrence() -> None:
     assert drafter.stats()["drafter_requests"] == 1
 
 
-def test_draft_length_counts_what_verification_costs_per_token() -> None:
-    """Where each extra query token makes verification dearer (CPU matmuls), fewer drafts pay;
-    where it is nearly free (a GPU at small batch), the most do. Both measured, per bucket."""
-    def controller(verify_step_s: float) -> SpecController:
+def test_draft_length_counts_what_verification_costs() -> None:
+    """Where verification costs grow with every query token, fewer drafts pay; where a wide
+    verification costs about what a narrow one does (these CPUs past 2 tokens, a GPU at small
+    batch), the most do. Measured per bucket; a sequence drafts at least one token."""
+    def controller(verify_s: dict[int, float], acceptance: float = 0.7) -> SpecController:
         ctl = SpecController(SpeculativeConfig(method="edge", draft_model="d", num_draft_tokens=4,
-                                               initial_acceptance=0.7))
+                                               initial_acceptance=acceptance))
         ctl.observe_step(1, False, 1, 0.1)  # a plain step: 100 ms
-        # drafting 4 positions took 20 ms (c = 0.05); verifying 4 drafts took verify_step_s
-        ctl.observe_step(1, True, 3, 0.02 + verify_step_s, draft_seconds=0.02, draft_positions=4, drafts_per_seq=4)
+        for k, seconds in verify_s.items():  # drafting took 5 ms a position (c = 0.05)
+            ctl.observe_step(1, True, 2, 0.005 * k + seconds, draft_seconds=0.005 * k, draft_positions=k,
+                             verify_width=k)
         return ctl
 
-    assert controller(verify_step_s=0.105).draft_len("new", 1) == 4
-    assert controller(verify_step_s=0.28).draft_len("new", 1) == 1
-    assert controller(verify_step_s=0.28).stats()["spec_verify_cost_per_draft"] == pytest.approx(0.45)
+    flat = controller({1: 0.185, 4: 0.197})  # like fp32 on these CPUs: v(1) = 1.85, v(4) = 1.97
+    assert flat.draft_len("new", 1) == 4
+    assert flat.stats()["spec_verify_cost_batch1"] == pytest.approx(1.97)
+    steep = controller({1: 0.13, 2: 0.16, 3: 0.19, 4: 0.22})  # 30% more per token
+    assert steep.draft_len("new", 1) == 2
+    assert controller({4: 0.4}, acceptance=0.1).draft_len("new", 1) == 1  # never 0: acceptance stays measured
