@@ -21,6 +21,7 @@ from engine_gpu.sampler import SampledToken, Sampler
 from engine_gpu.sched_output import ScheduledSeq
 from engine_gpu.speculative.verify import accept, token_logprobs
 from llm_shared.errors import ConfigError
+from llm_shared.llama import matmul
 from llm_shared.llama.loader import load_model
 from llm_shared.llama.model import LlamaModel
 from llm_shared.modelfile import resolve_source
@@ -106,6 +107,8 @@ class ModelRunner:
         device = torch.device(engine_cfg.device)
         path = resolve_source(model_cfg.source)
         model = load_model(path, model_cfg.format, dtype=dtype, device=device)
+        if device.type == "cpu":  # which of two equal matmul forms this CPU computes faster, per shape
+            matmul.tune(model.projection_weights())
         args = model.args
         backend = get_attention_backend(
             engine_cfg.attention, device=device, block_size=engine_cfg.block_size,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm_shared.errors import ModelFileError
+from llm_shared.llama.matmul import Linear, linear
 from llm_shared.llama.rope import RopeScaling, apply_rope, inv_frequencies, rope_cos_sin
 
 PastKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), each [B, KVH, S, D]
@@ -131,11 +132,11 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = args.num_kv_heads
         self.head_dim = args.head_dim
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.wqkv = nn.Linear(args.hidden_size, args.q_size + 2 * args.kv_size, bias=False)
-        self.wo = nn.Linear(args.q_size, args.hidden_size, bias=False)
+        self.wqkv = Linear(args.hidden_size, args.q_size + 2 * args.kv_size)
+        self.wo = Linear(args.q_size, args.hidden_size)
         self.mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.w_gate_up = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.w_down = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.w_gate_up = Linear(args.hidden_size, 2 * args.intermediate_size)
+        self.w_down = Linear(args.intermediate_size, args.hidden_size)
         self.split = (args.q_size, args.kv_size, args.kv_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
@@ -157,7 +158,7 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     def _inv_freq(self) -> torch.Tensor:
@@ -179,7 +180,12 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in the model dtype."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight)
+
+    def projection_weights(self) -> list[torch.Tensor]:
+        """Every matrix a forward multiplies by (for ``matmul.tune``)."""
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return [head, *(m.weight for m in self.modules() if isinstance(m, Linear))]
 
     def forward_contiguous(
         self,

@@ -1,0 +1,35 @@
+"""The tuned projection product equals ``F.linear`` whichever form a shape was tuned to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llm_shared.llama import matmul
+
+
+@pytest.fixture(autouse=True)
+def untuned() -> None:
+    matmul.reset()
+    yield
+    matmul.reset()
+
+
+def test_untuned_is_plain_linear_and_both_forms_agree() -> None:
+    w = torch.randn(96, 40)
+    x = torch.randn(1, 5, 40)
+    assert torch.equal(matmul.linear(x, w), F.linear(x, w))
+    matmul._TRANSPOSED.add((96, 40, torch.float32, 8))  # force the transposed form for 5..8 rows
+    got = matmul.linear(x, w)
+    assert got.shape == (1, 5, 96)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    one = torch.randn(1, 1, 40)  # a single row always takes F.linear
+    assert torch.equal(matmul.linear(one, w), F.linear(one, w))
+
+
+def test_tune_records_only_shapes_it_timed() -> None:
+    weights = [torch.randn(64, 32), torch.randn(16, 32)]
+    ratios = matmul.tune(weights)
+    assert set(ratios) == {"64x32", "16x32"} and all(r > 0 for r in ratios.values())
+    assert {(o, i) for o, i, _, _ in matmul._TRANSPOSED} <= {(64, 32), (16, 32)}
