@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/gateway.py
 	$(BIN)/python bench/conversation.py
+	$(BIN)/python bench/spec.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
