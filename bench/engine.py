@@ -41,6 +41,7 @@ from bench._engine_drive import (  # noqa: E402
 )
 from engine_gpu.config import EngineConfig  # noqa: E402
 from engine_gpu.engine import LLMEngine  # noqa: E402
+from engine_gpu.kv_cache import PagedKVCache  # noqa: E402
 from engine_gpu.runner import ModelRunner  # noqa: E402
 from gateway.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from llm_shared.models import tokenizer_for  # noqa: E402
@@ -62,9 +63,19 @@ class Bench:
         self.runner = ModelRunner.from_config(self.model_cfg, self.base)
         self.vocab = self.runner.vocab_size
 
-    def engine(self, **changes: object) -> LLMEngine:
+    def engine(self, *, own_kv: bool = False, **changes: object) -> LLMEngine:
+        """A fresh scheduler over the shared model. Engines sharing the KV pool must not run
+        interleaved while one keeps prefix-cache blocks: the other's writes would land in them;
+        ``own_kv`` gives this one a pool of its own (the same size)."""
         config: EngineConfig = replace(self.base, **changes)  # type: ignore[arg-type]
-        return LLMEngine(self.runner, self.tokenizer, config, model_cfg=self.model_cfg)
+        runner = self.runner
+        if own_kv:
+            pool = runner.kv_cache
+            kv = PagedKVCache.for_model(runner.model.args, block_size=pool.block_size, dtype=runner.dtype,
+                                        device=runner.device, num_blocks=pool.num_blocks, layout=pool.layout)
+            runner = ModelRunner(runner.model, kv, device=runner.device, dtype=runner.dtype,
+                                 attention_backend=runner.attention_backend)
+        return LLMEngine(runner, self.tokenizer, config, model_cfg=self.model_cfg)
 
 
 class OtherLoad:
@@ -185,7 +196,7 @@ def arm_prefix(b: Bench, repeats: int) -> dict:
     users = make_requests(9, 12, prompt_len=(24, 24), output_len=(4, 4), vocab=b.vocab, prefix=system)
     progress("prefix caching: TTFT at concurrency 1 with a shared 500-token system prompt")
     cold_engine = b.engine(enable_prefix_caching=False)
-    warm_engine = b.engine(enable_prefix_caching=True)
+    warm_engine = b.engine(enable_prefix_caching=True, own_kv=True)  # interleaved with the cold one below
     run_closed(warm_engine, users[-1:], 1, "prime")  # the system prompt enters the cache
     cold, warm = [], []
     for k, r in enumerate(users[:-1]):  # interleaved, one request at a time
