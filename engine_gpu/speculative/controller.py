@@ -5,7 +5,9 @@ a smoothed rate of tokens emitted per second for steps taken with speculation an
 without, and speculates when its rate is at least the plain one (a measured gain >= 1). The
 losing arm is still tried once every ``probe_every`` steps of the bucket, so a switch that went
 off comes back on when speculation would pay again (longer copies, a quieter machine), and one
-that is on notices when it stops paying. Above ``max_batch`` running sequences it is off: a
+that is on notices when it stops paying. A probe of speculation is not free (the drafter first
+catches up on what it missed while off), so each probe that finds it still losing doubles that
+bucket's interval, up to ``MAX_PROBE_BACKOFF`` times ``probe_every``; a win resets it. Above ``max_batch`` running sequences it is off: a
 full batch already uses the hardware that verification would need.
 
 Each sequence drafts ``k`` tokens with ``k`` chosen from its own running acceptance rate ``a``:
@@ -32,6 +34,7 @@ RATE_EMA = 0.2  # weight of the newest step in a bucket's tokens/s
 ACCEPT_EMA = 0.3  # weight of the newest round in a sequence's acceptance rate
 COST_EMA = 0.2
 MIN_SAMPLES = 3  # steps per arm before a bucket trusts its rates
+MAX_PROBE_BACKOFF = 32
 
 
 @dataclass
@@ -53,6 +56,8 @@ class _Bucket:
     on: _Arm = field(default_factory=_Arm)
     off: _Arm = field(default_factory=_Arm)
     steps: int = 0
+    next_probe: int = 0  # the step of the next probe of the losing arm
+    backoff: int = 1  # probe interval in units of probe_every
     plain_step_s: float = 0.0  # a plain step's seconds, smoothed
     draft_cost: float = -1.0  # drafter seconds per draft position / plain step (-1: not measured yet)
     verify_cost: dict[int, float] = field(default_factory=dict)  # most drafts in a round -> its step / plain step
@@ -106,7 +111,14 @@ class SpecController:
             choice = on.samples < off.samples  # explore both arms first, plain steps first
         else:
             best = on.rate >= off.rate
-            choice = (not best) if bucket.steps % cfg.probe_every == 0 else best
+            if best:
+                bucket.backoff = 1
+            probe = bucket.steps >= bucket.next_probe
+            if probe:
+                bucket.next_probe = bucket.steps + cfg.probe_every * bucket.backoff
+                if not best:
+                    bucket.backoff = min(2 * bucket.backoff, MAX_PROBE_BACKOFF)
+            choice = (not best) if probe else best
             if not best:
                 self.disabled_by_gain += 1
         self.enabled = choice

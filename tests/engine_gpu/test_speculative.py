@@ -317,3 +317,15 @@ def test_draft_length_counts_what_verification_costs() -> None:
     steep = controller({1: 0.13, 2: 0.16, 3: 0.19, 4: 0.22})  # 30% more per token
     assert steep.draft_len("new", 1) == 2
     assert controller({4: 0.4}, acceptance=0.1).draft_len("new", 1) == 1  # never 0: acceptance stays measured
+
+
+def test_probes_of_a_losing_arm_back_off() -> None:
+    """Each probe costs the drafter a catch-up: while speculation keeps losing, probes thin out."""
+    ctl = SpecController(SpeculativeConfig(method="ngram", probe_every=8))
+    choices = []
+    for _ in range(2000):
+        on = ctl.speculate(2)
+        ctl.observe_step(2, on, 100, 100 / (50 if on else 100))
+        choices.append(on)
+    probes = sum(choices[2 * MIN_SAMPLES:])
+    assert 3 <= probes <= 12  # 8, 16, 32, ... capped at 32 x 8 steps: ~10 in 2,000 steps, not 250
