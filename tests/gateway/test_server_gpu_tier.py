@@ -1,7 +1,9 @@
-"""A real turn through the torch engine tier: gateway → engine core process → SmolLM2 in bf16."""
+"""A real turn through the torch engine tier: gateway → engine core process → SmolLM2 (the dtype
+``auto`` picks), with each speculation method the config offers."""
 
 from dataclasses import replace
 
+import aiohttp
 import pytest
 from gateway_harness import MODEL, make_config, sdk_turn
 from openai import AsyncOpenAI
@@ -14,10 +16,12 @@ from gateway.state import STATE
 pytestmark = pytest.mark.model
 
 
-async def test_gpu_tier_serves_a_turn_and_frees_its_blocks() -> None:
+@pytest.mark.parametrize("method", ["edge", "ngram", "off"])
+async def test_gpu_tier_serves_a_turn_and_frees_its_blocks(method: str) -> None:
     config = make_config()
+    spec = replace(config.engine.speculative, method=method, draft_model=config.edge.model, draft_threads=1)
     config = replace(config, routing=RoutingConfig(default="gpu"),
-                     engine=replace(config.engine, num_blocks=256, max_model_len=2048, threads=1))
+                     engine=replace(config.engine, num_blocks=256, max_model_len=2048, threads=1, speculative=spec))
     app = create_app(config)
     server = await start_server(app)
     state = app[STATE]
@@ -40,6 +44,14 @@ async def test_gpu_tier_serves_a_turn_and_frees_its_blocks() -> None:
 
         stats = await engine.refresh_stats()
         assert stats["kv_blocks_in_use"] == 0
+        async with aiohttp.ClientSession() as http:
+            metrics = await (await http.get(f"{server.url}/metrics")).text()
+        if method == "off":
+            assert "spec_enabled" not in stats and stats["spec_draft_tokens"] == 0  # no speculator
+        else:  # the speculator's figures reach /metrics
+            assert stats["spec_draft_tokens"] >= 0 and 'engine_spec_acceptance_rate{tier="gpu"}' in metrics
+        if method == "edge":
+            assert stats["drafter_kv_cells_total"] > 0 and stats["drafter_slots_in_use"] == 0
     finally:
         await server.stop()
     assert not engine.ready
