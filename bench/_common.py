@@ -82,7 +82,6 @@ def machine_busy_s() -> float:
     return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
 
 
-BF16_FLAGS = BF16_CPU_FLAGS
 
 
 def cpu_facts() -> dict[str, Any]:
@@ -99,7 +98,7 @@ def cpu_facts() -> dict[str, Any]:
                 flags = set(value.split())
     except OSError:
         pass  # not Linux: the model name from platform is all there is
-    wanted = ("avx2", "avx512f", *BF16_FLAGS)
+    wanted = ("avx2", "avx512f", *BF16_CPU_FLAGS)
     return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
 
 

@@ -99,6 +99,17 @@ def _cut(descending: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, t
     return descending.gather(1, index), cumulative[:, -1] >= top_p
 
 
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [r, V] (unnormalised is fine), uniforms [r] in [0, 1) -> [r]: each row's token whose
+    cumulative mass first exceeds its uniform's share of the row's total."""
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1]
+    # strictly below the total even after rounding, so the pick is never past the last kept token
+    targets = torch.minimum(uniforms.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    # first index whose cumulative mass exceeds the target: a token with positive probability
+    return torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         # Only for unseeded requests; seeded ones never consult it.
@@ -143,13 +154,7 @@ class Sampler:
             uniform_for(p.seed if p.seed is not None else self._rng.getrandbits(63), output_indices[i])
             for p, i in zip(chosen_params, rows, strict=True)
         ]
-        cdf = torch.cumsum(probs, dim=-1)  # [r, V]
-        total = cdf[:, -1]
-        # strictly below the total even after rounding, so the pick is never past the last kept token
-        targets = torch.minimum(torch.tensor(uniforms, dtype=torch.float32, device=device) * total,
-                                torch.nextafter(total, torch.zeros_like(total)))
-        # first index whose cumulative mass exceeds the target: a token with positive probability
-        return torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
+        return inverse_cdf(probs, torch.tensor(uniforms, dtype=torch.float32, device=device))
 
     @staticmethod
     def _top_logprobs(logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> list[tuple[tuple[int, float], ...]]:

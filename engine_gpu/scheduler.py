@@ -164,8 +164,7 @@ class Scheduler:
         if seq is None or not seq.is_caught_up:
             return 0
         drafts = as_token_ids(draft_ids)
-        room = max(0, seq.max_total_tokens - seq.num_tokens - 1)
-        seq.draft_token_ids = drafts[:room]
+        seq.draft_token_ids = drafts[: seq.draft_room]
         return len(seq.draft_token_ids)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -64,6 +64,11 @@ class Sequence:
         return self.num_prompt_tokens + self.params.max_tokens
 
     @property
+    def draft_room(self) -> int:
+        """Drafts it may still verify: what it may generate, less the token a verification adds."""
+        return max(0, self.max_total_tokens - self.num_tokens - 1)
+
+    @property
     def is_caught_up(self) -> bool:
         """Only the last accepted token (and drafts) lack KV: the sequence is decoding."""
         return self.num_computed_tokens >= self.num_tokens - 1

@@ -104,7 +104,7 @@ class SpecController:
         if not cfg.adaptive:
             self.enabled = True
             return True
-        bucket = self._buckets.setdefault(bucket_of(batch_size), _Bucket())
+        bucket = self._bucket(batch_size)
         bucket.steps += 1
         on, off = bucket.on, bucket.off
         if on.samples < MIN_SAMPLES or off.samples < MIN_SAMPLES:

@@ -36,7 +36,7 @@ import torch
 
 from engine_gpu.sampler import sampling_probs
 from engine_gpu.speculative.drafter import MAX_DRAFT_TOKENS, Draft, DraftRequest, check_same_tokenizer, draft_uniform
-from engine_gpu.speculative.verify import inverse_cdf
+from engine_gpu.speculative.verify import draw
 from llm_shared.errors import EngineError
 from llm_shared.llamacpp_runtime import KV_PAD, ContextShape, LlamaContext, LlamaModel, TokenBatch
 from llm_shared.modelfile import check_gguf
@@ -331,5 +331,5 @@ class EdgeDrafter:
         )
         for job, row in zip(sampled, q, strict=True):
             u = draft_uniform(job.req.seed, job.req.output_index, len(job.drafts))
-            job.drafts.append(inverse_cdf(row, u))
+            job.drafts.append(draw(row, u))
             job.probs.append(row)

@@ -62,8 +62,7 @@ class Speculator:
         round_.speculated = True
         requests = []
         for seq in decoding:
-            room = max(0, seq.max_total_tokens - seq.num_tokens - 1)  # what set_draft_tokens would keep
-            k = min(self.controller.draft_len(seq.request_id, len(decoding)), room)
+            k = min(self.controller.draft_len(seq.request_id, len(decoding)), seq.draft_room)
             if k > 0:
                 seed = sampler.seed_for(seq.params)
                 round_.seeds[seq.request_id] = seed

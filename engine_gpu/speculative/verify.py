@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from engine_gpu.sampler import SampledToken, sampling_probs, uniform_for
+from engine_gpu.sampler import SampledToken, inverse_cdf, sampling_probs, uniform_for
 from llm_shared.contract import SamplingParams
 
 ACCEPT_SALT = 0x5EC0_ACCE_97ED_0001
 
 
-def inverse_cdf(probs: torch.Tensor, u: float) -> int:
-    """The token whose cumulative mass first exceeds ``u`` of the row's total (a 1-D row)."""
-    cdf = torch.cumsum(probs, dim=0)
-    total = cdf[-1]
-    target = torch.minimum(torch.tensor(u, dtype=cdf.dtype, device=cdf.device) * total,
-                           torch.nextafter(total, torch.zeros_like(total)))
-    return int(torch.searchsorted(cdf, target.reshape(1), right=True).item())
+def draw(row: torch.Tensor, u: float) -> int:
+    """One token from a 1-D row of probabilities by the sampler's own inverse-CDF rule."""
+    return int(inverse_cdf(row[None, :], torch.tensor([u], device=row.device))[0])
 
 
 def accept(
@@ -77,8 +73,8 @@ def accept(
             residual[x] = 0.0
         if float(residual.sum()) <= 0.0:  # only by rounding: p == q here, so p itself is exact
             residual = p[j]
-        return [*drafts[:j], inverse_cdf(residual, uniform_for(seed, output_index + j))]
-    return [*drafts, inverse_cdf(p[d], uniform_for(seed, output_index + d))]
+        return [*drafts[:j], draw(residual, uniform_for(seed, output_index + j))]
+    return [*drafts, draw(p[d], uniform_for(seed, output_index + d))]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams) -> list[SampledToken]:

@@ -63,7 +63,7 @@ def test_ngram_speculation_batched_with_chunks_prefix_hits_and_preemption(model_
     assert run_batched(engine, prompts, greedy_params(max_tokens)) == plain
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    assert stats["spec_accepted_tokens"] > 0 and stats["spec_freed_blocks"] >= 0
+    assert stats["spec_accepted_tokens"] > 0
     assert stats["kv_blocks_in_use"] == 0
 
 
