@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from engine_edge.base import Draft, EdgeBackend, check_draft_request, check_prompt
+from engine_edge.base import Draft, EdgeBackend, check_draft_request, check_prompt, check_token_ids
 from engine_edge.worker_channel import (
     AbortCmd,
     CallCmd,
@@ -28,7 +28,7 @@ from engine_edge.worker_channel import (
     ProposeCmd,
     reject,
 )
-from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent
+from llm_shared.contract import MAX_PREFIX_DRAFT_TOKENS, FinishEvent, Priority, SamplingParams, StreamEvent
 from llm_shared.errors import (
     ConfigError,
     DuplicateRequestError,
@@ -106,7 +106,9 @@ class WorkerFront(EdgeBackend):
         params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
         session_id: str = "",
+        draft_ids: Sequence[int] = (),
     ) -> AsyncIterator[StreamEvent]:
+        """``draft_ids`` are checked and ignored: this tier is the drafter, not a verifier."""
         self._require_ready()
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(f"request_id must be a string of 1..{MAX_REQUEST_ID_CHARS} characters",
@@ -119,6 +121,9 @@ class WorkerFront(EdgeBackend):
         if priority not in Priority.__members__.values():
             raise InvalidRequestError(f"priority must be one of {[int(p) for p in Priority]}", param="priority")
         prompt = check_prompt(prompt_ids, self.n_vocab, self.max_prompt_tokens)
+        if len(draft_ids) > MAX_PREFIX_DRAFT_TOKENS:
+            raise InvalidRequestError(f"draft_ids holds at most {MAX_PREFIX_DRAFT_TOKENS} tokens", param="draft_ids")
+        check_token_ids(draft_ids, self.n_vocab, param="draft_ids")
         if request_id in self._open:
             raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")
         if len(self._open) >= self._n_seq_max + self._max_queued:
@@ -146,6 +151,10 @@ class WorkerFront(EdgeBackend):
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._commands.put(AbortCmd(request_id, done))
         await asyncio.wrap_future(done)
+
+    async def probe(self) -> None:
+        """Returns once the worker thread ran a no-op between two of its steps."""
+        await self.run_on_worker(lambda: None)
 
     async def kv_state(self) -> dict[str, dict[int, int]]:
         """KV cells per slot now: ``running`` (requests in flight) and ``cached`` (idle slots

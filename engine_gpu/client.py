@@ -44,7 +44,7 @@ from engine_gpu.protocol import (
     read_frame,
 )
 from llm_shared import errors
-from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent
+from llm_shared.contract import MAX_PREFIX_DRAFT_TOKENS, FinishEvent, Priority, SamplingParams, StreamEvent
 from llm_shared.models import REPO_ROOT, ModelConfig, tokenizer_for
 from llm_shared.tokenizer import Tokenizer
 
@@ -152,10 +152,11 @@ class EngineClient:
         return self._ready
 
     def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                 priority: Priority = Priority.INTERACTIVE, session_id: str = "") -> _Stream:
+                 priority: Priority = Priority.INTERACTIVE, session_id: str = "",
+                 draft_ids: Sequence[int] = ()) -> _Stream:
         # session_id is not sent: the core's prefix cache finds a conversation by its token
         # blocks, whoever asks, and evicts them by LRU, so there is nothing to end per session.
-        stream = _Stream(self, request_id, prompt_ids, params, priority)
+        stream = _Stream(self, request_id, prompt_ids, params, priority, draft_ids)
         if isinstance(request_id, str):
             self._unstarted[request_id] = stream
         return stream
@@ -174,6 +175,12 @@ class EngineClient:
             await self._call(lambda seq: AbortRequest(request_id, seq))
         except errors.EngineUnavailableError:
             return  # the core is gone, and its blocks with it
+
+    async def probe(self) -> None:
+        """A stats round trip through the core's loop (it answers between two steps)."""
+        if not self._ready:
+            raise errors.EngineUnavailableError("the torch engine is not connected")
+        await self.refresh_stats()
 
     def stats(self) -> dict[str, float]:
         """The latest stats the core pushed (with every step's outputs, on abort and on request)."""
@@ -210,7 +217,8 @@ class EngineClient:
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _validate(self, request_id: object, prompt_ids: Sequence[int], params: object, priority: object) -> None:
+    def _validate(self, request_id: object, prompt_ids: Sequence[int], params: object, priority: object,
+                  draft_ids: Sequence[int] = ()) -> None:
         """Cheap checks that save a round trip; the core validates again."""
         if not self._ready:
             raise errors.EngineUnavailableError("the torch engine is not available")
@@ -229,16 +237,20 @@ class EngineClient:
             raise errors.PromptTooLongError(
                 f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                 f"the context length of {self._max_model_len} tokens", param="max_tokens")
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < (self._vocab_size or 2**31):
-                raise errors.InvalidRequestError(f"token id {t!r} is outside the vocabulary", param="prompt")
+        if len(draft_ids) > MAX_PREFIX_DRAFT_TOKENS:
+            raise errors.InvalidRequestError(f"draft_ids holds at most {MAX_PREFIX_DRAFT_TOKENS} tokens",
+                                             param="draft_ids")
+        for ids, param in ((prompt_ids, "prompt"), (draft_ids, "draft_ids")):
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < (self._vocab_size or 2**31):
+                    raise errors.InvalidRequestError(f"token id {t!r} is outside the vocabulary", param=param)
 
     async def _open(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                    priority: Priority) -> _Live:
-        self._validate(request_id, prompt_ids, params, priority)
+                    priority: Priority, draft_ids: Sequence[int]) -> _Live:
+        self._validate(request_id, prompt_ids, params, priority, draft_ids)
         live = self._live[request_id] = _Live(prompt_tokens=len(prompt_ids))
         try:
-            await self._send(AddRequest(request_id, list(prompt_ids), params, Priority(priority)))
+            await self._send(AddRequest(request_id, list(prompt_ids), params, Priority(priority), list(draft_ids)))
         except BaseException:
             self._live.pop(request_id, None)
             raise
@@ -325,9 +337,9 @@ class _Stream:
     which raises the request's typed error if the client or the core rejects it."""
 
     def __init__(self, client: EngineClient, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                 priority: Priority) -> None:
+                 priority: Priority, draft_ids: Sequence[int]) -> None:
         self._client = client
-        self._args = (request_id, prompt_ids, params, priority)
+        self._args = (request_id, prompt_ids, params, priority, draft_ids)
         self._live: _Live | None = None
         self._done = False
         self.aborted = False  # aborted before it started: it ends at once without reaching the core

@@ -23,7 +23,14 @@ import msgpack
 
 from engine_gpu.outputs import RequestOutput
 from llm_shared import errors
-from llm_shared.contract import FINISH_REASONS, FinishEvent, Priority, SamplingParams, TokenEvent
+from llm_shared.contract import (
+    FINISH_REASONS,
+    MAX_PREFIX_DRAFT_TOKENS,
+    FinishEvent,
+    Priority,
+    SamplingParams,
+    TokenEvent,
+)
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # a 128k-token prompt is ~640 KB; far above any real message
@@ -63,6 +70,7 @@ class AddRequest:
     prompt_ids: list[int]
     params: SamplingParams
     priority: Priority
+    draft_ids: list[int] = dataclasses.field(default_factory=list)  # verified with the prompt (Engine.generate)
     t: Literal["add"] = "add"
 
 
@@ -221,8 +229,11 @@ def _to_wire(m: ClientMessage | CoreMessage) -> dict[str, Any]:
     match m:
         case AddRequest():
             params = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(m.params).items()}
-            return {"t": m.t, "id": m.request_id, "prompt": list(m.prompt_ids), "params": params,
+            wire = {"t": m.t, "id": m.request_id, "prompt": list(m.prompt_ids), "params": params,
                     "priority": int(m.priority)}
+            if m.draft_ids:
+                wire["draft"] = list(m.draft_ids)
+            return wire
         case AbortRequest():
             return {"t": m.t, "id": m.request_id, "seq": m.seq}
         case StatsRequest() | StatsReply():
@@ -306,7 +317,7 @@ def decode_client_message(payload: bytes) -> ClientMessage:
     try:
         match obj.get("t"):
             case "add":
-                _keys(obj, {"t", "id", "prompt", "params", "priority"})
+                _keys(obj, {"t", "id", "prompt", "params", "priority", "draft"})
                 request_id = _str(obj, "id", max_chars=MAX_REQUEST_ID_CHARS, empty=False)
                 try:
                     return _decode_add(obj, request_id)
@@ -328,18 +339,25 @@ def decode_client_message(payload: bytes) -> ClientMessage:
         raise
 
 
-def _decode_add(obj: Mapping[str, Any], request_id: str) -> AddRequest:
-    prompt = obj.get("prompt")
-    if not isinstance(prompt, list) or len(prompt) > MAX_PROMPT_TOKENS or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+def _token_list(obj: Mapping[str, Any], key: str, max_len: int) -> list[int]:
+    ids = obj.get(key, [])
+    if not isinstance(ids, list) or len(ids) > max_len or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
     ):
-        raise errors.InvalidRequestError("prompt must be a list of non-negative token ids", param="prompt")
+        raise errors.InvalidRequestError(f"{key} must be a list of at most {max_len} non-negative token ids",
+                                         param=key)
+    return ids
+
+
+def _decode_add(obj: Mapping[str, Any], request_id: str) -> AddRequest:
+    prompt = _token_list(obj, "prompt", MAX_PROMPT_TOKENS)
     if not prompt:
         raise errors.EmptyPromptError("the prompt has no tokens", param="prompt")
+    drafts = _token_list(obj, "draft", MAX_PREFIX_DRAFT_TOKENS)
     priority = obj.get("priority")
     if isinstance(priority, bool) or priority not in {int(p) for p in Priority}:
         raise errors.InvalidRequestError(f"priority must be one of {[int(p) for p in Priority]}", param="priority")
-    return AddRequest(request_id, prompt, params_from_wire(obj.get("params")), Priority(priority))
+    return AddRequest(request_id, prompt, params_from_wire(obj.get("params")), Priority(priority), drafts)
 
 
 def decode_core_message(payload: bytes) -> CoreMessage:

@@ -26,7 +26,7 @@ from engine_gpu.block_manager import BlockManager
 from engine_gpu.config import EngineConfig
 from engine_gpu.sched_output import RequestUpdate, ScheduledSeq, SchedulerOutput, SchedulerStats
 from engine_gpu.sequence import SeqStatus, Sequence, as_token_ids, new_sequence
-from llm_shared.contract import FINISH_REASONS, FinishReason, Priority, SamplingParams
+from llm_shared.contract import FINISH_REASONS, MAX_PREFIX_DRAFT_TOKENS, FinishReason, Priority, SamplingParams
 from llm_shared.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -89,13 +89,23 @@ class Scheduler:
         params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
         arrival: float | None = None,
+        draft_ids: SequenceABC[int] = (),
     ) -> None:
         """Queue a request from an in-process caller, or raise: a malformed field (checked here),
-        a token outside the vocabulary, a request that can never fit, or overload."""
-        self._admit(new_sequence(request_id, prompt_ids, params, priority, arrival, next(self._seq_numbers)))
+        a token outside the vocabulary, a request that can never fit, or overload.
+
+        ``draft_ids`` guess the output's first tokens (the cascade's held edge tokens): they
+        ride with the prompt's last chunk and are verified in that same pass."""
+        try:
+            drafts = as_token_ids(draft_ids)
+        except ValueError as e:
+            raise InvalidRequestError(f"draft_ids: {e}", param="draft_ids") from None
+        seq = new_sequence(request_id, prompt_ids, params, priority, arrival, next(self._seq_numbers))
+        self._admit(seq, drafts)
 
     def add_checked_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: Priority, arrival: float
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: Priority, arrival: float,
+        draft_ids: list[int] | None = None,
     ) -> None:
         """Queue a request whose fields a trust boundary already checked (the core's socket decoder:
         a non-empty list of non-negative ints, a valid priority); only this engine's limits are checked."""
@@ -107,15 +117,19 @@ class Scheduler:
             priority=priority,
             arrival=arrival,
             seq_no=next(self._seq_numbers),
-        ))
+        ), draft_ids or [])
 
-    def _admit(self, seq: Sequence) -> None:
-        """Queue a well-formed sequence if this engine can serve it: vocabulary, duplicates, length, load."""
+    def _admit(self, seq: Sequence, drafts: list[int]) -> None:
+        """Queue a well-formed sequence if this engine can serve it: vocabulary, duplicates, length,
+        load; it takes as many of ``drafts`` as it may verify."""
         request_id, params = seq.request_id, seq.params
-        if self.vocab_size is not None and max(seq.token_ids) >= self.vocab_size:
-            bad = next(t for t in seq.token_ids if t >= self.vocab_size)
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})",
-                                      param="prompt")
+        for ids, param in ((seq.token_ids, "prompt"), (drafts, "draft_ids")):
+            if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
+                bad = next(t for t in ids if t >= self.vocab_size)
+                raise InvalidRequestError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})",
+                                          param=param)
+        if len(drafts) > MAX_PREFIX_DRAFT_TOKENS:
+            raise InvalidRequestError(f"draft_ids holds at most {MAX_PREFIX_DRAFT_TOKENS} tokens", param="draft_ids")
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
         total = seq.max_total_tokens
@@ -134,6 +148,7 @@ class Scheduler:
             )
         if self.num_waiting >= self.config.max_waiting:
             raise OverloadedError(f"the server is overloaded ({self.num_waiting} requests waiting); retry later")
+        seq.draft_token_ids = drafts[: seq.draft_room]
         self._requests[request_id] = seq
         self._waiting[seq.priority].append(seq)
 
@@ -222,7 +237,7 @@ class Scheduler:
                 num_cached = len(hits) * bm.block_size
                 num_preempted = len(plan.preempted)
                 while True:  # a preemption may refund budget, so the chunk is sized again
-                    n = self._chunk_size(seq.num_tokens - num_cached, plan)
+                    n = self._chunk_size(seq.num_pending_tokens - num_cached, plan)  # drafts ride with the last chunk
                     if len(self._running) < self.config.max_num_seqs and bm.can_allocate(hits, num_cached + n):
                         break
                     victim = max(self._running.values(), key=Sequence.order_key, default=None)

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+# A tier that speculates verifies a caller's draft of the output's first tokens (the cascade's
+# held edge tokens) in its first pass; longer drafts are refused.
+MAX_PREFIX_DRAFT_TOKENS = 64
 
 
 class Priority(IntEnum):
@@ -129,7 +132,11 @@ class Engine(Protocol):
     ``generate`` validates before yielding anything: a bad request raises an
     ``InvalidRequestError`` subclass (or ``OverloadedError``) from the first ``__anext__``.
     ``session_id`` names the conversation a request continues ("" for none): a tier may keep
-    state for its next turn until ``end_session``.
+    state for its next turn until ``end_session``. ``draft_ids`` (at most
+    ``MAX_PREFIX_DRAFT_TOKENS``) are another model's guess at the output's first tokens: a tier
+    that verifies drafts (the torch engine) checks them in the prompt's last pass and emits the
+    prefix it agrees with at once; the output is what the tier would sample anyway. Other
+    tiers ignore them.
     Every stream that starts ends with exactly one ``FinishEvent``. ``abort`` is idempotent;
     after it returns the request's KV is freed (edge: at once; torch: before the next step)
     and its stream ends with ``FinishEvent(reason="abort")``.
@@ -153,7 +160,14 @@ class Engine(Protocol):
         params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
         session_id: str = "",
+        draft_ids: Sequence[int] = (),
     ) -> AsyncIterator[StreamEvent]: ...
+
+    @abstractmethod
+    async def probe(self) -> None:
+        """A cheap round trip through the tier (its worker thread, its core process): returns
+        when the tier answers, raises EngineUnavailableError when it cannot. Callers bound
+        the wait with their own timeout; a wedged tier simply never returns."""
 
     @abstractmethod
     async def end_session(self, session_id: str) -> None:

@@ -93,6 +93,9 @@ class FakeEngine:
         self.sessions: dict[str, str] = {}  # request id -> the session id it named
         self.ended_sessions: list[str] = []  # session ids passed to end_session, in order
         self.prompts: dict[str, list[int]] = {}  # request id -> the prompt ids it was given
+        self.drafts: dict[str, list[int]] = {}  # request id -> the draft ids it was given
+        self.probes = 0  # probe() calls answered
+        self.probe_hangs = False  # probe() never returns (a wedged tier)
         self.aborts: list[str] = []  # request ids aborted while running
         self.finished: dict[str, str] = {}  # request id -> finish reason, once its last event is made
         self.closed = False
@@ -105,6 +108,17 @@ class FakeEngine:
     @property
     def ready(self) -> bool:
         return self.is_ready and not self.closed
+
+    async def probe(self) -> None:
+        if self.probe_hangs:
+            await asyncio.Event().wait()
+        if not self.ready:
+            raise EngineUnavailableError("the fake engine is not ready")
+        self.probes += 1
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.n_ctx - 1
 
     async def end_session(self, session_id: str) -> None:
         self.ended_sessions.append(session_id)
@@ -138,7 +152,8 @@ class FakeEngine:
         return cached
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                       priority: Priority = Priority.INTERACTIVE, session_id: str = "") -> AsyncIterator[StreamEvent]:
+                       priority: Priority = Priority.INTERACTIVE, session_id: str = "",
+                       draft_ids: Sequence[int] = ()) -> AsyncIterator[StreamEvent]:
         """Like a real engine, tokens are made by the engine's own task, not by the reader of
         this stream: a reader that goes away without ``abort`` leaves the request running."""
         if not self.ready:
@@ -155,6 +170,7 @@ class FakeEngine:
         self.started.append((request_id, priority))
         self.sessions[request_id] = session_id
         self.prompts[request_id] = list(prompt_ids)
+        self.drafts[request_id] = list(draft_ids)
         request.producer = asyncio.create_task(self._produce(request_id, request))
         async with self.admitted:
             self.admitted.notify_all()
