@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gateway.cascade.route import RouteInfo
 from gateway.config import ServerConfig
 from llm_shared.contract import MAX_TOP_LOGPROBS, FinishEvent, Priority, SamplingParams, TokenEvent
 from llm_shared.errors import APIError, InvalidSamplingError
@@ -255,16 +256,20 @@ class CompletionIds:
     id: str
     model: str
     created: int
-    tier: str
+    route: RouteInfo
 
     @classmethod
-    def new(cls, completion_id: str, model: str, tier: str) -> CompletionIds:
-        return cls(completion_id, model, int(time.time()), tier)
+    def new(cls, completion_id: str, model: str, route: RouteInfo) -> CompletionIds:
+        return cls(completion_id, model, int(time.time()), route)
 
     def head(self, kind: str) -> dict[str, Any]:
-        # x_tier: which engine tier served the request (our extension).
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "x_tier": self.tier}
+        # Our extensions: x_tier, the engine tier that served the request; x_route, how the
+        # cascade routed it (only when the cascade did, not when the client named a tier).
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "x_tier": self.route.tier}
+        if self.route.cascaded:
+            head["x_route"] = self.route.wire()
+        return head
 
 
 def completion(ids: CompletionIds, text: str, finish: FinishEvent,

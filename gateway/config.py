@@ -11,20 +11,15 @@ import ipaddress
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
 
 from engine_edge.config import EdgeConfig
 from engine_gpu.config import EngineConfig, check_engine_models, parse_engine_table
+from gateway.cascade.config import CascadeConfig, RoutingConfig
 from llm_shared.configtools import build, read_toml, require
 from llm_shared.errors import ConfigError
 from llm_shared.models import REPO_ROOT, ModelConfig, parse_models, require_model
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    default: Literal["edge", "gpu"] = "edge"  # until the cascade decides per turn
 
 
 @dataclass(frozen=True)
@@ -85,6 +80,7 @@ class Config:
     edge: EdgeConfig
     engine: EngineConfig
     routing: RoutingConfig
+    cascade: CascadeConfig = field(default_factory=CascadeConfig)
     path: Path | None = None
 
     def __post_init__(self) -> None:
@@ -92,6 +88,11 @@ class Config:
         require(require_model(self.models, self.edge.model, "edge.model").format == "gguf",
                 f"the edge tier ({self.edge.backend}) needs a gguf model; edge.model {self.edge.model!r} is "
                 f"{self.models[self.edge.model].format}")
+        if self.routing.default == "cascade":
+            edge, gpu = self.models[self.edge.model], self.models[self.engine.model]
+            require(edge.family == gpu.family,
+                    f"the cascade hands the edge's tokens to the torch tier as drafts, so both need one tokenizer "
+                    f"family; edge.model {edge.id!r} is {edge.family!r}, engine.model {gpu.id!r} is {gpu.family!r}")
 
     def model(self, model_id: str) -> ModelConfig:
         return self.models[model_id]
@@ -105,7 +106,7 @@ def load_config(path: str | Path = DEFAULT_CONFIG) -> Config:
 
 
 def parse_config(raw: dict, path: Path | None = None) -> Config:
-    known = {"server", "models", "edge", "engine", "routing"}
+    known = {"server", "models", "edge", "engine", "routing", "cascade"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown}; known sections: {sorted(known)}")
@@ -115,6 +116,7 @@ def parse_config(raw: dict, path: Path | None = None) -> Config:
         edge=build(EdgeConfig, raw.get("edge", {}), "edge"),
         engine=parse_engine_table(raw.get("engine", {})),
         routing=build(RoutingConfig, raw.get("routing", {}), "routing"),
+        cascade=build(CascadeConfig, raw.get("cascade", {}), "cascade"),
         path=path,
     )
 

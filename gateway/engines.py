@@ -2,7 +2,8 @@
 
 Loading a model takes seconds and blocks, so it runs in a worker thread while the server
 already answers ``/healthz`` (and ``/readyz`` says 503). Only the tiers that routing needs are
-built. The gpu tier is a client of the torch engine's core process (``engine_gpu.client``).
+built: both for the cascade. The gpu tier is a client of the torch engine's core process
+(``engine_gpu.client``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from gateway.cascade.router import Router, SingleTierRouter
+from gateway.cascade.confidence import build_scorer
+from gateway.cascade.engine import CascadeEngine
+from gateway.cascade.health import HealthMonitor
+from gateway.cascade.router import Router
 from gateway.config import Config
+from gateway.metrics import GatewayMetrics
 from llm_shared.contract import Engine
 from llm_shared.errors import ConfigError
 from llm_shared.modelfile import check_gguf, resolve_source
+from llm_shared.tokenizer import check_same_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +31,7 @@ INLINE_TOKENIZE_CHARS = 16_384
 
 
 def needed_tiers(config: Config) -> tuple[str, ...]:
-    return (config.routing.default,)
-
-
-def tier_models(config: Config) -> dict[str, str]:
-    """Which model id each tier serves (clients name models, routing picks tiers)."""
-    return {"edge": config.edge.model, "gpu": config.engine.model}
+    return config.routing.tiers
 
 
 def edge_model_path(config: Config) -> Path:
@@ -83,11 +84,25 @@ async def close_engines(engines: Mapping[str, Engine]) -> None:
             log.exception("closing the %s engine failed", tier)
 
 
-def build_router(config: Config, engines: Mapping[str, Engine]) -> Router:
-    tier = config.routing.default
-    if tier not in engines:
-        raise ConfigError(f"routing.default is {tier!r} but that tier was not built")
-    return SingleTierRouter(engines[tier])
+def build_router(config: Config, engines: Mapping[str, Engine], metrics: GatewayMetrics) -> Router:
+    """The router over the built tiers; for the cascade, its engine and the tiers' health probes."""
+    missing = [tier for tier in needed_tiers(config) if tier not in engines]
+    if missing:
+        raise ConfigError(f"routing.default = {config.routing.default!r} needs the {' and '.join(missing)} tier(s), "
+                          "which were not built")
+    routes = config.routing.served()
+    if config.routing.default != "cascade":
+        return Router(routes, engines)
+    edge, gpu = engines["edge"], engines["gpu"]
+    check_same_tokenizer(gpu.tokenizer, edge.tokenizer, config.edge.model, role="cascade edge model")
+    cascade_cfg = config.cascade
+    health = HealthMonitor(engines, interval_s=cascade_cfg.probe_interval_s, timeout_s=cascade_cfg.probe_timeout_s,
+                           on_change=lambda tier, up: metrics.tier_up.labels(tier).set(1.0 if up else 0.0))
+    for tier in engines:
+        metrics.tier_up.labels(tier).set(1.0)
+    cascade = CascadeEngine(edge, gpu, cascade_cfg, build_scorer(cascade_cfg), health, metrics)
+    metrics.cascade_threshold.set_function(cascade.threshold)
+    return Router(routes, engines, cascade, cascade_cfg.escalate_keywords)
 
 
 async def encode_chat(engine: Engine, messages: Sequence[Mapping[str, str]]) -> list[int]:

@@ -65,9 +65,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    tiers = {tier: engine.ready for tier, engine in state.engines.items()}
+    tiers = state.router.tiers_up() if state.router is not None else {}
     if state.ready:
-        return web.json_response({"status": "ready", "tiers": tiers})
+        # degraded: the cascade serves on one tier while the other is down
+        return web.json_response({"status": "ready", "tiers": tiers, "degraded": not all(tiers.values())})
     status = "shutting_down" if state.shutting_down else ("loading" if not state.engines else "engine_down")
     return web.json_response({"status": status, "tiers": tiers}, status=503)
 
@@ -133,7 +134,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             error = engine_http_error(e)
             error.headers.update(state.limiter.headers(key_id))
             raise error from e
-        turn = Turn(router=state.router, messages=req.messages, params=req.params, priority=req.priority,
+        turn = Turn(router=state.router, model=req.model, messages=req.messages, params=req.params,
+                    priority=req.priority,
                     request_id=f"chatcmpl-{secrets.token_hex(12)}", api="chat", metrics=metrics,
                     limiter=state.limiter, key_id=key_id)
         try:
@@ -149,7 +151,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, state: GatewayState, key_id: str, req: ChatRequest,
                     turn: Turn) -> web.StreamResponse:
     rid = turn.request_id
-    ids = CompletionIds.new(rid, req.model, turn.engine.tier)
     state.http_requests[rid] = turn.engine
     try:
         try:
@@ -159,6 +160,7 @@ async def _generate(request: web.Request, state: GatewayState, key_id: str, req:
             error = engine_http_error(e)
             state.metrics.errors.labels("chat", error.code).inc()
             return json_error(error)
+        ids = CompletionIds.new(rid, req.model, turn.route)  # the cascade has decided by the first event
         if req.stream:
             return await _stream(request, state, key_id, req, ids, turn, first)
         return await _collect(state, key_id, req, ids, turn, first)

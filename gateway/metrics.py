@@ -20,6 +20,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Time to first token spans queueing and prefill; inter-token latency one decode step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+CONFIDENCE_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
@@ -82,6 +83,25 @@ class GatewayMetrics:
         self.errors = Counter("gateway_errors", "Errors reported to clients", ["api", "code"], registry=r)
         self.rate_limited = Counter("gateway_rate_limited", "Requests refused by a rate limit", ["api"], registry=r)
         self.coalesced = Counter("gateway_coalesced_deltas", "Text deltas merged for slow clients", registry=r)
+        # The cascade (gateway/cascade): how turns reach their tier, and what escalation costs.
+        self.cascade_turns = Counter(
+            "gateway_cascade_turns", "Turns by serving tier and route (model, confident, escalated, pre_routed, "
+            "fallback)", ["api", "tier", "route"], registry=r)
+        self.cascade_degraded = Counter(
+            "gateway_cascade_degraded_turns", "Turns the edge served because the torch tier was down or full",
+            ["api", "reason"], registry=r)
+        self.cascade_confidence = Histogram(
+            "gateway_cascade_confidence", "The edge's confidence in a turn's first tokens", buckets=CONFIDENCE_BUCKETS,
+            registry=r)
+        self.cascade_escalation_seconds = Histogram(
+            "gateway_cascade_escalation_seconds", "Time an escalated turn spent on the edge before the torch tier "
+            "started (what escalation adds to its time to first token)", buckets=TTFT_BUCKETS, registry=r)
+        self.cascade_held_tokens = Counter(
+            "gateway_cascade_held_tokens", "Held edge tokens the torch tier accepted or rejected on escalation",
+            ["outcome"], registry=r)
+        self.cascade_threshold = Gauge(
+            "gateway_cascade_threshold", "The cascade's effective (load-aware) confidence threshold", registry=r)
+        self.tier_up = Gauge("gateway_tier_up", "1 while the tier's health probes answer", ["tier"], registry=r)
         r.register(EngineStatsCollector(engines))
 
     def render(self) -> bytes:

@@ -61,6 +61,7 @@ def create_app(config: Config, engines: dict[str, Engine] | None = None) -> web.
         state.set_engines(engines, owned=False)
     add_routes(app)
     app.router.add_get(REALTIME_PATH, realtime)
+    app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     app.on_cleanup.append(_on_cleanup)
     return app
@@ -130,7 +131,8 @@ async def _run_session(request: web.Request, state: GatewayState, key_id: str, m
         default_max_output_tokens=server.default_max_output_tokens,
         max_output_tokens=server.max_output_tokens,
     )
-    session = RealtimeSession(session_id=session_id, model=model, limits=limits, beta=beta)
+    session = RealtimeSession(session_id=session_id, model=model, limits=limits, beta=beta,
+                              models=frozenset(state.models))
     assert state.router is not None  # checked by the handshake
     connection = RealtimeConnection(
         ws, session, session_id=session_id,
@@ -150,6 +152,10 @@ async def _run_session(request: web.Request, state: GatewayState, key_id: str, m
     return ws
 
 
+async def _on_startup(app: web.Application) -> None:
+    app[STATE].start_router()  # engines passed to create_app (tests): their health probes start here
+
+
 async def _on_shutdown(app: web.Application) -> None:
     """Runs after the listening socket is closed, before the engines are."""
     state = app[STATE]
@@ -162,6 +168,7 @@ async def _on_shutdown(app: web.Application) -> None:
 
 async def _on_cleanup(app: web.Application) -> None:
     state = app[STATE]
+    await state.close_router()
     if state.owns_engines:
         await close_engines(state.engines)
 

@@ -6,6 +6,7 @@ global, so tests can run several apps in one process.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from aiohttp import web
 from gateway.auth import Authenticator, Clock, RateLimiter, SessionSlots, limiter_from_config
 from gateway.cascade.router import Router
 from gateway.config import Config
-from gateway.engines import build_router, tier_models
+from gateway.engines import build_router
 from gateway.metrics import GatewayMetrics
 from llm_shared.contract import Engine
 
@@ -33,7 +34,7 @@ class GatewayState:
     metrics: GatewayMetrics = field(init=False)
     engines: dict[str, Engine] = field(default_factory=dict)
     router: Router | None = None
-    models: dict[str, str] = field(default_factory=dict)  # served model id -> tier
+    models: dict[str, str] = field(default_factory=dict)  # served model id -> route (cascade, edge, gpu)
     owns_engines: bool = False  # close the engines at cleanup (False when a test passed them in)
     connections: set[RealtimeConnection] = field(default_factory=set)  # live WebSocket sessions
     http_requests: dict[str, Engine] = field(default_factory=dict)  # in-flight chat completions
@@ -54,20 +55,33 @@ class GatewayState:
         )
 
     def set_engines(self, engines: Mapping[str, Engine], *, owned: bool) -> None:
+        """Route over ``engines``; inside a running loop the router's probes start now, else
+        when the app starts (``start_router``)."""
         self.engines = dict(engines)
-        self.router = build_router(self.config, self.engines)
-        models = tier_models(self.config)
-        self.models = {models[tier]: tier for tier in self.engines}
+        self.router = build_router(self.config, self.engines, self.metrics)
+        self.models = dict(self.router.routes)
         self.owns_engines = owned
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self.router.start()
+
+    def start_router(self) -> None:
+        if self.router is not None:
+            self.router.start()
+
+    async def close_router(self) -> None:
+        if self.router is not None:
+            await self.router.close()
 
     @property
     def default_model(self) -> str:
-        return tier_models(self.config)[self.config.routing.default]
+        return self.config.routing.default_model
 
     @property
     def ready(self) -> bool:
-        return (not self.shutting_down and self.router is not None and bool(self.engines)
-                and all(engine.ready for engine in self.engines.values()))
+        return not self.shutting_down and self.router is not None and self.router.ready
 
 
 STATE: web.AppKey[GatewayState] = web.AppKey("gateway_state", GatewayState)

@@ -1,7 +1,8 @@
 """One generation turn, the same for a Realtime response and a chat completion.
 
-A ``Turn`` routes the chat to an engine tier (``prepare``: the router, then the tokenizer),
-then streams the engine's events (``async for``), metering each one under its API label and
+A ``Turn`` routes the chat to an engine tier or the cascade (``prepare``: the router, then the
+tokenizer), then streams the engine's events (``async for``; the cascade's ``RouteInfo`` is
+taken in as ``turn.route`` and not passed on), metering each one under its API label and
 charging the caller's key for the tokens at the finish. ``aclose`` aborts the engine request
 unless it finished, so a turn that its caller leaves early (a client gone, a cancel, a bug)
 never keeps engine work alive. What the events become (session events, SSE chunks, a JSON
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Literal
 
 from gateway.auth import RateLimiter
+from gateway.cascade.route import RouteInfo
 from gateway.cascade.router import Router
 from gateway.engines import encode_chat
 from gateway.metrics import GatewayMetrics
@@ -40,6 +42,7 @@ class Turn:
         self,
         *,
         router: Router,
+        model: str,
         messages: Sequence[Mapping[str, str]],
         params: SamplingParams,
         priority: Priority,
@@ -56,6 +59,7 @@ class Turn:
         self.session_id = session_id
         self.finished = False
         self._router = router
+        self._model = model
         self._messages = messages
         self._params = params
         self._priority = priority
@@ -64,6 +68,8 @@ class Turn:
         self._limiter = limiter
         self._key_id = key_id
         self._engine: Engine | None = None
+        self._route: RouteInfo | None = None
+        self._route_counted = False
         self._prompt_ids: list[int] = []
         self._stream: AsyncIterator[StreamEvent] | None = None
         self._aborted = False  # an abort was sent; closing need not send another
@@ -72,13 +78,20 @@ class Turn:
 
     @property
     def engine(self) -> Engine:
-        """The engine the router chose (only after ``prepare``)."""
+        """The engine the router chose (only after ``prepare``): a tier, or the cascade."""
         assert self._engine is not None, "Turn.prepare() picks the engine"
         return self._engine
 
+    @property
+    def route(self) -> RouteInfo:
+        """How the turn is served: the router's answer, refined by the cascade before the first token."""
+        assert self._route is not None, "Turn.prepare() picks the route"
+        return self._route
+
     async def prepare(self) -> Engine:
-        """Choose the engine and encode the prompt; raises the EngineError that refused it."""
-        self._engine = self._router.choose(self._messages, self._params)
+        """Choose the route and encode the prompt; raises the EngineError that refused it."""
+        route = self._router.choose(self._model, self._messages, self._params)
+        self._engine, self._route = route.engine, route.info
         self._prompt_ids = await encode_chat(self._engine, self._messages)
         return self._engine
 
@@ -91,11 +104,17 @@ class Turn:
         assert self._stream is not None
         try:
             event = await anext(self._stream)
+            while isinstance(event, RouteInfo):  # the cascade's decision, before the first token
+                self._route = event
+                event = await anext(self._stream)
         except EngineError:
             if self._last is None:
                 self.finished = True  # refused: the engine never took the request
             raise
         metrics, api = self._metrics, self._api
+        if not self._route_counted:
+            self._route_counted = True
+            self._count_route()
         if isinstance(event, TokenEvent):
             now = asyncio.get_running_loop().time()
             if self._last is None:
@@ -110,6 +129,12 @@ class Turn:
             metrics.cached_tokens.labels(api).inc(event.cached_tokens)
             self._limiter.charge_tokens(self._key_id, event.completion_tokens)
         return event
+
+    def _count_route(self) -> None:
+        route, metrics, api = self.route, self._metrics, self._api
+        metrics.cascade_turns.labels(api, route.tier, route.route).inc()
+        if route.degraded:
+            metrics.cascade_degraded.labels(api, route.reason or "gpu_unavailable").inc()
 
     def _start(self) -> None:
         engine = self.engine

@@ -16,7 +16,7 @@ from pathlib import Path
 import tokenizers
 
 from llm_shared.chat_template import ChatTemplate, validate_messages
-from llm_shared.errors import InvalidRequestError
+from llm_shared.errors import ConfigError, InvalidRequestError
 from llm_shared.tokenizer_load import TokenizerParts, load_gguf, load_hf
 
 # Private-use delimiters around a per-call random nonce: content cannot forge a sentinel.
@@ -159,3 +159,27 @@ class Tokenizer:
                 ids.append(token_id)
                 cursor = end
         run.append(text[cursor:])
+
+
+def check_same_tokenizer(target: Tokenizer, drafter: Tokenizer, drafter_name: str, role: str = "drafter") -> None:
+    """Refuse a model whose token ids mean something else than the target's: a drafter, or the
+    cascade's edge tier, whose held tokens become the target's draft.
+
+    Verification compares ids, so the vocabularies must agree id for id (bytes of every token)
+    and on the end-of-sequence id; merges may differ without harm, since the drafter only ever
+    reads and proposes ids.
+    """
+    if drafter is target:
+        return
+    why = ""
+    if drafter.vocab_size != target.vocab_size:
+        why = f"its vocabulary has {drafter.vocab_size} tokens, the target's {target.vocab_size}"
+    elif drafter.eos_id != target.eos_id:
+        why = f"its end-of-sequence id is {drafter.eos_id}, the target's {target.eos_id}"
+    elif differ := [i for i in range(target.vocab_size) if target.token_bytes(i) != drafter.token_bytes(i)]:
+        first = differ[0]
+        why = (f"{len(differ)} token(s) differ, first id {first}: {drafter.token_bytes(first)!r} in the {role}, "
+               f"{target.token_bytes(first)!r} in the target")
+    if why:
+        raise ConfigError(f"{role} {drafter_name!r} does not share the target's tokenizer: {why}; "
+                          f"a {role} must use its target's vocabulary")

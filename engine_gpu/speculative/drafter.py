@@ -18,12 +18,10 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from engine_gpu.sampler import uniform_for
 from llm_shared.contract import SamplingParams
-from llm_shared.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-    from llm_shared.tokenizer import Tokenizer
 
 # XORed into a request's seed for the drafter's stream (the acceptance test salts its own).
 DRAFT_SALT = 0xD4AF_7E55_0C0F_FEE1
@@ -78,22 +76,3 @@ def draft_uniform(seed: int, output_index: int, j: int) -> float:
     return uniform_for(seed ^ DRAFT_SALT, output_index * MAX_DRAFT_TOKENS + j)
 
 
-def check_same_tokenizer(target: Tokenizer, drafter: Tokenizer, drafter_name: str) -> None:
-    """Refuse a drafter whose token ids mean something else than the target's.
-
-    Verification compares ids, so the vocabularies must agree id for id (bytes of every token)
-    and on the end-of-sequence id; merges may differ without harm, since the drafter only ever
-    reads and proposes ids.
-    """
-    why = ""
-    if drafter.vocab_size != target.vocab_size:
-        why = f"its vocabulary has {drafter.vocab_size} tokens, the target's {target.vocab_size}"
-    elif drafter.eos_id != target.eos_id:
-        why = f"its end-of-sequence id is {drafter.eos_id}, the target's {target.eos_id}"
-    elif differ := [i for i in range(target.vocab_size) if target.token_bytes(i) != drafter.token_bytes(i)]:
-        first = differ[0]
-        why = (f"{len(differ)} token(s) differ, first id {first}: {drafter.token_bytes(first)!r} in the drafter, "
-               f"{target.token_bytes(first)!r} in the target")
-    if why:
-        raise ConfigError(f"drafter {drafter_name!r} does not share the target's tokenizer: {why}; "
-                          "a drafter must use its target's vocabulary")

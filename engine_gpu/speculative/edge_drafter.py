@@ -35,12 +35,12 @@ import numpy as np
 import torch
 
 from engine_gpu.sampler import sampling_probs
-from engine_gpu.speculative.drafter import MAX_DRAFT_TOKENS, Draft, DraftRequest, check_same_tokenizer, draft_uniform
+from engine_gpu.speculative.drafter import MAX_DRAFT_TOKENS, Draft, DraftRequest, draft_uniform
 from engine_gpu.speculative.verify import draw
 from llm_shared.errors import EngineError
 from llm_shared.llamacpp_runtime import KV_PAD, ContextShape, LlamaContext, LlamaModel, TokenBatch
 from llm_shared.modelfile import check_gguf
-from llm_shared.tokenizer import Tokenizer
+from llm_shared.tokenizer import Tokenizer, check_same_tokenizer
 
 logger = logging.getLogger(__name__)
 

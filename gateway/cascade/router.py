@@ -1,37 +1,86 @@
-"""The routing point: which engine tier serves a turn.
+"""The routing point: which engine serves a turn, from the model id the client named.
 
-Every generation (a Realtime response or a chat completion) asks the router for an engine.
-Until the confidence cascade lands, ``SingleTierRouter`` sends everything to the one tier
-named by ``routing.default``; the cascade will implement the same ``Router`` protocol.
+Every generation (a Realtime response or a chat completion) asks the router for a ``Route``.
+A tier's own model id sends the turn to that tier and nowhere else (it fails when the tier is
+down: the client asked for it). The cascade's id goes to the ``CascadeEngine``, after the rules
+that need the messages rather than the token ids: a keyword in the last user message sends the
+turn straight to the torch tier (or, with that tier down, to the edge, marked degraded).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
+from gateway.cascade.config import RouteKind
+from gateway.cascade.engine import CascadeEngine
+from gateway.cascade.health import HealthMonitor
+from gateway.cascade.route import Route, RouteInfo
 from llm_shared.contract import Engine, SamplingParams
-from llm_shared.errors import EngineUnavailableError
+from llm_shared.errors import EngineUnavailableError, UnknownModelError
+
+KEYWORD_SCAN_CHARS = 4096  # rules look at the start of the last user message: bounded work per turn
 
 
-class Router(Protocol):
-    def choose(self, messages: Sequence[Mapping[str, str]], params: SamplingParams) -> Engine:
-        """The engine for this turn. Raises an EngineError (e.g. EngineUnavailableError) when
-        no tier can serve it; must not block (it runs on the event loop)."""
-        ...
-
-
-class SingleTierRouter:
-    """Every turn goes to one engine."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+class Router:
+    def __init__(self, routes: Mapping[str, RouteKind], engines: Mapping[str, Engine],
+                 cascade: CascadeEngine | None = None, keywords: Sequence[str] = ()) -> None:
+        self.routes = dict(routes)
+        self.engines = dict(engines)
+        self.cascade = cascade
+        self._keywords = re.compile("|".join(f"(?:{k})" for k in keywords), re.IGNORECASE) if keywords else None
 
     @property
-    def engine(self) -> Engine:
-        return self._engine
+    def health(self) -> HealthMonitor | None:
+        return self.cascade.health if self.cascade is not None else None
 
-    def choose(self, messages: Sequence[Mapping[str, str]], params: SamplingParams) -> Engine:
-        if not self._engine.ready:
-            raise EngineUnavailableError(f"the {self._engine.tier} engine is not ready; retry shortly")
-        return self._engine
+    @property
+    def ready(self) -> bool:
+        """Some turn can be served: for the cascade, while either tier is up (the other's turns
+        fall back); otherwise while every built tier is ready."""
+        if self.cascade is not None:
+            return self.cascade.ready
+        return bool(self.engines) and all(engine.ready for engine in self.engines.values())
+
+    def tiers_up(self) -> dict[str, bool]:
+        health = self.health
+        return {tier: health.up(tier) if health is not None else engine.ready for tier, engine in self.engines.items()}
+
+    def start(self) -> None:
+        """Start what runs in the background (the tiers' health probes); needs a running loop."""
+        if self.health is not None:
+            self.health.start()
+
+    async def close(self) -> None:
+        if self.health is not None:
+            await self.health.close()
+
+    def choose(self, model: str, messages: Sequence[Mapping[str, str]], params: SamplingParams) -> Route:
+        """The route for this turn. Raises UnknownModelError or EngineUnavailableError; never
+        blocks (it runs on the event loop)."""
+        kind = self.routes.get(model)
+        if kind is None:
+            raise UnknownModelError(f"The model '{model}' does not exist; available: {sorted(self.routes)}",
+                                    param="model")
+        if kind != "cascade":
+            engine = self.engines[kind]
+            if not engine.ready:
+                raise EngineUnavailableError(f"the {engine.tier} engine is not ready; retry shortly")
+            return Route(engine, RouteInfo(kind, "model"))
+        cascade = self.cascade
+        assert cascade is not None, "a cascade route needs the cascade engine"
+        if self._keywords is not None and self._keywords.search(_last_user_text(messages)[:KEYWORD_SCAN_CHARS]):
+            if cascade.health.up("gpu"):
+                return Route(cascade.gpu, RouteInfo("gpu", "pre_routed", reason="keyword"))
+            if cascade.health.up("edge"):
+                return Route(cascade.edge, RouteInfo("edge", "fallback", degraded=True, reason="gpu_unavailable"))
+        if not cascade.ready:
+            raise EngineUnavailableError("no engine tier is available; retry shortly")
+        return Route(cascade, RouteInfo("edge", "confident"))  # refined by the cascade's own RouteInfo
+
+
+def _last_user_text(messages: Sequence[Mapping[str, str]]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            return message.get("content", "")
+    return ""

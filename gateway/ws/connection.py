@@ -256,7 +256,7 @@ class RealtimeConnection:
         if rid in self._aborted:
             self._aborted.discard(rid)
             return
-        turn = Turn(router=self._router, messages=command.messages, params=command.params,
+        turn = Turn(router=self._router, model=command.model, messages=command.messages, params=command.params,
                     priority=Priority.REALTIME, request_id=rid, api="realtime", metrics=self._metrics,
                     limiter=self._limiter, key_id=self.key_id, session_id=self.session_id)
         self._turns[rid] = turn
@@ -266,6 +266,8 @@ class RealtimeConnection:
                 if rid in self._aborted:
                     return
                 async for event in turn:
+                    if isinstance(event, FinishEvent):
+                        self.session.route(rid, turn.route.metadata())
                     self.session.engine_event(rid, event)
                     if isinstance(event, FinishEvent):
                         self.session.rate_limits(self._limiter.snapshot(self.key_id))

@@ -58,6 +58,10 @@ class ResponseStream:
         if text:
             self._delta(text)
 
+    def annotate(self, metadata: dict[str, str]) -> None:
+        """Extension keys added to the client's metadata in ``response.done``."""
+        self._extra_metadata.update(metadata)
+
     def engine_finished(self, event: FinishEvent) -> None:
         if event.text:
             self._delta(event.text)

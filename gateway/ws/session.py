@@ -57,6 +57,7 @@ class StartGeneration:
     messages: list[dict[str, str]]  # chat messages in order, instructions first as "system"
     params: SamplingParams
     metadata: dict[str, Any]  # response.create's metadata, for logs and routing
+    model: str = ""  # the session's model id when the response was created: the router's choice of route
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,13 @@ class RealtimeSession:
         limits: SessionLimits = SessionLimits(),  # noqa: B008  # frozen, so one shared default is safe
         beta: bool = False,
         id_factory: Callable[[str], str] | None = None,
+        models: frozenset[str] = frozenset(),
     ) -> None:
+        """``models``: the ids ``session.update`` may switch to (the served ones); ``model`` is
+        always one of them."""
         self._session_id = session_id
         self._model = model
+        self._models = models | {model}
         self._limits = limits
         self._beta = beta
         self._ids = id_factory or _default_ids
@@ -156,6 +161,12 @@ class RealtimeSession:
             self._abandon(response)
         self._settle()
 
+    def route(self, response_id: str, metadata: dict[str, str]) -> None:
+        """How routing served ``response_id`` (our ``x_`` keys), for its ``response.done`` metadata."""
+        response = self._active
+        if response is not None and response.id == response_id:
+            response.annotate(metadata)
+
     def engine_failed(self, response_id: str, error: EngineError) -> None:
         """The engine refused or lost the request: the response ends ``failed``."""
         response = self._active
@@ -201,9 +212,11 @@ class RealtimeSession:
             self._response_cancel(event)
 
     def _session_update(self, event: SessionUpdate) -> None:
-        if event.model is not None and event.model != self._model:
-            raise ProtocolError("invalid_value", f"this session serves model {self._model!r}; it cannot be changed",
-                                "session.model")
+        if event.model is not None and event.model not in self._models:
+            raise ProtocolError("invalid_value", f"model {event.model!r} is not served here; available: "
+                                f"{sorted(self._models)}", "session.model")
+        if event.model is not None:
+            self._model = event.model  # picks the route of the responses created from now on
         if event.instructions is not None:
             self._instructions = event.instructions
         if event.max_output_tokens is not None:
@@ -287,7 +300,7 @@ class RealtimeSession:
         self._active = response
         response.created()
         self._commands.append(StartGeneration(response_id=response.id, messages=messages, params=params,
-                                              metadata=dict(event.metadata or {})))
+                                              metadata=dict(event.metadata or {}), model=self._model))
 
     def _resolve_input(self, entries: tuple[Any, ...]) -> list[Item]:
         items = []

@@ -19,7 +19,6 @@ from engine_gpu.speculative.drafter import (
     Draft,
     Drafter,
     DraftRequest,
-    check_same_tokenizer,
     draft_uniform,
 )
 from engine_gpu.speculative.edge_drafter import EdgeDrafter
@@ -27,7 +26,7 @@ from llm_shared.contract import SamplingParams
 from llm_shared.errors import ConfigError, EngineError
 from llm_shared.llamacpp_runtime import ContextShape, LlamaContext, LlamaModel, TokenBatch
 from llm_shared.modelfile import default_gguf_path
-from llm_shared.tokenizer import Tokenizer
+from llm_shared.tokenizer import Tokenizer, check_same_tokenizer
 from llm_shared.tokenizer_load import TokenizerParts, load_gguf
 
 pytestmark = pytest.mark.model

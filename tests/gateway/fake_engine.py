@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEve
 from llm_shared.errors import (
     DuplicateRequestError,
     EmptyPromptError,
+    EngineError,
     EngineUnavailableError,
     PromptTooLongError,
 )
@@ -50,6 +52,11 @@ class FakeTokenizer:
         return chr(token_id).encode("utf-8", errors="surrogatepass")
 
 
+def token_id_of(text: str) -> int:
+    """A stable id for a fake token's text (ids below 1000 are left to the tokenizer's characters)."""
+    return 1000 + zlib.crc32(text.encode("utf-8", "surrogatepass")) % 1_000_000
+
+
 def default_reply(prompt_ids: Sequence[int], params: SamplingParams) -> list[str]:
     """Eight word tokens that depend on the prompt length, so different prompts differ."""
     return [f"w{(len(prompt_ids) + i) % 97} " for i in range(8)]
@@ -77,8 +84,13 @@ class FakeEngine:
         block_size: int = 16,
         num_blocks: int = 4096,
         n_ctx: int = 65536,
+        logprob: float | Callable[[Sequence[int], int], float] = -0.5,
     ) -> None:
+        """``logprob``: each token's log-probability, or a function of (prompt, index) giving it
+        (the cascade scores its confidence from these). Token ids derive from the token's text,
+        so two engines that agree on a token agree on its id."""
         self.tier = tier
+        self._logprob = logprob
         self._tokenizer = tokenizer or FakeTokenizer()
         self._reply = reply
         self._interval = 1.0 / tokens_per_second if tokens_per_second else 0.0
@@ -96,6 +108,8 @@ class FakeEngine:
         self.drafts: dict[str, list[int]] = {}  # request id -> the draft ids it was given
         self.probes = 0  # probe() calls answered
         self.probe_hangs = False  # probe() never returns (a wedged tier)
+        self.refuse: EngineError | None = None  # generate() raises this before any event (e.g. overload)
+        self.extra_stats: dict[str, float] = {}  # merged into stats() (a queue, KV use)
         self.aborts: list[str] = []  # request ids aborted while running
         self.finished: dict[str, str] = {}  # request id -> finish reason, once its last event is made
         self.closed = False
@@ -158,6 +172,8 @@ class FakeEngine:
         this stream: a reader that goes away without ``abort`` leaves the request running."""
         if not self.ready:
             raise EngineUnavailableError("the fake engine is not ready")
+        if self.refuse is not None:
+            raise self.refuse
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already running", param="request_id")
         if not prompt_ids:
@@ -198,9 +214,11 @@ class FakeEngine:
                     break
                 produced += 1
                 request.blocks = self._blocks_for(len(prompt) + produced)
+                logprob = self._logprob(prompt, i) if callable(self._logprob) else self._logprob
+                token_id = token_id_of(text)
                 request.events.put_nowait(TokenEvent(
-                    token_id=1000 + i, text=text, logprob=-0.5,
-                    top_logprobs=tuple((1000 + i + k, -0.5 - k) for k in range(params.logprobs))))
+                    token_id=token_id, text=text, logprob=logprob,
+                    top_logprobs=tuple((token_id + k, logprob - k) for k in range(params.logprobs))))
             if request.aborted.is_set():
                 reason = "abort"
             else:
@@ -227,6 +245,7 @@ class FakeEngine:
             "kv_blocks_in_use": float(self.blocks_in_use),
             "kv_blocks_total": float(self.num_blocks),
             "prefix_cache_hits": float(self.prefix_cache_hits),
+            **self.extra_stats,
         }
 
     async def close(self) -> None:

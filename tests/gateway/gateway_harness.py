@@ -6,7 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import websockets
@@ -16,15 +16,17 @@ from gateway.config import DEFAULT_CONFIG, Config, load_config
 from gateway.server import RunningServer, create_app, start_server
 from gateway.state import STATE, GatewayState
 
-MODEL = "smollm2-135m"
+MODEL = "smollm2-135m-edge"  # the edge tier's own id in the shipped config
 KEY = "sk-test-key-1"
 
 
 def make_config(**server: Any) -> Config:
-    """The shipped default config on 127.0.0.1:0 with ``server`` overrides; no API keys from
-    the environment unless a test asks for them."""
+    """The shipped default config on 127.0.0.1:0 with ``server`` overrides, routing every turn
+    to the edge tier alone (the cascade's tests build both tiers); no API keys from the
+    environment unless a test asks for them."""
     base = {"host": "127.0.0.1", "port": 0, "api_keys_env": ""}
-    return load_config(DEFAULT_CONFIG).with_server(**{**base, **server})
+    config = load_config(DEFAULT_CONFIG).with_server(**{**base, **server})
+    return replace(config, routing=replace(config.routing, default="edge"))
 
 
 @dataclass
@@ -93,12 +95,13 @@ async def send(ws: websockets.ClientConnection, event: dict[str, Any]) -> None:
     await ws.send(json.dumps(event))
 
 
-async def sdk_turn(base_url: str, text: str, *, max_output_tokens: int, instructions: str | None = None) -> tuple[str, Any]:
+async def sdk_turn(base_url: str, text: str, *, max_output_tokens: int, instructions: str | None = None,
+                   model: str = MODEL) -> tuple[str, Any]:
     """One Realtime turn through the official openai SDK: (streamed text, the response.done response)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused")
-    async with client.realtime.connect(model=MODEL) as conn:
+    async with client.realtime.connect(model=model) as conn:
         if instructions is not None:
             await conn.session.update(session={"type": "realtime", "instructions": instructions})
         await conn.conversation.item.create(item={

@@ -7,11 +7,12 @@ from fake_engine import FakeEngine
 from gateway_harness import make_config
 
 from gateway.__main__ import main
-from gateway.cascade.router import SingleTierRouter
-from gateway.config import DEFAULT_CONFIG, RoutingConfig
-from gateway.engines import build_router, load_engines, needed_tiers, tier_models
+from gateway.cascade.config import RoutingConfig
+from gateway.config import DEFAULT_CONFIG
+from gateway.engines import build_router, load_engines, needed_tiers
+from gateway.metrics import GatewayMetrics
 from llm_shared.contract import SamplingParams
-from llm_shared.errors import ConfigError, EngineUnavailableError, ModelFileError
+from llm_shared.errors import ConfigError, EngineUnavailableError, ModelFileError, UnknownModelError
 
 
 async def test_a_gpu_tier_with_a_missing_checkpoint_fails_at_start_up() -> None:
@@ -32,17 +33,27 @@ async def test_a_missing_model_file_is_a_model_file_error() -> None:
         await load_engines(config)
 
 
-def test_router_serves_the_default_tier_and_refuses_when_not_ready() -> None:
+def test_router_serves_the_named_tier_and_refuses_when_not_ready() -> None:
     engine = FakeEngine()
-    router = build_router(make_config(), {"edge": engine})
-    assert isinstance(router, SingleTierRouter)
-    assert router.choose([{"role": "user", "content": "x"}], SamplingParams()) is engine
+    config = make_config()
+    router = build_router(config, {"edge": engine}, GatewayMetrics(dict))
+    messages = [{"role": "user", "content": "x"}]
+    assert router.routes == {"smollm2-135m-edge": "edge"}  # the cascade and the gpu tier are not built
+    route = router.choose("smollm2-135m-edge", messages, SamplingParams())
+    assert route.engine is engine and route.info.tier == "edge" and route.info.route == "model"
+    with pytest.raises(UnknownModelError):
+        router.choose("smollm2-135m-gpu", messages, SamplingParams())
     engine.is_ready = False
     with pytest.raises(EngineUnavailableError):
-        router.choose([{"role": "user", "content": "x"}], SamplingParams())
-    with pytest.raises(ConfigError):
-        build_router(make_config(), {})
-    assert tier_models(make_config()) == {"edge": "smollm2-135m", "gpu": "smollm2-135m"}
+        router.choose("smollm2-135m-edge", messages, SamplingParams())
+    with pytest.raises(ConfigError, match="needs the edge tier"):
+        build_router(config, {}, GatewayMetrics(dict))
+    cascade = replace(config, routing=RoutingConfig(default="cascade", cascade_model="c", edge_model="e",
+                                                    gpu_model="g"))
+    assert needed_tiers(cascade) == ("edge", "gpu")
+    assert cascade.routing.served() == {"e": "edge", "g": "gpu", "c": "cascade"}
+    with pytest.raises(ConfigError, match="needs the gpu tier"):
+        build_router(cascade, {"edge": engine}, GatewayMetrics(dict))
 
 
 def test_cli_reports_a_missing_model_after_the_port_opened(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,10 +5,9 @@ from dataclasses import replace
 
 import aiohttp
 import pytest
-from gateway_harness import MODEL, make_config, sdk_turn
+from gateway_harness import make_config, sdk_turn
 from openai import AsyncOpenAI
 
-from gateway.config import RoutingConfig
 from gateway.engines import load_engines
 from gateway.server import create_app, start_server
 from gateway.state import STATE
@@ -20,7 +19,7 @@ pytestmark = pytest.mark.model
 async def test_gpu_tier_serves_a_turn_and_frees_its_blocks(method: str) -> None:
     config = make_config()
     spec = replace(config.engine.speculative, method=method, draft_model=config.edge.model, draft_threads=1)
-    config = replace(config, routing=RoutingConfig(default="gpu"),
+    config = replace(config, routing=replace(config.routing, default="gpu"),
                      engine=replace(config.engine, num_blocks=256, max_model_len=2048, threads=1, speculative=spec))
     app = create_app(config)
     server = await start_server(app)
@@ -29,7 +28,8 @@ async def test_gpu_tier_serves_a_turn_and_frees_its_blocks(method: str) -> None:
         state.set_engines(await load_engines(config), owned=True)
         engine = state.engines["gpu"]
         assert engine.tier == "gpu"
-        text, response = await sdk_turn(server.url, "What is 2+2?", max_output_tokens=8)
+        model = config.routing.gpu_model
+        text, response = await sdk_turn(server.url, "What is 2+2?", max_output_tokens=8, model=model)
         assert response.status in ("completed", "incomplete")
         assert response.metadata == {"x_tier": "gpu"}
         assert response.usage.output_tokens > 0
@@ -38,7 +38,7 @@ async def test_gpu_tier_serves_a_turn_and_frees_its_blocks(method: str) -> None:
         # The same prompt again over HTTP: the engine's prefix cache serves most of it.
         client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
         chat = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=4, temperature=0)
+            model=model, messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=4, temperature=0)
         assert chat.usage.completion_tokens > 0
         assert chat.usage.prompt_tokens_details.cached_tokens >= 16
 

@@ -6,7 +6,7 @@ import pytest
 from fake_engine import FakeEngine
 
 from gateway.auth import RateLimiter
-from gateway.cascade.router import SingleTierRouter
+from gateway.cascade.router import Router
 from gateway.metrics import GatewayMetrics
 from gateway.turns import Turn
 from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
@@ -18,7 +18,7 @@ MESSAGES = [{"role": "user", "content": "hello there"}]
 def make(engine: FakeEngine, *, max_tokens: int = 5) -> tuple[Turn, GatewayMetrics, RateLimiter]:
     metrics = GatewayMetrics(lambda: {"edge": engine})
     limiter = RateLimiter(requests_per_minute=60, tokens_per_minute=1000)
-    turn = Turn(router=SingleTierRouter(engine), messages=MESSAGES, params=SamplingParams(max_tokens=max_tokens),
+    turn = Turn(router=Router({"edge-model": "edge"}, {"edge": engine}), model="edge-model", messages=MESSAGES, params=SamplingParams(max_tokens=max_tokens),
                 priority=Priority.INTERACTIVE, request_id="req-1", api="chat", metrics=metrics, limiter=limiter,
                 key_id="k")
     return turn, metrics, limiter

@@ -1,0 +1,88 @@
+"""The ``[routing]`` and ``[cascade]`` tables: which model ids clients may name, and how the
+cascade decides per turn.
+
+Three served ids: one per tier (the client picks that tier, nothing else decides) and one for
+the cascade (the edge model starts the turn, escalating to the torch tier by confidence).
+``routing.default`` names what a client gets when it names no model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from llm_shared.configtools import require
+from llm_shared.contract import MAX_PREFIX_DRAFT_TOKENS
+from llm_shared.errors import ConfigError
+
+RouteKind = Literal["cascade", "edge", "gpu"]
+MAX_MODEL_ID_CHARS = 64
+MAX_KEYWORD_RULES = 64
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    default: RouteKind = "edge"  # the route of a client that names no model
+    cascade_model: str = "cascade"  # served id of the cascade (only when default = "cascade")
+    edge_model: str = "edge"  # served id of the edge tier alone
+    gpu_model: str = "gpu"  # served id of the torch tier alone
+
+    def __post_init__(self) -> None:
+        ids = (self.cascade_model, self.edge_model, self.gpu_model)
+        for name, value in zip(("cascade_model", "edge_model", "gpu_model"), ids, strict=True):
+            require(0 < len(value) <= MAX_MODEL_ID_CHARS and value.isprintable() and " " not in value,
+                    f"routing.{name} must be 1..{MAX_MODEL_ID_CHARS} printable characters without spaces")
+        require(len(set(ids)) == 3, f"routing.cascade_model, edge_model and gpu_model must differ, got {ids}")
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The engine tiers to build: both for the cascade, else the one named."""
+        return ("edge", "gpu") if self.default == "cascade" else (self.default,)
+
+    def served(self) -> dict[str, RouteKind]:
+        """Model id -> route, for every id this configuration serves."""
+        ids: dict[str, RouteKind] = {self.edge_model: "edge", self.gpu_model: "gpu"}
+        if self.default == "cascade":
+            ids[self.cascade_model] = "cascade"
+        return {model: kind for model, kind in ids.items() if kind == "cascade" or kind in self.tiers}
+
+    @property
+    def default_model(self) -> str:
+        return {"cascade": self.cascade_model, "edge": self.edge_model, "gpu": self.gpu_model}[self.default]
+
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    hold_tokens: int = 8  # edge tokens held back while the turn's confidence is scored
+    threshold: float = 0.35  # confidence at or above which the edge keeps the turn (calibrate it)
+    scorer: str = "quantile"  # "quantile", "mean", "min", or "package.module:factory" (a learned probe)
+    quantile: float = 0.1  # the quantile scorer's q: a low quantile of the held tokens' probabilities
+    load_aware: bool = True  # relax the threshold as the torch tier's queue and KV fill up
+    min_threshold: float = 0.15  # the most it relaxes to
+    queue_full: int = 16  # torch-tier requests waiting at which the relaxation is complete
+    kv_relax_from: float = 0.7  # torch-tier KV use (fraction) where relaxation starts; complete at 1.0
+    escalate_prompt_tokens: int = 0  # longer prompts go straight to the torch tier (0: only what the edge cannot hold)
+    escalate_keywords: tuple[str, ...] = ()  # regexes (case-insensitive) on the last user message
+    probe_interval_s: float = 2.0  # health probe of each tier
+    probe_timeout_s: float = 1.0  # a probe that takes longer marks the tier down
+
+    def __post_init__(self) -> None:
+        require(1 <= self.hold_tokens <= MAX_PREFIX_DRAFT_TOKENS,
+                f"cascade.hold_tokens must be 1..{MAX_PREFIX_DRAFT_TOKENS}, got {self.hold_tokens}")
+        for name in ("threshold", "min_threshold", "kv_relax_from"):
+            require(0.0 <= getattr(self, name) <= 1.0, f"cascade.{name} must be between 0 and 1")
+        require(0.0 < self.quantile < 1.0, "cascade.quantile must be between 0 and 1 (exclusive)")
+        require(self.min_threshold <= self.threshold, "cascade.min_threshold must be <= cascade.threshold")
+        require(self.kv_relax_from < 1.0, "cascade.kv_relax_from must be below 1")
+        require(self.queue_full >= 1, "cascade.queue_full must be >= 1")
+        require(self.escalate_prompt_tokens >= 0, "cascade.escalate_prompt_tokens must be >= 0")
+        require(len(self.escalate_keywords) <= MAX_KEYWORD_RULES,
+                f"cascade.escalate_keywords allows at most {MAX_KEYWORD_RULES} patterns")
+        for pattern in self.escalate_keywords:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"cascade.escalate_keywords: {pattern!r} is not a valid regex ({e})") from e
+        require(0 < self.probe_timeout_s <= self.probe_interval_s,
+                "cascade.probe_timeout_s must be > 0 and <= probe_interval_s")
