@@ -55,11 +55,11 @@ class RoutingConfig:
 @dataclass(frozen=True)
 class CascadeConfig:
     hold_tokens: int = 8  # edge tokens held back while the turn's confidence is scored
-    threshold: float = 0.35  # confidence at or above which the edge keeps the turn (calibrate it)
+    threshold: float = 0.22  # confidence at or above which the edge keeps the turn (calibrate it)
     scorer: str = "quantile"  # "quantile", "mean", "min", or "package.module:factory" (a learned probe)
     quantile: float = 0.1  # the quantile scorer's q: a low quantile of the held tokens' probabilities
     load_aware: bool = True  # relax the threshold as the torch tier's queue and KV fill up
-    min_threshold: float = 0.15  # the most it relaxes to
+    min_threshold: float = 0.1  # the most it relaxes to
     queue_full: int = 16  # torch-tier requests waiting at which the relaxation is complete
     kv_relax_from: float = 0.7  # torch-tier KV use (fraction) where relaxation starts; complete at 1.0
     escalate_prompt_tokens: int = 0  # longer prompts go straight to the torch tier (0: only what the edge cannot hold)

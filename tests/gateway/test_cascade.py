@@ -21,8 +21,8 @@ import websockets
 from fake_engine import FakeEngine, FakeTokenizer, token_id_of
 from gateway_harness import make_config, recv_json, recv_until, send, user_item
 
-from gateway.cascade.config import CascadeConfig
 from gateway.cascade.confidence import MeanScorer, MinScorer, QuantileScorer, build_scorer
+from gateway.cascade.config import CascadeConfig
 from gateway.cascade.health import HealthMonitor
 from gateway.server import RunningServer, create_app, start_server
 from gateway.state import STATE, GatewayState
