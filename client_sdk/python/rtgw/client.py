@@ -1,0 +1,574 @@
+"""The asyncio client: one Realtime session with a gateway, kept alive across network drops.
+
+    async with RealtimeClient("http://127.0.0.1:8000", api_key=KEY) as client:
+        turn = await client.send("Hi!")
+        async for delta in turn:          # TextDelta events as they stream
+            print(delta.text, end="")
+        result = await turn.result()      # TurnResult: status, text, metadata (x_tier), usage
+
+``cancel()`` stops the active turn; ``interrupt(heard_chars)`` is barge-in: cancel, then cut the
+assistant's message down to what the user heard (our ``x_text_end`` truncate, or delete and
+re-create it on a server without that extension), so the next turn's context holds only that.
+
+When the connection drops, the active turn ends ``failed`` (reason ``connection_lost``) and the
+next operation reconnects with jittered exponential backoff, then restores the conversation on
+the new session by re-sending its items with their ids. When the gateway cannot be reached at
+all (refused, DNS, timeout, TLS, a 5xx at the handshake) and an ``OfflineConfig`` is given, turns
+are served by the on-device model from the same conversation, marked ``offline`` with
+``metadata["x_tier"] == "device"``; every ``retry_online_s`` a turn first tries the gateway
+again and, once it answers, carries the offline turns over to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import ssl
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import websockets
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+from rtgw.framing import MSGPACK_SUBPROTOCOL, FrameError, Framing, decode, encode
+from rtgw.offline import OfflineConfig, OfflineModel
+from rtgw.protocol import (
+    ClientProtocol,
+    Item,
+    ItemRetrieved,
+    ItemTruncated,
+    ServerError,
+    SessionInfo,
+    TextDelta,
+    TurnResult,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+MAX_BUFFERED_CHARS = 8 * 1024 * 1024  # undelivered text a turn holds before deltas are merged
+
+
+class GatewayError(Exception):
+    """Base of this SDK's errors."""
+
+
+class GatewayUnreachable(GatewayError, ConnectionError):
+    """The gateway could not be reached (refused, DNS, timeout, TLS, a 5xx at the handshake)."""
+
+
+class GatewayRefused(GatewayError):
+    """The gateway answered and said no: a refused key (401/403), an unknown model (404). Not
+    a network failure: no fallback hides it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"the gateway refused the session (HTTP {status}): {message}")
+        self.status = status
+
+
+class TurnInProgress(GatewayError):
+    """A turn is still running: cancel it or wait for its result first."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Reconnect delays: ``initial`` doubling up to ``max_delay``, each drawn uniformly from
+    [(1 - jitter) * d, d] so that many clients dropped at once do not return at once."""
+
+    initial: float = 0.25
+    factor: float = 2.0
+    max_delay: float = 8.0
+    jitter: float = 0.5
+    attempts: int = 5  # connection attempts per operation, the first one immediate
+
+    def delays(self, rng: random.Random) -> Iterator[float]:
+        delay = self.initial
+        for _ in range(self.attempts - 1):
+            yield delay * (1.0 - self.jitter * rng.random())
+            delay = min(self.max_delay, delay * self.factor)
+
+
+class Turn:
+    """One turn's stream: iterate for ``TextDelta`` events, or await ``result()`` / ``text()``."""
+
+    def __init__(self, offline: bool = False) -> None:
+        self.offline = offline
+        self.response_id: str | None = None
+        self._pending: list[str] = []  # undelivered deltas (merged past MAX_BUFFERED_CHARS)
+        self._pending_chars = 0
+        self._result: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None  # the offline generation, when offline
+
+    @property
+    def done(self) -> bool:
+        return self._result.done()
+
+    def _push(self, text: str) -> None:
+        if not text:
+            return
+        if self._pending_chars + len(text) > MAX_BUFFERED_CHARS and self._pending:
+            self._pending = ["".join(self._pending)]  # a reader that does not iterate: one growing delta
+        self._pending.append(text)
+        self._pending_chars += len(text)
+        self._wakeup.set()
+
+    def _finish(self, result: TurnResult) -> None:
+        if not self._result.done():
+            self._result.set_result(result)
+        self._wakeup.set()
+
+    def __aiter__(self) -> AsyncIterator[TextDelta]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[TextDelta]:
+        while True:
+            if self._pending:
+                text = "".join(self._pending)
+                self._pending.clear()
+                self._pending_chars = 0
+                yield TextDelta(self.response_id or "", text)
+                continue
+            if self._result.done():
+                return
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    async def result(self) -> TurnResult:
+        return await asyncio.shield(self._result)
+
+    async def text(self) -> str:
+        return (await self.result()).text
+
+
+@dataclass
+class _Session:
+    """Settings to apply again on every new session."""
+
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+class RealtimeClient:
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        framing: Framing = "json",
+        instructions: str | None = None,
+        connect_timeout: float = 10.0,
+        silence_timeout: float = 60.0,
+        request_timeout: float = 10.0,
+        backoff: Backoff = Backoff(),  # frozen
+        offline: OfflineConfig | None = None,
+        retry_online_s: float = 5.0,
+        seed: int | None = None,
+    ) -> None:
+        """``url``: the gateway's base URL (http(s) or ws(s)); ``silence_timeout``: the longest
+        wait for a server event while a turn runs; ``request_timeout``: for acknowledgements
+        (a truncate, the session's first event)."""
+        if framing not in ("json", "msgpack"):
+            raise ValueError("framing must be 'json' or 'msgpack'")
+        self.ws_url = realtime_url(url, model)
+        self.api_key = api_key
+        self.framing = framing
+        self.connect_timeout = connect_timeout
+        self.silence_timeout = silence_timeout
+        self.request_timeout = request_timeout
+        self.backoff = backoff
+        self.retry_online_s = retry_online_s
+        self.protocol = ClientProtocol()
+        self._session = _Session({"instructions": instructions} if instructions is not None else {})
+        self._offline = OfflineModel(offline) if offline is not None else None
+        self._rng = random.Random(seed)
+        self._ws: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self._turn: Turn | None = None
+        self._waiters: dict[tuple[str, str], asyncio.Future[Any]] = {}
+        self._last_online_try = -float("inf")
+        self._lock = asyncio.Lock()  # one connect / send at a time
+        self.reconnects = 0  # sessions opened after the first
+        self._sessions = 0
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def online(self) -> bool:
+        return self._ws is not None
+
+    @property
+    def conversation(self) -> list[Item]:
+        return list(self.protocol.items)
+
+    async def __aenter__(self) -> RealtimeClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Open the session (with the reconnect policy). Without an offline model an unreachable
+        gateway raises ``GatewayUnreachable``; with one, the client starts offline."""
+        async with self._lock:
+            await self._ensure_session(required=self._offline is None)
+
+    async def close(self) -> None:
+        if self._turn is not None and not self._turn.done:
+            with contextlib.suppress(GatewayError, ConnectionError):
+                await self.cancel()
+        await self._drop_connection()
+        if self._offline is not None:
+            await self._offline.close()
+
+    async def update_session(self, **fields: Any) -> None:
+        """``session.update`` now and on every session after (instructions, temperature, model...)."""
+        self._session.fields.update(fields)
+        if self._ws is not None:
+            await self._send(self.protocol.session_update(**fields))
+
+    # --- turns ------------------------------------------------------------------------------
+
+    async def send(self, text: str, *, max_output_tokens: int | None = None,
+                   temperature: float | None = None) -> Turn:
+        """Start a turn with the user's ``text``; returns once it is on its way."""
+        async with self._lock:
+            if self._turn is not None and not self._turn.done:
+                raise TurnInProgress("a turn is still running: cancel() it or await its result() first")
+            online = await self._ensure_session(required=self._offline is None)
+            response: dict[str, Any] = {}
+            if max_output_tokens is not None:
+                response["max_output_tokens"] = max_output_tokens
+            if temperature is not None:
+                response["temperature"] = temperature
+            if not online:
+                return self._offline_turn(text, response)
+            turn = self._turn = Turn()
+            events = self.protocol.user_turn(text, **response)
+            try:
+                for event in events:
+                    await self._send(event)
+            except GatewayUnreachable:
+                turn._finish(self.protocol.connection_lost() or _lost(turn))
+            return turn
+
+    async def ask(self, text: str, **options: Any) -> str:
+        """Send a turn and return its whole text."""
+        return await (await self.send(text, **options)).text()
+
+    async def cancel(self) -> TurnResult | None:
+        """Stop the active turn; returns its result (``cancelled``) once the server confirmed
+        that the engine let go of it, or None when no turn was running."""
+        turn = self._turn
+        if turn is None or turn.done:
+            return None
+        if turn.offline:
+            assert turn._task is not None
+            turn._task.cancel()
+            return await turn.result()
+        # Sent even before response.created arrived: the server takes events in order, so the
+        # response is active by the time it reads the cancel.
+        if self._ws is not None:
+            with contextlib.suppress(GatewayUnreachable):
+                await self._send(self.protocol.event("response.cancel"))
+        return await asyncio.wait_for(turn.result(), self.silence_timeout)
+
+    async def interrupt(self, heard_chars: int) -> TurnResult | None:
+        """Barge-in: cancel the active turn (or take the last one, when it already finished
+        streaming while its speech still played), then keep only the first ``heard_chars``
+        characters of the assistant's message in the conversation. Returns that turn's result."""
+        turn = self._turn
+        result = await self.cancel()
+        if result is None and turn is not None and turn.done:
+            result = await turn.result()
+        item = self.protocol.item(result.item_id) if result and result.item_id else self.protocol.last_assistant()
+        if item is None:
+            return result
+        heard = max(0, min(heard_chars, len(item.text)))
+        if self._ws is None:  # offline (or between sessions): the next session is restored from this
+            item.text = item.text[:heard]
+            return result
+        await self._truncate(item, heard)
+        return result
+
+    async def retrieve_item(self, item_id: str) -> Item:
+        """The server's copy of a conversation item (``conversation.item.retrieve``)."""
+        if self._ws is None:
+            raise GatewayUnreachable("not connected to the gateway")
+        event = self.protocol.event("conversation.item.retrieve", item_id=item_id)
+        retrieved = self._expect(("retrieved", item_id))
+        refused = self._expect(("event", event["event_id"]))
+        await self._send(event)
+        try:
+            finished, _ = await asyncio.wait({retrieved, refused}, timeout=self.request_timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for key in (("retrieved", item_id), ("event", event["event_id"])):
+                self._waiters.pop(key, None)
+        if retrieved in finished:
+            return retrieved.result()
+        if refused in finished:
+            error = refused.result()
+            raise GatewayError(f"the gateway could not retrieve {item_id!r}: {error.code}: {error.message}")
+        raise GatewayUnreachable("the gateway did not answer the retrieve in time")
+
+    # --- the session ------------------------------------------------------------------------
+
+    async def _ensure_session(self, *, required: bool) -> bool:
+        """True once a session is open; False when it cannot be and ``required`` is False."""
+        if self._ws is not None:
+            return True
+        now = time.monotonic()
+        if not required and now - self._last_online_try < self.retry_online_s:
+            return False  # offline, and the gateway was tried a moment ago
+        self._last_online_try = now
+        try:
+            await self._open_with_backoff(attempts=self.backoff.attempts if required else 1)
+        except GatewayUnreachable:
+            if required:
+                raise
+            log.info("the gateway is unreachable: serving turns on the device")
+            return False
+        return True
+
+    async def _open_with_backoff(self, attempts: int) -> None:
+        delays = self.backoff.delays(self._rng)
+        for attempt in range(attempts):
+            try:
+                await self._open()
+                return
+            except GatewayUnreachable:
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(next(delays, self.backoff.max_delay))
+
+    async def _open(self) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        subprotocols = [MSGPACK_SUBPROTOCOL] if self.framing == "msgpack" else None
+        try:
+            ws = await websockets.connect(self.ws_url, additional_headers=headers, subprotocols=subprotocols,
+                                          open_timeout=self.connect_timeout, max_size=MAX_FRAME_BYTES,
+                                          close_timeout=self.request_timeout)
+        except InvalidStatus as e:
+            status = e.response.status_code
+            body = e.response.body.decode("utf-8", "replace")[:500] if e.response.body else ""
+            if status >= 500:
+                raise GatewayUnreachable(f"the gateway is not serving (HTTP {status}): {body}") from e
+            raise GatewayRefused(status, body) from e
+        except (OSError, TimeoutError, ssl.SSLError, InvalidHandshake, InvalidURI) as e:
+            raise GatewayUnreachable(f"cannot reach the gateway at {self.ws_url}: {e}") from e
+        if self.framing == "msgpack" and ws.subprotocol != MSGPACK_SUBPROTOCOL:
+            await ws.close()
+            raise GatewayRefused(400, "the gateway does not speak msgpack framing")
+        self._ws = ws
+        created = self._expect(("session", "created"))
+        self._reader = asyncio.create_task(self._read_loop(ws), name="rtgw-reader")
+        try:
+            await asyncio.wait_for(created, self.request_timeout)
+        except (TimeoutError, GatewayUnreachable) as e:
+            await self._drop_connection()
+            raise GatewayUnreachable("the gateway accepted the connection but sent no session") from e
+        if self._sessions:
+            self.reconnects += 1
+        self._sessions += 1
+        if self._session.fields:
+            await self._send(self.protocol.session_update(**self._session.fields))
+        restore = self.protocol.restore_events()
+        for event in restore:
+            await self._send(event)
+        if restore:
+            log.info("restored %d conversation items on the new session", len(restore))
+
+    async def _drop_connection(self) -> None:
+        ws, self._ws = self._ws, None
+        reader, self._reader = self._reader, None
+        if ws is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(), self.request_timeout)
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def _send(self, event: dict[str, Any]) -> None:
+        ws = self._ws
+        if ws is None:
+            raise GatewayUnreachable("not connected to the gateway")
+        try:
+            await asyncio.wait_for(ws.send(encode(event, self.framing)), self.request_timeout)
+        except (ConnectionClosed, OSError, TimeoutError) as e:
+            await self._lost(ws)
+            raise GatewayUnreachable(f"the connection to the gateway was lost: {e}") from e
+
+    def _expect(self, key: tuple[str, str]) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiters[key] = future
+        return future
+
+    def _resolve(self, key: tuple[str, str], value: Any) -> bool:
+        future = self._waiters.pop(key, None)
+        if future is None or future.done():
+            return False
+        future.set_result(value)
+        return True
+
+    async def _read_loop(self, ws: Any) -> None:
+        try:
+            while True:
+                timeout = self.silence_timeout if self._turn is not None and not self._turn.done else None
+                try:
+                    frame = await asyncio.wait_for(ws.recv(), timeout)
+                except TimeoutError:
+                    log.warning("no server event for %.0f s during a turn: dropping the connection",
+                                self.silence_timeout)
+                    break
+                try:
+                    event = decode(frame)
+                except FrameError as e:
+                    log.warning("%s", e)
+                    continue
+                self._dispatch(event)
+        except ConnectionClosed:
+            pass
+        finally:
+            if self._ws is ws:
+                self._ws = None
+                asyncio.get_running_loop().create_task(_close_quietly(ws, self.request_timeout))
+            self._fail_pending(ws)
+
+    async def _lost(self, ws: Any) -> None:
+        if self._ws is ws:
+            self._ws = None
+            await _close_quietly(ws, self.request_timeout)
+        self._fail_pending(ws)
+
+    def _fail_pending(self, ws: Any) -> None:
+        turn = self._turn
+        if turn is not None and not turn.done and not turn.offline:
+            turn._finish(self.protocol.connection_lost() or _lost(turn))
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(GatewayUnreachable("the connection to the gateway was lost"))
+        self._waiters.clear()
+
+    def _dispatch(self, event: dict[str, Any]) -> None:
+        turn = self._turn
+        for typed in self.protocol.receive(event):
+            if isinstance(typed, SessionInfo):
+                self._resolve(("session", "created"), typed)
+            elif isinstance(typed, TextDelta):
+                if turn is not None and not turn.offline:
+                    turn.response_id = typed.response_id
+                    turn._push(typed.text)
+            elif isinstance(typed, TurnResult):
+                if turn is not None and not turn.offline and not turn.done:
+                    turn.response_id = typed.response_id
+                    turn._finish(typed)
+            elif isinstance(typed, ItemTruncated):
+                self._resolve(("truncated", typed.item_id), typed)
+            elif isinstance(typed, ItemRetrieved):
+                self._resolve(("retrieved", typed.item.id), typed.item)
+            elif isinstance(typed, ServerError):
+                self._on_error(typed)
+
+    def _on_error(self, error: ServerError) -> None:
+        if error.event_id and self._resolve(("event", error.event_id), error):
+            return
+        turn = self._turn
+        if turn is not None and not turn.done and not turn.offline and self.protocol.active_response_id is None:
+            # The turn's own events were refused (e.g. rate limited) before a response started.
+            turn._finish(TurnResult("", "failed", "", error={"type": "invalid_request_error", "code": error.code,
+                                                             "message": error.message}))
+            return
+        log.warning("gateway error %s: %s", error.code, error.message)
+
+    async def _truncate(self, item: Item, heard: int) -> None:
+        event = self.protocol.truncate(item.id, heard)
+        done = self._expect(("truncated", item.id))
+        refused = self._expect(("event", event["event_id"]))
+        await self._send(event)
+        finished, _ = await asyncio.wait({done, refused}, timeout=self.request_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        for key, future in ((("truncated", item.id), done), (("event", event["event_id"]), refused)):
+            if future not in finished:
+                future.cancel()
+            if self._waiters.get(key) is future:
+                del self._waiters[key]
+        if done in finished and done.exception() is None:
+            return
+        if refused in finished and refused.exception() is None:
+            # A server without our x_text_end: replace the message with what was heard.
+            log.info("the gateway refused the text truncate (%s); replacing the message instead",
+                     refused.result().message)
+            for replace in self.protocol.replace_events(item.id, item.text[:heard]):
+                await self._send(replace)
+            return
+        raise GatewayUnreachable("the gateway did not confirm the truncate in time")
+
+    # --- offline ----------------------------------------------------------------------------
+
+    def _offline_turn(self, text: str, response: dict[str, Any]) -> Turn:
+        assert self._offline is not None
+        turn = self._turn = Turn(offline=True)
+        self.protocol.add_local_turn(text, "", item_id=None)
+        item = self.protocol.items[-1]
+        turn.response_id = f"offline_{item.id}"
+        instructions = str(self._session.fields.get("instructions") or "")
+        history = self.protocol.items[:-1]
+        turn._task = asyncio.create_task(self._run_offline(turn, item, instructions, history, response))
+        return turn
+
+    async def _run_offline(self, turn: Turn, item: Item, instructions: str, history: list[Item],
+                           response: dict[str, Any]) -> None:
+        assert self._offline is not None
+        status, reason = "completed", None
+        try:
+            async for delta, finish in self._offline.generate(instructions, history,
+                                                               max_output_tokens=response.get("max_output_tokens"),
+                                                               temperature=response.get("temperature")):
+                item.text += delta
+                turn._push(delta)
+                if finish is not None:
+                    status = {"stop": "completed", "length": "incomplete"}.get(finish, "failed")
+                    reason = "max_output_tokens" if finish == "length" else None
+        except asyncio.CancelledError:
+            status, reason = "cancelled", "client_cancelled"
+        except Exception as e:  # a broken local model ends this turn, not the client
+            log.exception("the on-device model failed")
+            turn._finish(TurnResult(turn.response_id or "", "failed", item.text, item.id, {"x_tier": "device"},
+                                    error={"type": "device_error", "code": "offline_failed", "message": str(e)},
+                                    offline=True))
+            return
+        turn._finish(TurnResult(turn.response_id or "", status, item.text, item.id, {"x_tier": "device"},
+                                reason=reason, offline=True))
+
+
+def _lost(turn: Turn) -> TurnResult:
+    return TurnResult(turn.response_id or "", "failed", "", error={
+        "type": "connection_error", "code": "connection_lost", "message": "the connection to the gateway was lost"})
+
+
+async def _close_quietly(ws: Any, timeout: float) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.close(), timeout)
+
+
+def realtime_url(url: str, model: str | None) -> str:
+    """``http://host:port`` (or ws://, or a full /v1/realtime URL) -> the session's ws(s) URL."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
+    if scheme is None or not parts.netloc:
+        raise ValueError(f"not a gateway URL: {url!r}")
+    path = parts.path.rstrip("/")
+    if not path.endswith("/realtime"):
+        path = (path if path.endswith("/v1") else path + "/v1") + "/realtime"
+    query = urllib.parse.parse_qs(parts.query)
+    if model:
+        query["model"] = [model]
+    return urllib.parse.urlunsplit((scheme, parts.netloc, path, urllib.parse.urlencode(query, doseq=True), ""))
