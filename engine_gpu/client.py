@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -28,6 +29,8 @@ from engine_gpu.protocol import (
     AbortDone,
     AbortRequest,
     AddRequest,
+    Authenticate,
+    Challenge,
     ClientMessage,
     ErrorReply,
     Hello,
@@ -37,11 +40,13 @@ from engine_gpu.protocol import (
     StatsReply,
     StatsRequest,
     StepOutputs,
+    auth_mac,
     decode_core_message,
     encode_frame,
     error_from_code,
     parse_listen,
     read_frame,
+    secret_bytes,
 )
 from llm_shared import errors
 from llm_shared.contract import MAX_PREFIX_DRAFT_TOKENS, FinishEvent, Priority, SamplingParams, StreamEvent
@@ -96,6 +101,9 @@ class EngineClient:
 
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        # The configured secret (other clients may need it, e.g. over TCP), else a fresh one per core;
+        # in its environment, never on its command line, which other users can read.
+        secret = env[engine_cfg.secret_env] = env.get(engine_cfg.secret_env) or secrets.token_urlsafe(32)
         # stdin is a pipe the core watches: if this process dies, the core sees EOF and exits.
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "engine_gpu.core_process", *config_args(model_cfg, engine_cfg, draft_model_cfg),
@@ -105,19 +113,24 @@ class EngineClient:
         try:
             address = await asyncio.wait_for(_ready_address(process), startup_timeout)
             tokenizer = await tokenizer_task
-            return await cls.connect(address, tokenizer=tokenizer, process=process)
+            return await cls.connect(address, secret=secret, tokenizer=tokenizer, process=process)
         except BaseException:
             tokenizer_task.cancel()
             await _stop_process(process)
             raise
 
     @classmethod
-    async def connect(cls, address: str, *, tokenizer: Tokenizer | None = None,
+    async def connect(cls, address: str, *, secret: str | bytes | None = None, tokenizer: Tokenizer | None = None,
                       process: asyncio.subprocess.Process | None = None,
-                      timeout: float = CONNECT_TIMEOUT_S) -> EngineClient:
-        """Connect to a running core ('unix:/path' or 'tcp:host:port'). Without a tokenizer, the
-        one the core's model config names is loaded here if its file is reachable from this machine."""
+                      timeout: float = CONNECT_TIMEOUT_S, secret_env: str = "ENGINE_CORE_SECRET") -> EngineClient:
+        """Connect to a running core ('unix:/path' or 'tcp:host:port') and authenticate with the
+        shared ``secret`` (default: the environment variable ``secret_env``). Without a
+        tokenizer, the one the core's model config names is loaded here if its file is reachable
+        from this machine."""
+        key = secret_bytes(secret if secret is not None else os.environ.get(secret_env),
+                           f"the secret argument or ${secret_env}")
         family, addr = parse_listen(address)
+        writer = None
         try:
             if family == socket.AF_UNIX:
                 assert isinstance(addr, str)
@@ -126,9 +139,20 @@ class EngineClient:
                 host, port = addr
                 reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
             payload = await asyncio.wait_for(read_frame(reader), timeout)
+            challenge = decode_core_message(payload) if payload is not None else None
+            if not isinstance(challenge, Challenge):
+                raise ProtocolError("the engine core did not open with a challenge")
+            writer.write(encode_frame(Authenticate(auth_mac(key, challenge.nonce))))
+            await asyncio.wait_for(writer.drain(), timeout)
+            payload = await asyncio.wait_for(read_frame(reader), timeout)
             hello = decode_core_message(payload) if payload is not None else None
         except (OSError, TimeoutError, ProtocolError) as e:
+            if writer is not None:
+                writer.close()
             raise errors.EngineUnavailableError(f"cannot reach the engine core at {address}: {e}") from e
+        if isinstance(hello, ErrorReply) and hello.code == "unauthenticated":
+            writer.close()
+            raise errors.EngineUnavailableError(f"the engine core at {address} refused our secret")
         if not isinstance(hello, Hello):
             writer.close()
             raise errors.EngineUnavailableError(f"the engine core at {address} did not greet us")

@@ -66,6 +66,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     long_prefill_threshold: int = 256  # a prompt chunk is at most this many tokens while others decode
     listen: str = ""  # "unix:/path" or "tcp:host:port"; "" picks a private unix socket
+    secret_env: str = "ENGINE_CORE_SECRET"  # environment variable holding the core socket's shared secret
     threads: int = 0  # torch intra-op threads in the engine process; 0 = torch default
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 

@@ -6,10 +6,15 @@ runs one step and sends each client its requests' new tokens with fresh stats. W
 blocks in ``select`` until a message arrives: no busy spin. An abort frees the request's blocks
 before the next step; a client that disconnects has its requests aborted.
 
-Run by ``EngineClient.start`` (``--model-json/--engine-json``, ready line on stdout, exits when
-its parent's stdin pipe closes), or by hand as a worker other machines connect to::
+Every connection proves it knows the shared secret (``protocol.Challenge``/``Authenticate``)
+before anything else; the secret comes from the environment variable ``engine.secret_env``
+names (``ENGINE_CORE_SECRET``), and the core refuses to start without one.
 
-    python -m engine_gpu.core_process --config configs/default.toml --listen tcp:0.0.0.0:7100
+Run by ``EngineClient.start`` (``--model-json/--engine-json``, a fresh secret in the
+environment, ready line on stdout, exits when its parent's stdin pipe closes), or by hand as a
+worker other machines connect to::
+
+    ENGINE_CORE_SECRET=... python -m engine_gpu.core_process --config configs/default.toml --listen tcp:0.0.0.0:7100
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ import argparse
 import json
 import logging
 import os
+import secrets
 import selectors
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
@@ -31,10 +39,16 @@ from typing import Protocol
 from engine_gpu.config import EngineConfig, load_engine_config, parse_engine_table
 from engine_gpu.outputs import RequestOutput
 from engine_gpu.protocol import (
+    AUTH_TIMEOUT_S,
+    MAX_FRAME_BYTES,
+    NONCE_BYTES,
+    PRE_AUTH_MAX_FRAME_BYTES,
     PRIVATE_SOCKET_PREFIX,
     AbortDone,
     AbortRequest,
     AddRequest,
+    Authenticate,
+    Challenge,
     CoreMessage,
     ErrorReply,
     FrameDecoder,
@@ -45,9 +59,11 @@ from engine_gpu.protocol import (
     StatsReply,
     StatsRequest,
     StepOutputs,
+    check_mac,
     decode_client_message,
     encode_frame,
     parse_listen,
+    secret_bytes,
 )
 from llm_shared.configtools import build
 from llm_shared.contract import FinishReason, Priority, SamplingParams
@@ -59,6 +75,7 @@ log = logging.getLogger("engine_gpu.core")
 RECV_BYTES = 1 << 20
 MAX_RECVS_PER_WAKEUP = 64
 MAX_OUTBUF_BYTES = 64 * 1024 * 1024  # a client this far behind is dropped (its requests aborted)
+MAX_UNAUTHENTICATED = 32  # peers waiting to authenticate; more are refused at accept
 
 
 class StepEngine(Protocol):
@@ -83,11 +100,23 @@ def open_listener(listen: str) -> tuple[socket.socket, str, str | None]:
     sock = socket.socket(family, socket.SOCK_STREAM)
     if family == socket.AF_UNIX:
         assert isinstance(addr, str)
-        if os.path.exists(addr):
+        try:
+            mode = os.lstat(addr).st_mode
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISSOCK(mode):
+                sock.close()
+                raise ConfigError(f"engine.listen: {addr!r} exists and is not a socket; refusing to replace it")
             os.unlink(addr)  # a stale socket file from a core that died
+        old_umask = os.umask(0o177)  # the socket file is created owner-only (0600), never briefly wider
+        try:
+            sock.bind(addr)
+        finally:
+            os.umask(old_umask)
     else:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(addr)
+        sock.bind(addr)
     sock.listen(64)
     sock.setblocking(False)
     if family == socket.AF_UNIX:
@@ -100,15 +129,21 @@ def open_listener(listen: str) -> tuple[socket.socket, str, str | None]:
 class _Conn:
     sock: socket.socket
     cid: int
-    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+    nonce: bytes  # the challenge it must answer
+    deadline: float  # monotonic time by which it must have authenticated
+    decoder: FrameDecoder = field(default_factory=lambda: FrameDecoder(PRE_AUTH_MAX_FRAME_BYTES))
     outbuf: bytearray = field(default_factory=bytearray)
     requests: dict[str, str] = field(default_factory=dict)  # engine id -> client's request id
+    authenticated: bool = False
     closed: bool = False
 
 
 class CoreServer:
-    def __init__(self, engine: StepEngine, listener: socket.socket, *, stop_fd: int | None = None) -> None:
+    def __init__(self, engine: StepEngine, listener: socket.socket, *, secret: bytes,
+                 stop_fd: int | None = None, auth_timeout_s: float = AUTH_TIMEOUT_S) -> None:
         self.engine = engine
+        self._secret = secret
+        self._auth_timeout = auth_timeout_s
         self._listener = listener
         self._sel = selectors.DefaultSelector()
         self._sel.register(listener, selectors.EVENT_READ, self._accept)
@@ -124,11 +159,12 @@ class CoreServer:
     def serve_forever(self) -> None:
         while not self._stopping:
             busy = self.engine.has_unfinished()
-            for key, mask in self._sel.select(0 if busy else None):
+            for key, mask in self._sel.select(0 if busy else self._until_auth_deadline()):
                 if isinstance(key.data, _Conn):
                     self._on_conn_event(key.data, mask)
                 else:
                     key.data(mask)
+            self._drop_unauthenticated_late()
             if self._stopping or not self.engine.has_unfinished():
                 continue
             try:
@@ -143,6 +179,17 @@ class CoreServer:
             self._flush(conn)
             self._close(conn)
         self._sel.close()
+
+    def _until_auth_deadline(self) -> float | None:
+        """How long an idle select may block: until the next unauthenticated peer's deadline."""
+        deadlines = [c.deadline for c in self._conns if not c.authenticated]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _drop_unauthenticated_late(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c in self._conns if not c.authenticated and c.deadline <= now]:
+            log.warning("client %d did not authenticate within %.0f s; closing it", conn.cid, self._auth_timeout)
+            self._close(conn)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         per_conn: dict[_Conn, list[RequestOutput]] = {}
@@ -166,7 +213,7 @@ class CoreServer:
         stats = stats if stats is not None else self.engine.stats()
         skip = set(exclude)
         for conn in list(self._conns):
-            if conn not in skip:
+            if conn not in skip and conn.authenticated:
                 self._send(conn, StepOutputs([], stats))
 
     # --- sockets ---------------------------------------------------------------------------
@@ -180,12 +227,17 @@ class CoreServer:
             sock.setblocking(False)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sum(not c.authenticated for c in self._conns) >= MAX_UNAUTHENTICATED:
+                log.warning("too many connections waiting to authenticate; refusing one")
+                sock.close()
+                continue
             self._next_cid += 1
-            conn = _Conn(sock, self._next_cid)
+            conn = _Conn(sock, self._next_cid, secrets.token_bytes(NONCE_BYTES),
+                         time.monotonic() + self._auth_timeout)
             self._conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
             log.info("client %d connected", conn.cid)
-            self._send(conn, Hello(self.engine.info(), self.engine.stats()))
+            self._send(conn, Challenge(conn.nonce))  # nothing else until it proves the secret
 
     def _on_conn_event(self, conn: _Conn, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
@@ -219,6 +271,8 @@ class CoreServer:
                 self._close(conn)
                 return
             for payload in frames:
+                if conn.closed:
+                    return
                 self._handle(conn, payload)
 
     def _send(self, conn: _Conn, message: CoreMessage) -> None:
@@ -270,7 +324,25 @@ class CoreServer:
 
     # --- messages --------------------------------------------------------------------------
 
+    def _authenticate(self, conn: _Conn, payload: bytes) -> None:
+        try:
+            msg = decode_client_message(payload)
+        except ProtocolError:
+            msg = None
+        if not isinstance(msg, Authenticate) or not check_mac(self._secret, conn.nonce, msg.mac):
+            log.warning("client %d failed to authenticate; closing it", conn.cid)
+            self._send(conn, ErrorReply(None, "unauthenticated", "authenticate with the shared secret first"))
+            self._flush(conn)
+            self._close(conn)
+            return
+        conn.authenticated = True
+        conn.decoder.max_frame_bytes = MAX_FRAME_BYTES
+        self._send(conn, Hello(self.engine.info(), self.engine.stats()))
+
     def _handle(self, conn: _Conn, payload: bytes) -> None:
+        if not conn.authenticated:
+            self._authenticate(conn, payload)
+            return
         try:
             msg = decode_client_message(payload)
         except ProtocolError as e:
@@ -297,6 +369,8 @@ class CoreServer:
             case Shutdown():
                 log.info("client %d asked the core to shut down", conn.cid)
                 self._stopping = True
+            case Authenticate():
+                pass  # already authenticated: a repeat changes nothing
 
     def _add(self, conn: _Conn, msg: AddRequest) -> None:
         # Request ids are the client's own: namespacing them per connection keeps clients apart.
@@ -364,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     tmpdir = None
     try:
         model_cfg, engine_cfg, draft_cfg = _configs(args)
+        secret = secret_bytes(os.environ.get(engine_cfg.secret_env), f"${engine_cfg.secret_env}")
         listener, address, tmpdir = open_listener(engine_cfg.listen)
         from engine_gpu.engine import LLMEngine  # torch is imported only once the configs are valid
 
@@ -378,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     report(address=address)
     # SIGTERM unwinds like an exception (out of a blocking select), so the finally below cleans up.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    server = CoreServer(engine, listener, stop_fd=sys.stdin.fileno() if args.exit_on_stdin_eof else None)
+    server = CoreServer(engine, listener, secret=secret,
+                        stop_fd=sys.stdin.fileno() if args.exit_on_stdin_eof else None)
     try:
         server.serve_forever()
     finally:

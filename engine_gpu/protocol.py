@@ -4,15 +4,23 @@ Frames are a 4-byte big-endian length followed by one msgpack map with a ``t`` t
 message is validated here, at the boundary, into one tagged dataclass per kind; inside the
 core and the client the types are trusted. Pure Python (no torch), so the gateway can import it.
 
-Client -> core: AddRequest, AbortRequest, StatsRequest, Shutdown.
-Core -> client: Hello (once, on connect), StepOutputs (each step), Rejected (an add refused),
-AbortDone (blocks freed), StatsReply, ErrorReply (a message the core could not accept).
+Every connection is authenticated before anything else crosses it: the core opens with a
+Challenge (a fresh random nonce), the client answers Authenticate (an HMAC-SHA256 of the nonce
+under the shared secret), and only then does the core send Hello and accept commands. Until
+then frames are capped at ``PRE_AUTH_MAX_FRAME_BYTES`` and the peer has ``AUTH_TIMEOUT_S``.
+
+Client -> core: Authenticate (first), AddRequest, AbortRequest, StatsRequest, Shutdown.
+Core -> client: Challenge (first), Hello (once authenticated), StepOutputs (each step), Rejected
+(an add refused), AbortDone (blocks freed), StatsReply, ErrorReply (a message the core could not
+accept).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import hmac
 import socket
 import struct
 from collections.abc import Mapping
@@ -37,6 +45,11 @@ MAX_FRAME_BYTES = 8 * 1024 * 1024  # a 128k-token prompt is ~640 KB; far above a
 MAX_REQUEST_ID_CHARS = 256
 MAX_PROMPT_TOKENS = 1 << 20  # sanity bound before the scheduler's own max_model_len check
 PRIVATE_SOCKET_PREFIX = "engine-core-"  # temp dir of a core's private unix socket (listen = "")
+PRE_AUTH_MAX_FRAME_BYTES = 4096  # what an unauthenticated peer may send at most
+AUTH_TIMEOUT_S = 10.0  # an unauthenticated peer is dropped after this
+NONCE_BYTES = 32
+MIN_SECRET_CHARS = 16
+AUTH_CONTEXT = b"rt-llm-gateway engine core v1\x00"  # binds the MAC to this protocol
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _ERROR_CLASSES: dict[str, type[errors.EngineError]] = {
@@ -92,10 +105,22 @@ class Shutdown:
     t: Literal["shutdown"] = "shutdown"
 
 
-ClientMessage = AddRequest | AbortRequest | StatsRequest | Shutdown
+@dataclass(frozen=True)
+class Authenticate:
+    mac: bytes  # auth_mac(secret, the challenge's nonce)
+    t: Literal["auth"] = "auth"
+
+
+ClientMessage = Authenticate | AddRequest | AbortRequest | StatsRequest | Shutdown
 
 
 # --- core -> client -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Challenge:
+    nonce: bytes
+    t: Literal["challenge"] = "challenge"
+
 
 @dataclass(frozen=True)
 class Hello:
@@ -143,7 +168,24 @@ class ErrorReply:
     t: Literal["error"] = "error"
 
 
-CoreMessage = Hello | StepOutputs | Rejected | AbortDone | StatsReply | ErrorReply
+CoreMessage = Challenge | Hello | StepOutputs | Rejected | AbortDone | StatsReply | ErrorReply
+
+
+def auth_mac(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, AUTH_CONTEXT + nonce, hashlib.sha256).digest()
+
+
+def check_mac(secret: bytes, nonce: bytes, mac: bytes) -> bool:
+    return hmac.compare_digest(auth_mac(secret, nonce), mac)
+
+
+def secret_bytes(secret: str | bytes | None, where: str) -> bytes:
+    """The shared secret as bytes, or ConfigError naming where it should come from."""
+    if secret is None or len(secret) < MIN_SECRET_CHARS:
+        raise errors.ConfigError(
+            f"the engine core's socket needs a shared secret of at least {MIN_SECRET_CHARS} characters in {where}; "
+            "every connection proves it knows the secret before any command is taken")
+    return secret.encode("utf-8") if isinstance(secret, str) else secret
 
 
 def error_from_code(code: str, message: str, param: str | None = None) -> errors.EngineError:
@@ -179,7 +221,7 @@ class FrameDecoder:
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buf = bytearray()
-        self._max = max_frame_bytes
+        self.max_frame_bytes = max_frame_bytes  # raised once the peer authenticated
 
     def feed(self, data: bytes) -> list[bytes]:
         """Raises ProtocolError(code="frame_too_large"): the stream cannot be resynchronised after it."""
@@ -187,8 +229,9 @@ class FrameDecoder:
         frames: list[bytes] = []
         while len(self._buf) >= HEADER.size:
             (size,) = HEADER.unpack_from(self._buf)
-            if size > self._max:
-                raise ProtocolError(f"frame of {size} bytes exceeds the {self._max}-byte limit", code="frame_too_large")
+            if size > self.max_frame_bytes:
+                raise ProtocolError(f"frame of {size} bytes exceeds the {self.max_frame_bytes}-byte limit",
+                                    code="frame_too_large")
             if len(self._buf) < HEADER.size + size:
                 break
             frames.append(bytes(self._buf[HEADER.size:HEADER.size + size]))
@@ -234,6 +277,10 @@ def _to_wire(m: ClientMessage | CoreMessage) -> dict[str, Any]:
             if m.draft_ids:
                 wire["draft"] = list(m.draft_ids)
             return wire
+        case Authenticate():
+            return {"t": m.t, "mac": m.mac}
+        case Challenge():
+            return {"t": m.t, "nonce": m.nonce}
         case AbortRequest():
             return {"t": m.t, "id": m.request_id, "seq": m.seq}
         case StatsRequest() | StatsReply():
@@ -323,6 +370,12 @@ def decode_client_message(payload: bytes) -> ClientMessage:
                     return _decode_add(obj, request_id)
                 except errors.EngineError as e:
                     raise ProtocolError(e.message, code=e.code, request_id=request_id, param=e.param) from e
+            case "auth":
+                _keys(obj, {"t", "mac"})
+                mac = obj.get("mac")
+                if not isinstance(mac, bytes) or len(mac) != hashlib.sha256().digest_size:
+                    raise ProtocolError("auth.mac must be 32 bytes", code="unauthenticated")
+                return Authenticate(mac)
             case "abort":
                 _keys(obj, {"t", "id", "seq"})
                 return AbortRequest(_str(obj, "id", max_chars=MAX_REQUEST_ID_CHARS, empty=False), _int(obj, "seq"))
@@ -364,6 +417,11 @@ def decode_core_message(payload: bytes) -> CoreMessage:
     """Validate a frame from the core; a core of another version fails loudly, not silently."""
     obj = _unpack(payload)
     match obj.get("t"):
+        case "challenge":
+            nonce = obj.get("nonce")
+            if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+                raise ProtocolError(f"challenge.nonce must be {NONCE_BYTES} bytes")
+            return Challenge(nonce)
         case "hello":
             info = obj.get("info")
             if not isinstance(info, dict):

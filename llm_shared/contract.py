@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+# Bounds on what crosses a trust boundary (the engine socket among them), so that one request's
+# absurd value fails that request alone instead of a tensor op in a shared step.
+MAX_TOP_K = 1 << 20
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1
+MAX_MAX_TOKENS = 1 << 24
 # A tier that speculates verifies a caller's draft of the output's first tokens (the cascade's
 # held edge tokens) in its first pass; longer drafts are refused.
 MAX_PREFIX_DRAFT_TOKENS = 64
@@ -60,22 +66,25 @@ class SamplingParams:
             raise bad("top_p", "must be a number")
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", f"must be a non-negative integer, got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise bad("top_k", f"must be an integer in [0, {MAX_TOP_K}], got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad("seed", "must be in [0, 2**63)")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                or not 1 <= self.max_tokens <= MAX_MAX_TOKENS):
+            raise bad("max_tokens", f"must be an integer in [1, {MAX_MAX_TOKENS}], got {self.max_tokens!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"allows at most {MAX_STOP_STRINGS} strings")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise bad("stop", f"entries must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"allows at most {MAX_STOP_TOKEN_IDS} ids")
         for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise bad("stop_token_ids", "entries must be non-negative integers")
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+                raise bad("stop_token_ids", f"entries must be integers in [0, {MAX_TOKEN_ID}]")
         if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
             raise bad("logprobs", "must be an integer")
         if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:

