@@ -37,6 +37,7 @@ END_SESSION_TIMEOUT_S = 5.0  # an engine that cannot forget a session in time on
 
 WS_CLOSE_OK = 1000
 WS_CLOSE_GOING_AWAY = 1001
+WS_CLOSE_POLICY = 1008
 WS_CLOSE_INTERNAL_ERROR = 1011
 
 
@@ -159,8 +160,17 @@ class RealtimeConnection:
         idle = self._config.idle_timeout_s
         deadline = loop.time() + idle
         while not self._closing:
-            # Backpressure: while the client is behind on reading, stop taking its events.
-            await self._outbox.wait_writable()
+            # Backpressure: while the client is behind on reading, stop taking its events; one
+            # that stays behind is closed (its queue is bounded in bytes, not only in frames).
+            try:
+                await asyncio.wait_for(self._outbox.wait_writable(), self._config.slow_client_timeout_s)
+            except TimeoutError:
+                queued = self._outbox.queued_bytes
+                log.info("session %s: client not reading (%d bytes queued); closing it", self.session_id, queued)
+                self._metrics.cancels.labels("realtime", "client_too_slow").inc()
+                await self.close(WS_CLOSE_POLICY, f"client too slow: {queued // 1024} KiB of events unread for "
+                                 f"{self._config.slow_client_timeout_s:g} s", cancel_reason="client_too_slow")
+                return
             if self._closing:
                 return
             try:

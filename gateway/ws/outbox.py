@@ -5,7 +5,9 @@ One writer task drains this queue. Above ``high`` queued frames, a text delta th
 the last queued delta of the same item and content part is merged into it, so a slow reader
 gets fewer, longer deltas instead of a growing backlog. Past ``limit`` frames or ``max_bytes``
 the connection cancels the response (``over_limit``); the reader stops reading client events
-while the queue is above ``high`` (``wait_writable``), so a client cannot grow it either.
+while the queue holds ``high`` frames or half of ``max_bytes`` (``wait_writable``), whatever
+produced them (a response, or replies to the client's own events such as retrieves), so a
+client that does not read cannot grow it by more than one event's reply.
 
 Events are encoded when queued (``to_wire``, then the codec), except text deltas, which stay
 typed until sent so that they can still be merged (their texts are joined once, at send time,
@@ -48,6 +50,7 @@ class Outbox:
         self._high = high
         self._limit = limit
         self._max_bytes = max_bytes
+        self._high_bytes = max_bytes // 2  # the reader pauses here, leaving room for one more reply
         self._items: deque[Frame | _PendingDelta] = deque()
         self._bytes = 0
         self._closed = False
@@ -90,8 +93,7 @@ class Outbox:
             self._items.append(frame)
             self._bytes += len(frame)
         self._nonempty.set()
-        if len(self._items) >= self._high:
-            self._writable.clear()
+        self._update_writable()
 
     async def get(self) -> Frame | None:
         """The next frame to send; None once the outbox is closed and empty."""
@@ -107,12 +109,18 @@ class Outbox:
         else:
             self._bytes -= len(item)
             frame = item
-        if len(self._items) < self._high:
-            self._writable.set()
+        self._update_writable()
         return frame
 
+    def _update_writable(self) -> None:
+        if self._closed or (len(self._items) < self._high and self._bytes < self._high_bytes):
+            self._writable.set()
+        else:
+            self._writable.clear()
+
     async def wait_writable(self) -> None:
-        """Return when fewer than ``high`` frames are queued (or the outbox is closed)."""
+        """Return when fewer than ``high`` frames and half of ``max_bytes`` are queued (or the
+        outbox is closed)."""
         await self._writable.wait()
 
     def close(self) -> None:

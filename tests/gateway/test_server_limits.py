@@ -1,6 +1,7 @@
 """Connection limits over a real loopback server: frame size, idle timeout, shutdown, slow readers."""
 
 import asyncio
+import json
 import socket
 
 import aiohttp
@@ -147,3 +148,40 @@ async def _until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.01)
 
+
+
+async def test_a_retrieve_flood_is_bounded_in_bytes_and_a_client_that_never_reads_is_closed() -> None:
+    """Replies to the client's own events count against the byte bound too: ~100 KB items
+    retrieved over and over by a client that reads nothing pause its reader at half the bound,
+    and the server closes it once it stays behind, holding no more than the bound meanwhile."""
+    max_bytes = 1024 * 1024
+    async with running_gateway(send_queue_high=10_000, send_queue_limit=20_000, send_queue_max_bytes=max_bytes,
+                               slow_client_timeout_s=1.0, max_conversation_chars=200_000) as gw:
+        ws = await slow_reader(gw.ws_url)
+        await recv_json(ws)
+        connection = next(iter(gw.state.connections))
+        connection._ws._req.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        big = "y" * 100_000
+        await send(ws, {"type": "conversation.item.create", "item": {
+            "id": "big", "type": "message", "role": "user", "content": [{"type": "input_text", "text": big}]}})
+        peak = 0
+        sent = 0
+        retrieve = json.dumps({"type": "conversation.item.retrieve", "item_id": "big"})
+        while connection in gw.state.connections and sent < 2000:  # 200 MB of replies if nothing bounded them
+            try:
+                await asyncio.wait_for(ws.send(retrieve), 0.5)
+            except TimeoutError:
+                break  # our own socket is full too: the server stopped reading us
+            sent += 1
+            peak = max(peak, connection.outbox.queued_bytes)
+        for _ in range(600):  # the server closes the session after slow_client_timeout_s
+            peak = max(peak, connection.outbox.queued_bytes)
+            if connection not in gw.state.connections:
+                break
+            await asyncio.sleep(0.05)
+        assert connection not in gw.state.connections, "the server kept a client that does not read"
+        assert peak <= max_bytes // 2 + 2 * len(big) + 4096  # paused at half the bound, plus one reply
+        cancels = gw.state.metrics.registry.get_sample_value(
+            "gateway_cancels_total", {"api": "realtime", "reason": "client_too_slow"})
+        assert cancels == 1
+        ws.transport.abort()
