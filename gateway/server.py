@@ -162,7 +162,8 @@ async def _on_shutdown(app: web.Application) -> None:
     state.shutting_down = True
     closes = [c.close(WS_CLOSE_GOING_AWAY, "server shutting down", cancel_reason="server_shutdown")
               for c in list(state.connections)]
-    aborts = [engine.abort(rid) for rid, engine in list(state.http_requests.items())]
+    timeout = state.config.server.engine_abort_timeout_s
+    aborts = [asyncio.wait_for(engine.abort(rid), timeout) for rid, engine in list(state.http_requests.items())]
     await asyncio.gather(*closes, *aborts, return_exceptions=True)
 
 

@@ -27,6 +27,8 @@ from llm_shared.errors import EngineError
 
 log = logging.getLogger(__name__)
 
+ABORT_TIMEOUT_S = 5.0  # the longest a turn waits for an engine to confirm an abort
+
 Api = Literal["realtime", "chat"]  # the ``api`` label of every metric a turn touches
 
 
@@ -52,6 +54,7 @@ class Turn:
         limiter: RateLimiter,
         key_id: str,
         session_id: str = "",
+        abort_timeout_s: float = ABORT_TIMEOUT_S,
     ) -> None:
         """``session_id`` names the conversation (a Realtime session) so a tier can keep its
         state for the next turn; chat completions name none."""
@@ -73,6 +76,7 @@ class Turn:
         self._prompt_ids: list[int] = []
         self._stream: AsyncIterator[StreamEvent] | None = None
         self._aborted = False  # an abort was sent; closing need not send another
+        self._abort_timeout = abort_timeout_s
         self._started = 0.0  # loop time when the engine stream started, for time to first token
         self._last: float | None = None  # loop time of the latest token; None before the first
 
@@ -150,9 +154,13 @@ class Turn:
             return
         self._aborted = True
         try:
-            await self._engine.abort(self.request_id)
+            await asyncio.wait_for(self._engine.abort(self.request_id), self._abort_timeout)
         except EngineError as e:
             log.warning("engine abort of %s failed: %s", self.request_id, e.message)
+        except TimeoutError:
+            # A wedged engine must not freeze the session or shutdown: the response ends anyway;
+            # the tier's health probe (and its supervisor) deal with the engine.
+            log.warning("engine abort of %s did not return within %.1f s", self.request_id, self._abort_timeout)
 
     async def aclose(self) -> None:
         """Abort the request unless it finished or was aborted, then close the engine's stream
@@ -170,5 +178,5 @@ class Turn:
         if aclose is not None:
             # An engine whose stream breaks while closing has nothing more to free; a stream
             # still running in another task (RuntimeError) is closed by that task.
-            with contextlib.suppress(EngineError, RuntimeError):
-                await aclose()
+            with contextlib.suppress(EngineError, RuntimeError, TimeoutError):
+                await asyncio.wait_for(aclose(), self._abort_timeout)

@@ -268,7 +268,8 @@ class RealtimeConnection:
             return
         turn = Turn(router=self._router, model=command.model, messages=command.messages, params=command.params,
                     priority=Priority.REALTIME, request_id=rid, api="realtime", metrics=self._metrics,
-                    limiter=self._limiter, key_id=self.key_id, session_id=self.session_id)
+                    limiter=self._limiter, key_id=self.key_id, session_id=self.session_id,
+                    abort_timeout_s=self._config.engine_abort_timeout_s)
         self._turns[rid] = turn
         try:
             try:

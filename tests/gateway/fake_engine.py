@@ -108,6 +108,7 @@ class FakeEngine:
         self.drafts: dict[str, list[int]] = {}  # request id -> the draft ids it was given
         self.probes = 0  # probe() calls answered
         self.probe_hangs = False  # probe() never returns (a wedged tier)
+        self.abort_hangs = False  # abort() never returns (a wedged tier); the request runs on
         self.refuse: EngineError | None = None  # generate() raises this before any event (e.g. overload)
         self.extra_stats: dict[str, float] = {}  # merged into stats() (a queue, KV use)
         self.aborts: list[str] = []  # request ids aborted while running
@@ -231,6 +232,8 @@ class FakeEngine:
             self._requests.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
+        if self.abort_hangs:
+            await asyncio.Event().wait()
         request = self._requests.get(request_id)
         if request is None or request.aborted.is_set():
             return
