@@ -154,8 +154,9 @@ class TokenBucket:
         return True
 
     def charge(self, n: float) -> None:
+        """Spend ``n`` (negative: give back, never above capacity)."""
         self._refill()
-        self.level -= n
+        self.level = min(self.capacity, self.level - n)
 
     def remaining(self) -> int:
         self._refill()
@@ -174,16 +175,29 @@ class TokenBucket:
 class _KeyBuckets:
     requests: TokenBucket
     tokens: TokenBucket
+    in_flight: int = 0  # generations admitted and not settled yet
+
+
+@dataclass
+class Reservation:
+    """Output tokens set aside for one generation when it was admitted; ``RateLimiter.settle``
+    gives back what it did not use (or charges what it used beyond)."""
+
+    key_id: str
+    tokens: int
+    settled: bool = False
 
 
 class RateLimiter:
     """Per-key request and token buckets. Keys are authenticated first, so the table holds at
     most one entry per configured key (plus ``anonymous``)."""
 
-    def __init__(self, requests_per_minute: int, tokens_per_minute: int, clock: Clock = time.monotonic) -> None:
+    def __init__(self, requests_per_minute: int, tokens_per_minute: int, clock: Clock = time.monotonic,
+                 max_concurrent: int = 1 << 30) -> None:
         self._rpm = requests_per_minute
         self._tpm = tokens_per_minute
         self._clock = clock
+        self._max_concurrent = max_concurrent
         self._buckets: dict[str, _KeyBuckets] = {}
 
     def _get(self, key_id: str) -> _KeyBuckets:
@@ -212,6 +226,34 @@ class RateLimiter:
     def charge_tokens(self, key_id: str, n: int) -> None:
         if n > 0:
             self._get(key_id).tokens.charge(n)
+
+    def reserve(self, key_id: str, max_tokens: int) -> Reservation:
+        """Set aside a generation's output tokens now, before any is made, so that a burst of
+        concurrent requests cannot spend more than the key's budget; or raise RateLimitedError.
+        A request may ask for more than a minute's budget: it reserves all of it (and is charged
+        the rest when it settles)."""
+        b = self._get(key_id)
+        if b.in_flight >= self._max_concurrent:
+            raise RateLimitedError(
+                f"this key already has {b.in_flight} generations running (limit {self._max_concurrent}); "
+                "retry when one ends", bucket="requests", retry_after_s=1.0)
+        n = max(1, min(max_tokens, self._tpm))
+        if not b.tokens.take(n):
+            wait = b.tokens.seconds_until(n)
+            raise RateLimitedError(
+                f"rate limit reached: {self._tpm} tokens per minute, {max_tokens} requested with "
+                f"{b.tokens.remaining()} left; retry in {wait:.1f}s", bucket="tokens", retry_after_s=wait)
+        b.in_flight += 1
+        return Reservation(key_id, n)
+
+    def settle(self, reservation: Reservation, used: int) -> None:
+        """The generation ended having made ``used`` tokens: refund the rest (idempotent)."""
+        if reservation.settled:
+            return
+        reservation.settled = True
+        b = self._get(reservation.key_id)
+        b.in_flight -= 1
+        b.tokens.charge(used - reservation.tokens)  # negative: a refund, capped at the bucket's capacity
 
     def snapshot(self, key_id: str) -> list[dict[str, object]]:
         """The Realtime ``rate_limits.updated`` list for this key."""
@@ -273,4 +315,5 @@ class SessionSlots:
 
 
 def limiter_from_config(config: ServerConfig, clock: Clock = time.monotonic) -> RateLimiter:
-    return RateLimiter(config.requests_per_minute, config.tokens_per_minute, clock)
+    return RateLimiter(config.requests_per_minute, config.tokens_per_minute, clock,
+                       max_concurrent=config.max_concurrent_requests_per_key)

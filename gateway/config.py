@@ -38,7 +38,8 @@ class ServerConfig:
     ping_interval_s: float = 20.0
     ping_timeout_s: float = 20.0
     requests_per_minute: int = 600  # per key; token bucket
-    tokens_per_minute: int = 200_000  # per key; output tokens
+    tokens_per_minute: int = 200_000  # per key; output tokens, reserved at admission (max_tokens), refunded at the end
+    max_concurrent_requests_per_key: int = 64  # generations running at once per key, both APIs
     send_queue_high: int = 256  # outgoing events queued before deltas are coalesced
     send_queue_limit: int = 4096  # past this the response is cancelled (slow consumer)
     send_queue_max_bytes: int = 4 * 1024 * 1024  # same, in queued bytes (coalesced deltas grow); half pauses the reader
@@ -52,7 +53,7 @@ class ServerConfig:
         require(1 <= self.port <= 65535 or self.port == 0, f"server.port must be 0..65535, got {self.port}")
         require(self.max_frame_bytes >= 1024, "server.max_frame_bytes must be >= 1024")
         for name in ("max_conversation_items", "max_conversation_chars", "max_sessions_per_key", "max_sessions",
-                     "requests_per_minute", "tokens_per_minute", "send_queue_high", "send_queue_limit", "send_queue_max_bytes",
+                     "requests_per_minute", "tokens_per_minute", "max_concurrent_requests_per_key", "send_queue_high", "send_queue_limit", "send_queue_max_bytes",
                      "default_max_output_tokens", "max_output_tokens"):
             require(getattr(self, name) >= 1, f"server.{name} must be >= 1")
         for name in ("idle_timeout_s", "ping_interval_s", "ping_timeout_s", "shutdown_grace_s", "slow_client_timeout_s",

@@ -2,8 +2,9 @@
 
 A ``Turn`` routes the chat to an engine tier or the cascade (``prepare``: the router, then the
 tokenizer), then streams the engine's events (``async for``; the cascade's ``RouteInfo`` is
-taken in as ``turn.route`` and not passed on), metering each one under its API label and
-charging the caller's key for the tokens at the finish. ``aclose`` aborts the engine request
+taken in as ``turn.route`` and not passed on), metering each one under its API label. The
+caller's key reserves the turn's output budget at ``prepare`` and is refunded what the turn did
+not use when it finishes (or charged what it streamed, when it is left early). ``aclose`` aborts the engine request
 unless it finished, so a turn that its caller leaves early (a client gone, a cancel, a bug)
 never keeps engine work alive. What the events become (session events, SSE chunks, a JSON
 body) is the adapters' business, not this module's.
@@ -17,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Literal
 
-from gateway.auth import RateLimiter
+from gateway.auth import RateLimiter, Reservation
 from gateway.cascade.route import RouteInfo
 from gateway.cascade.router import Router
 from gateway.engines import encode_chat
@@ -73,6 +74,8 @@ class Turn:
         self._engine: Engine | None = None
         self._route: RouteInfo | None = None
         self._route_counted = False
+        self._reservation: Reservation | None = None  # the output budget taken at prepare
+        self._tokens = 0  # tokens streamed so far
         self._prompt_ids: list[int] = []
         self._stream: AsyncIterator[StreamEvent] | None = None
         self._aborted = False  # an abort was sent; closing need not send another
@@ -97,6 +100,8 @@ class Turn:
         route = self._router.choose(self._model, self._messages, self._params)
         self._engine, self._route = route.engine, route.info
         self._prompt_ids = await encode_chat(self._engine, self._messages)
+        # The output budget is taken now, before any token: a burst cannot overspend the key.
+        self._reservation = self._limiter.reserve(self._key_id, self._params.max_tokens)
         return self._engine
 
     def __aiter__(self) -> Turn:
@@ -126,12 +131,13 @@ class Turn:
             else:
                 metrics.itl.labels(api).observe(now - self._last)
             self._last = now
+            self._tokens += 1
             metrics.output_tokens.labels(api).inc()
         elif isinstance(event, FinishEvent):
             self.finished = True
             metrics.prompt_tokens.labels(api).inc(event.prompt_tokens)
             metrics.cached_tokens.labels(api).inc(event.cached_tokens)
-            self._limiter.charge_tokens(self._key_id, event.completion_tokens)
+            self._settle(event.completion_tokens)
         return event
 
     def _count_route(self) -> None:
@@ -168,7 +174,12 @@ class Turn:
         caller cancelled because its client left must still free the engine's work."""
         await asyncio.shield(self._close())
 
+    def _settle(self, used: int) -> None:
+        if self._reservation is not None:
+            self._limiter.settle(self._reservation, used)
+
     async def _close(self) -> None:
+        self._settle(self._tokens)  # a turn left early pays for what it streamed (no-op once settled)
         stream = self._stream
         if stream is None:
             return  # never started: the engine has no request under this id
