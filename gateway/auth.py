@@ -102,6 +102,30 @@ def _origin_tuple(origin: str) -> tuple[str, str, int | None] | None:
     return parts.scheme, parts.hostname, port if port is not None else default
 
 
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def host_allowed(host: str | None, allowed: Iterable[str], bind_host: str = "") -> bool:
+    """The ``Host`` a request names must be one this server answers to: a loopback name, the
+    address it is bound to, or a configured host (``*``: any). A DNS-rebinding page reaches a
+    loopback server under its own name (``evil.example``), so the name is checked, not the peer."""
+    allowed = list(allowed)
+    if "*" in allowed:
+        return True
+    if not host:
+        return False
+    parsed = _origin_tuple(f"http://{host}")
+    if parsed is None:
+        return False
+    name = parsed[1]
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    names = {a.strip().lower().strip("[]") for a in allowed} | LOOPBACK_HOSTS
+    if bind_host and bind_host not in ("0.0.0.0", "::"):
+        names.add(bind_host.lower().strip("[]"))
+    return name in names
+
+
 def origin_allowed(origin: str | None, host: str | None, allowed: Iterable[str]) -> bool:
     """Browsers send Origin; other clients usually don't, and are not limited by this check.
     An Origin is allowed when it is in the allow-list (or the list holds ``*``) or when it names

@@ -29,6 +29,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_keys_env: str = "GATEWAY_API_KEYS"  # comma-separated keys, added to api_keys
     allowed_origins: tuple[str, ...] = ()  # browser Origins allowed; empty = same-host only
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback names and the bind address; "*": any
     max_frame_bytes: int = 256 * 1024
     max_conversation_items: int = 512
     max_conversation_chars: int = 200_000

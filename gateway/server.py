@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.auth import AuthError, origin_allowed, parse_subprotocols
+from gateway.auth import AuthError, host_allowed, origin_allowed, parse_subprotocols
 from gateway.config import Config
 from gateway.engines import close_engines, load_engines
 from gateway.http_api import add_routes
@@ -54,7 +54,7 @@ def create_app(config: Config, engines: dict[str, Engine] | None = None) -> web.
     loads them after the port is open and the app owns (and closes) them."""
     # Chat bodies carry whole conversations; UTF-8 and JSON escapes can take ~6 bytes a character.
     body_limit = max(1 << 20, 6 * config.server.max_conversation_chars + 65536)
-    app = web.Application(client_max_size=body_limit)
+    app = web.Application(client_max_size=body_limit, middlewares=[_check_host])
     state = GatewayState.from_config(config)
     app[STATE] = state
     if engines is not None:
@@ -65,6 +65,19 @@ def create_app(config: Config, engines: dict[str, Engine] | None = None) -> web.
     app.on_shutdown.append(_on_shutdown)
     app.on_cleanup.append(_on_cleanup)
     return app
+
+
+@web.middleware
+async def _check_host(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every endpoint answers only to the Host names it serves (DNS rebinding defence)."""
+    state = request.app[STATE]
+    server = state.config.server
+    if not host_allowed(request.headers.get("Host"), server.allowed_hosts, server.host):
+        state.metrics.errors.labels("http", "host_not_allowed").inc()
+        error = {"type": "invalid_request_error", "code": "host_not_allowed", "param": None,
+                 "message": "this server does not answer to that Host name; add it to server.allowed_hosts"}
+        return web.json_response({"error": error}, status=421)
+    return await handler(request)
 
 
 def _choose_subprotocol(offered: list[str]) -> str | None:

@@ -155,3 +155,25 @@ async def test_http_request_rate_limit_counts_chat_completions() -> None:
         assert ok.headers["x-ratelimit-limit-requests"] == "1"
         with pytest.raises(openai.RateLimitError):
             await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+
+
+async def test_a_dns_rebinding_request_is_refused_on_every_endpoint() -> None:
+    """A page on evil.example whose name re-resolves to 127.0.0.1 reaches a keyless loopback
+    server with ``Host: evil.example``: refused (421), HTTP and the WebSocket handshake alike,
+    with the Origin check no longer fooled by a Host the attacker chose."""
+    async with running_gateway(allowed_hosts=("gw.example",)) as gw, aiohttp.ClientSession(gw.http) as http:
+        evil = {"Host": f"evil.example:{gw.port}", "Origin": f"http://evil.example:{gw.port}"}
+        for path in ("/v1/models", "/healthz", "/readyz", "/metrics"):
+            response = await http.get(path, headers={"Host": f"evil.example:{gw.port}"})
+            assert response.status == 421, path
+            assert (await response.json())["error"]["code"] == "host_not_allowed"
+        chat = await http.post("/v1/chat/completions", headers=evil, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status == 421
+        upgrade = {**evil, "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+                   "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}
+        handshake = await http.get(f"/v1/realtime?model={MODEL}", headers=upgrade)
+        assert handshake.status == 421 and (await handshake.json())["error"]["code"] == "host_not_allowed"
+        assert gw.engine.started == []  # nothing reached the engine
+        for host in (f"localhost:{gw.port}", f"127.0.0.1:{gw.port}", f"[::1]:{gw.port}", "gw.example"):
+            assert (await http.get("/v1/models", headers={"Host": host})).status == 200, host
