@@ -210,6 +210,10 @@ class EngineClient:
         """The latest stats the core pushed (with every step's outputs, on abort and on request)."""
         return dict(self._stats)
 
+    async def wait_lost(self) -> None:
+        """Return once the connection to the core is over (the core died, or ``close``)."""
+        await asyncio.shield(self._read_task)
+
     async def refresh_stats(self) -> dict[str, float]:
         self._stats = await self._call(StatsRequest)
         return self.stats()

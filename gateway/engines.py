@@ -19,6 +19,7 @@ from gateway.cascade.health import HealthMonitor
 from gateway.cascade.router import Router
 from gateway.config import Config
 from gateway.metrics import GatewayMetrics
+from gateway.supervisor import SupervisedEngine
 from llm_shared.contract import Engine
 from llm_shared.errors import ConfigError
 from llm_shared.modelfile import check_gguf, resolve_source
@@ -51,14 +52,19 @@ def build_edge_engine(config: Config) -> Engine:
 
 
 async def build_gpu_engine(config: Config) -> Engine:
-    """The torch engine tier: spawns the engine core process and connects its async client."""
+    """The torch engine tier: spawns the engine core process and connects its async client,
+    under a supervisor that restarts the core when it dies."""
     from engine_gpu.client import EngineClient  # torch itself is only imported by the core process
 
     log.info("starting the torch engine core for %s on %s (%s)", config.engine.model, config.engine.device,
              config.engine.dtype)
     spec = config.engine.speculative
     draft = config.model(spec.draft_model) if spec.method == "edge" else None
-    return await EngineClient.start(config.model(config.engine.model), config.engine, draft_model_cfg=draft)
+
+    async def start() -> EngineClient:
+        return await EngineClient.start(config.model(config.engine.model), config.engine, draft_model_cfg=draft)
+
+    return SupervisedEngine(await start(), start)  # a core that dies is started again
 
 
 async def load_engines(config: Config) -> dict[str, Engine]:

@@ -1,0 +1,63 @@
+"""A torch engine core killed mid-stream: the response ends failed within a second, /readyz
+says so, the gateway starts a new core, and the next turn succeeds (the real SmolLM2)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import replace
+
+import aiohttp
+import pytest
+import websockets
+from gateway_harness import make_config, recv_json, recv_until, send, user_item
+
+from gateway.engines import load_engines
+from gateway.server import create_app, start_server
+from gateway.state import STATE
+from gateway.supervisor import SupervisedEngine
+
+pytestmark = pytest.mark.model
+
+
+async def test_a_killed_core_fails_its_turns_fast_and_is_restarted() -> None:
+    config = make_config()
+    spec = replace(config.engine.speculative, method="off")
+    config = replace(config, routing=replace(config.routing, default="gpu"),
+                     engine=replace(config.engine, num_blocks=128, max_model_len=1024, threads=1, speculative=spec))
+    app = create_app(config)
+    server = await start_server(app)
+    state = app[STATE]
+    try:
+        state.set_engines(await load_engines(config), owned=True)
+        engine = state.engines["gpu"]
+        assert isinstance(engine, SupervisedEngine)
+        url = f"ws://127.0.0.1:{server.port}/v1/realtime?model={config.routing.gpu_model}"
+        async with websockets.connect(url) as ws:
+            await recv_json(ws)
+            await send(ws, user_item("Tell me a long story about the sea."))
+            await send(ws, {"type": "response.create", "response": {"max_output_tokens": 400}})
+            await recv_until(ws, "response.output_text.delta", timeout=60)
+            process = engine.current._process  # type: ignore[union-attr]
+            assert process is not None
+            killed = time.monotonic()
+            os.kill(process.pid, signal.SIGKILL)
+            done = (await recv_until(ws, "response.done", timeout=10))[-1]["response"]
+            assert time.monotonic() - killed < 1.0
+            assert done["status"] == "failed" and done["status_details"]["error"]["message"]
+            async with aiohttp.ClientSession(server.url) as http:
+                ready = await http.get("/readyz")
+                assert ready.status == 503 and (await ready.json())["tiers"] == {"gpu": False}
+                deadline = time.monotonic() + 300
+                while (await http.get("/readyz")).status != 200:  # the supervisor's new core loads
+                    assert time.monotonic() < deadline, "the core was not restarted"
+                    await asyncio.sleep(0.2)
+            assert engine.restarts == 1
+            await send(ws, user_item("Say hi."))
+            await send(ws, {"type": "response.create", "response": {"max_output_tokens": 8}})
+            after = (await recv_until(ws, "response.done", timeout=60))[-1]["response"]
+            assert after["status"] in ("completed", "incomplete") and after["metadata"]["x_tier"] == "gpu"
+    finally:
+        await server.stop()
