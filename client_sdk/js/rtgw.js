@@ -1,0 +1,684 @@
+// rtgw: a client for the rt-llm-gateway's Realtime sessions (OpenAI Realtime API, text).
+// Dependency-free ES module for browsers, React Native and Node (>= 22, or 20 with
+// --experimental-websocket, or any WebSocket constructor passed as `WebSocket`).
+//
+//   const client = new RealtimeClient({ url: "http://127.0.0.1:8000", apiKey });
+//   const turn = await client.send("Hi!", { maxOutputTokens: 100 });
+//   for await (const delta of turn) show(delta);
+//   const result = await turn.result;   // status, text, metadata.x_tier, usage, ttftMs
+//
+// The client keeps a local copy of the conversation (`client.conversation`: items with ids,
+// roles and text, from the server's events), so that barge-in (`interrupt`) and the restore
+// after a reconnect need no round trip to read it. A dropped connection fails the active turn
+// (`connection_lost`); the next operation reconnects with jittered exponential backoff and
+// re-creates every item, with its id, on the new session.
+
+export const MSGPACK_SUBPROTOCOL = "x-openai-realtime-msgpack";
+const KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key.";
+const SILENCE_CLOSE_CODE = 4000; // ours: the client gave up on a silent server
+
+// --- errors -----------------------------------------------------------------------------------
+
+export class GatewayError extends Error {
+  constructor(message, code = "gateway_error") {
+    super(message);
+    this.name = new.target.name;
+    this.code = code;
+  }
+}
+
+/** The gateway could not be reached (refused connection, DNS, timeout, a 5xx at the handshake). */
+export class GatewayUnreachable extends GatewayError {}
+
+/** The gateway answered and said no (a refused key, an unknown model): retrying will not help. */
+export class GatewayRefused extends GatewayError {
+  constructor(status, code, message) {
+    super(`the gateway refused the session (HTTP ${status} ${code}): ${message}`, code);
+    this.status = status;
+  }
+}
+
+/** An `error` event answering one of our requests. */
+export class ServerError extends GatewayError {
+  constructor(error) {
+    super(error.message || error.code || "server error", error.code || "server_error");
+    this.param = error.param ?? null;
+    this.eventId = error.event_id ?? null;
+  }
+}
+
+export class TurnInProgress extends GatewayError {
+  constructor() {
+    super("a turn is still running: cancel it or await its result first", "turn_in_progress");
+  }
+}
+
+// --- small helpers ----------------------------------------------------------------------------
+
+const now = () => globalThis.performance?.now?.() ?? Date.now();
+
+function randomHex(bytes) {
+  const buf = new Uint8Array(bytes);
+  if (globalThis.crypto?.getRandomValues) globalThis.crypto.getRandomValues(buf);
+  else for (let i = 0; i < bytes; i++) buf[i] = Math.floor(Math.random() * 256);
+  return Array.from(buf, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+export const newId = (prefix) => `${prefix}_${randomHex(8)}`;
+
+/** Length in Unicode code points, the unit of the gateway's `x_text_end`. */
+export const codePointLength = (text) => Array.from(text).length;
+export const codePointSlice = (text, end) => Array.from(text).slice(0, end).join("");
+
+/** The Realtime WebSocket URL from a base URL (http(s) or ws(s)), with `?model=` when given. */
+export function realtimeUrl(url, model) {
+  const u = new URL(url);
+  u.protocol = { "http:": "ws:", "https:": "wss:" }[u.protocol] ?? u.protocol;
+  if (!u.pathname.endsWith("/v1/realtime")) u.pathname = u.pathname.replace(/\/+$/, "") + "/v1/realtime";
+  if (model) u.searchParams.set("model", model);
+  return u.toString();
+}
+
+function httpUrl(wsUrl, path) {
+  const u = new URL(wsUrl);
+  u.protocol = { "ws:": "http:", "wss:": "https:" }[u.protocol] ?? u.protocol;
+  u.pathname = u.pathname.replace(/\/v1\/realtime$/, "") + path;
+  u.search = "";
+  return u.toString();
+}
+
+/** Delays before the 2nd, 3rd, ... attempt: `initialMs` doubling to `maxMs`, each drawn from
+ * [(1 - jitter) d, d] so that clients dropped together do not come back together. */
+export function* backoffDelays({ initialMs = 250, factor = 2, maxMs = 8000, jitter = 0.5, attempts = 6 } = {},
+  random = Math.random) {
+  let delay = initialMs;
+  for (let i = 1; i < attempts; i++) {
+    yield delay * (1 - jitter * random());
+    delay = Math.min(maxMs, delay * factor);
+  }
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+function textOf(item) {
+  return (item?.content ?? []).map((part) => part?.text ?? part?.transcript ?? "").join("");
+}
+
+function wireItem(item) {
+  const type = item.role === "assistant" ? "output_text" : "input_text";
+  return { type: "message", id: item.id, role: item.role, content: [{ type, text: item.text }] };
+}
+
+class Emitter {
+  constructor() { this._listeners = new Map(); }
+
+  /** Calls `fn(payload)` on each `type` event; returns a function that unsubscribes. */
+  on(type, fn) {
+    if (!this._listeners.has(type)) this._listeners.set(type, new Set());
+    this._listeners.get(type).add(fn);
+    return () => this._listeners.get(type)?.delete(fn);
+  }
+
+  once(type) {
+    return new Promise((resolve) => { const off = this.on(type, (x) => { off(); resolve(x); }); });
+  }
+
+  emit(type, payload) {
+    for (const fn of [...(this._listeners.get(type) ?? [])]) {
+      try { fn(payload); } catch (e) { (globalThis.reportError ?? console.error)(e); }
+    }
+  }
+}
+
+// --- one turn -----------------------------------------------------------------------------------
+
+/** One answer as it streams: `for await (const delta of turn)`, `turn.on("delta", fn)`, and
+ * `await turn.result` ({status, text, metadata, usage, tier, cachedTokens, ttftMs, ...}); the
+ * result never rejects: transport failures end the turn `failed` with an `error`. */
+export class Turn extends Emitter {
+  constructor(userItemId) {
+    super();
+    this.userItemId = userItemId;
+    this.responseId = null;
+    this.itemId = null; // the assistant item, once the server created it
+    this.text = "";
+    this.done = false;
+    this.createEventId = newId("evt");
+    this._startedAt = now();
+    this._firstDeltaAt = null;
+    this._pending = [];
+    this._wake = null;
+    this.result = new Promise((resolve) => { this._resolve = resolve; });
+  }
+
+  _delta(text) {
+    if (!text || this.done) return;
+    if (this._firstDeltaAt === null) this._firstDeltaAt = now();
+    this.text += text;
+    this._pending.push(text);
+    this._wake?.();
+    this.emit("delta", text);
+  }
+
+  _finish(fields) {
+    if (this.done) return;
+    this.done = true;
+    const metadata = fields.metadata ?? {};
+    const usage = fields.usage ?? {};
+    const result = {
+      status: fields.status, text: fields.text ?? this.text, responseId: this.responseId, itemId: this.itemId,
+      userItemId: this.userItemId, metadata, usage, reason: fields.reason ?? null, error: fields.error ?? null,
+      tier: metadata.x_tier ?? null, cachedTokens: usage.input_token_details?.cached_tokens ?? 0,
+      ttftMs: this._firstDeltaAt === null ? null : this._firstDeltaAt - this._startedAt,
+      elapsedMs: now() - this._startedAt,
+    };
+    this._wake?.();
+    this._resolve(result);
+    this.emit("done", result);
+  }
+
+  async* [Symbol.asyncIterator]() {
+    for (;;) {
+      if (this._pending.length) {
+        const text = this._pending.join("");
+        this._pending = [];
+        yield text;
+      } else if (this.done) {
+        return;
+      } else {
+        await new Promise((resolve) => { this._wake = resolve; });
+        this._wake = null;
+      }
+    }
+  }
+}
+
+// --- the client -------------------------------------------------------------------------------
+
+const SESSION_FIELDS = { instructions: "instructions", temperature: "temperature", maxOutputTokens: "max_output_tokens" };
+const RESPONSE_FIELDS = { ...SESSION_FIELDS, metadata: "metadata" };
+
+function wireFields(options, names) {
+  const out = {};
+  for (const [name, wire] of Object.entries(names)) if (options[name] !== undefined) out[wire] = options[name];
+  return out;
+}
+
+export class RealtimeClient extends Emitter {
+  /**
+   * @param {object} options  url (http(s) or ws(s) base, default http://127.0.0.1:8000), apiKey,
+   *   model, framing ("json" | "msgpack"), msgpack (the codec, for msgpack framing), instructions,
+   *   temperature, maxOutputTokens, connectTimeoutMs, silenceTimeoutMs, requestTimeoutMs,
+   *   backoff ({initialMs, factor, maxMs, jitter, attempts}), WebSocket, fetch, random.
+   */
+  constructor(options = {}) {
+    super();
+    this.wsUrl = realtimeUrl(options.url ?? "http://127.0.0.1:8000", options.model);
+    this.apiKey = options.apiKey || null;
+    this.model = options.model || null;
+    this.framing = options.framing ?? "json";
+    if (this.framing !== "json" && this.framing !== "msgpack") throw new TypeError("framing must be json or msgpack");
+    this.msgpack = options.msgpack ?? null;
+    if (this.framing === "msgpack" && !this.msgpack) throw new TypeError("msgpack framing needs the codec: { msgpack }");
+    this.connectTimeoutMs = options.connectTimeoutMs ?? 15000;
+    this.silenceTimeoutMs = options.silenceTimeoutMs ?? 60000;
+    this.requestTimeoutMs = options.requestTimeoutMs ?? 15000;
+    this.backoff = options.backoff ?? {};
+    this._WebSocket = options.WebSocket ?? globalThis.WebSocket;
+    if (!this._WebSocket) throw new TypeError("no WebSocket: pass one as { WebSocket } (Node 20: --experimental-websocket)");
+    this._fetch = options.fetch ?? globalThis.fetch?.bind(globalThis);
+    this._random = options.random ?? Math.random;
+    this.sessionSettings = wireFields(options, SESSION_FIELDS);
+    this.conversation = []; // [{id, role, text}], oldest first
+    this.session = null; // the server's session object
+    this.sessions = 0; // sessions opened (more than one: reconnected)
+    this._ws = null;
+    this._connecting = null;
+    this._turn = null;
+    this._waiters = new Set();
+    this._iterators = new Set();
+    this._silenceTimer = null;
+    this._closed = false;
+    this._ignoredErrors = new Set(); // event ids of cancels that may race with the end of a turn
+  }
+
+  get connected() { return this._ws !== null && this.session !== null; }
+  get activeTurn() { return this._turn; }
+
+  // --- lifecycle ---
+
+  /** Opens a session (retrying with backoff) unless one is open; restores the conversation on it. */
+  connect() {
+    if (this._closed) return Promise.reject(new GatewayError("the client is closed", "client_closed"));
+    if (this.connected) return Promise.resolve();
+    this._connecting ??= this._connectWithRetry().finally(() => { this._connecting = null; });
+    return this._connecting;
+  }
+
+  close() {
+    this._closed = true;
+    const ws = this._ws;
+    if (ws) ws.close(1000, "client closed");
+    this._lost(ws, 1000, "client closed");
+    for (const it of this._iterators) it.end();
+  }
+
+  async _connectWithRetry() {
+    const delays = backoffDelays(this.backoff, this._random);
+    for (let attempt = 1; ; attempt++) {
+      try {
+        await this._open();
+        break;
+      } catch (error) {
+        const next = delays.next();
+        if (error instanceof GatewayRefused || next.done || this._closed) throw error;
+        this.emit("reconnecting", { attempt, delayMs: next.value, error });
+        await sleep(next.value);
+      }
+    }
+    const restored = this.sessions > 1 ? await this._restore() : 0;
+    this.emit("connected", { session: this.session, restored });
+    this._push({ type: "client.connected", session: this.session, restored });
+  }
+
+  _open() {
+    return new Promise((resolve, reject) => {
+      const protocols = [...(this.framing === "msgpack" ? [MSGPACK_SUBPROTOCOL] : []), "realtime",
+        ...(this.apiKey ? [KEY_SUBPROTOCOL_PREFIX + this.apiKey] : [])];
+      let ws;
+      try {
+        ws = new this._WebSocket(this.wsUrl, protocols);
+      } catch (e) {
+        reject(new GatewayError(`cannot open ${this.wsUrl}: ${e.message}`, "invalid_url"));
+        return;
+      }
+      ws.binaryType = "arraybuffer";
+      let settled = false;
+      const fail = (error) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        this._ws = null;
+        try { ws.close(); } catch { /* already closing */ }
+        reject(error);
+      };
+      const timer = setTimeout(() => fail(new GatewayUnreachable(
+        `no session from ${this.wsUrl} within ${this.connectTimeoutMs} ms`, "connect_timeout")), this.connectTimeoutMs);
+      this._ws = ws;
+      this.session = null;
+      ws.onopen = () => {
+        if (this.framing === "msgpack" && ws.protocol !== MSGPACK_SUBPROTOCOL) {
+          fail(new GatewayError("the server did not accept msgpack framing", "msgpack_refused"));
+        }
+      };
+      ws.onmessage = (message) => {
+        const event = this._decode(message.data);
+        if (event === null) return;
+        this._handle(event);
+        if (!settled && event.type === "session.created") {
+          settled = true;
+          clearTimeout(timer);
+          this.sessions += 1;
+          this._afterOpen().then(resolve, (e) => { ws.close(); reject(e); });
+        }
+      };
+      const refused = (event) => {
+        settled = true;
+        clearTimeout(timer);
+        this._ws = null;
+        this._diagnose(event).then(reject, reject);
+      };
+      // Browsers follow an error with a close; Node 20's WebSocket, after a non-101 answer, does not.
+      ws.onerror = (event) => { if (!settled) refused(event); };
+      ws.onclose = (event) => {
+        if (!settled) refused(event);
+        else this._lost(ws, event.code, event.reason);
+      };
+    });
+  }
+
+  async _afterOpen() {
+    if (Object.keys(this.sessionSettings).length) await this._updateSession(this.sessionSettings);
+  }
+
+  /** Why a handshake failed: WebSockets do not expose the HTTP status, so ask the HTTP API. */
+  async _diagnose(closeEvent) {
+    const detail = `the WebSocket to ${this.wsUrl} failed before a session${closeEvent?.code ? ` (code ${closeEvent.code})` : ""}`;
+    if (!this._fetch) return new GatewayUnreachable(detail, "unreachable");
+    const path = this.model ? `/v1/models/${encodeURIComponent(this.model)}` : "/v1/models";
+    let response;
+    try {
+      response = await this._fetch(httpUrl(this.wsUrl, path),
+        { headers: this.apiKey ? { Authorization: `Bearer ${this.apiKey}` } : {} });
+    } catch (e) {
+      return new GatewayUnreachable(`cannot reach the gateway at ${httpUrl(this.wsUrl, "/")}: ${e.message}`, "unreachable");
+    }
+    if (response.ok) return new GatewayUnreachable(detail, "handshake_failed");
+    let error = {};
+    try { error = (await response.json()).error ?? {}; } catch { /* not our JSON */ }
+    const code = error.code ?? `http_${response.status}`;
+    if ([401, 403, 404].includes(response.status)) return new GatewayRefused(response.status, code, error.message ?? detail);
+    return new GatewayUnreachable(`${detail}; the gateway says HTTP ${response.status} ${code}`, code);
+  }
+
+  async _restore() {
+    const items = this.conversation.filter((item) => item.text);
+    await Promise.all(items.map((item) => this._request(
+      { type: "conversation.item.create", item: wireItem(item) },
+      (e) => (e.type === "conversation.item.added" || e.type === "conversation.item.created") && e.item?.id === item.id)));
+    return items.length;
+  }
+
+  _lost(ws, code, reason) {
+    if (ws !== this._ws && ws !== null) return;
+    const wasOpen = this._ws !== null;
+    this._ws = null;
+    this.session = null;
+    this._stopSilenceTimer();
+    const turn = this._turn;
+    this._turn = null;
+    if (turn) {
+      this._keepPartial(turn);
+      const silent = code === SILENCE_CLOSE_CODE;
+      turn._finish({ status: "failed", error: silent ? turn._silenceError : {
+        type: "connection_error", code: "connection_lost",
+        message: `the connection to the gateway was lost (${code}${reason ? " " + reason : ""})` } });
+    }
+    for (const waiter of [...this._waiters]) waiter.reject(new GatewayError("the connection was lost", "connection_lost"));
+    if (wasOpen) {
+      this.emit("disconnected", { code, reason });
+      this._push({ type: "client.disconnected", code, reason });
+    }
+  }
+
+  // --- frames ---
+
+  _sendEvent(event) {
+    event.event_id ??= newId("evt");
+    if (!this._ws || this._ws.readyState !== 1) throw new GatewayError("not connected", "not_connected");
+    this._ws.send(this.framing === "msgpack" ? this.msgpack.encode(event) : JSON.stringify(event));
+    return event.event_id;
+  }
+
+  _decode(data) {
+    try {
+      if (typeof data === "string") {
+        if (this.framing === "msgpack") throw new Error("a text frame on a msgpack connection");
+        return JSON.parse(data);
+      }
+      if (this.framing !== "msgpack") throw new Error("a binary frame on a JSON connection");
+      return this.msgpack.decode(data);
+    } catch (e) {
+      this.emit("error", { code: "invalid_frame", message: `cannot read a server frame: ${e.message}` });
+      return null;
+    }
+  }
+
+  /** Sends `event`; resolves with the first server event for which `match` is true, rejects with
+   * ServerError when an `error` answers it, or on timeout or a lost connection. */
+  _request(event, match, timeoutMs = this.requestTimeoutMs) {
+    return new Promise((resolve, reject) => {
+      const waiter = {
+        eventId: null,
+        match,
+        resolve: (e) => { done(); resolve(e); },
+        reject: (e) => { done(); reject(e); },
+      };
+      const timer = setTimeout(() => waiter.reject(new GatewayError(
+        `no answer to ${event.type} within ${timeoutMs} ms`, "request_timeout")), timeoutMs);
+      const done = () => { clearTimeout(timer); this._waiters.delete(waiter); };
+      this._waiters.add(waiter);
+      try {
+        waiter.eventId = this._sendEvent(event);
+      } catch (e) {
+        waiter.reject(e);
+      }
+    });
+  }
+
+  // --- what arrives ---
+
+  _handle(event) {
+    if (this._turn) this._armSilenceTimer();
+    switch (event.type) {
+      case "session.created":
+      case "session.updated":
+        this.session = event.session ?? null;
+        break;
+      case "response.created":
+        if (this._turn && !this._turn.responseId) this._turn.responseId = event.response?.id ?? null;
+        break;
+      case "conversation.item.added":
+      case "conversation.item.created":
+        this._itemAdded(event.item ?? {}, event.previous_item_id);
+        break;
+      case "response.output_text.delta":
+      case "response.text.delta":
+        if (this._turn && event.response_id === this._turn.responseId) {
+          this._turn.itemId ??= event.item_id ?? null;
+          const item = this._item(this._turn.itemId);
+          if (item) item.text += event.delta ?? "";
+          this._turn._delta(event.delta ?? "");
+          this.emit("delta", { turn: this._turn, text: event.delta ?? "" });
+        }
+        break;
+      case "response.done":
+        this._responseDone(event.response ?? {});
+        break;
+      case "conversation.item.truncated": {
+        const item = this._item(event.item_id);
+        if (item) item.text = codePointSlice(item.text, event.x_text_end ?? codePointLength(item.text));
+        break;
+      }
+      case "conversation.item.deleted":
+        this.conversation = this.conversation.filter((item) => item.id !== event.item_id);
+        break;
+      case "error":
+        this._serverError(event.error ?? {});
+        break;
+      default:
+        break;
+    }
+    for (const waiter of [...this._waiters]) if (waiter.match(event)) waiter.resolve(event);
+    this.emit("event", event);
+    this._push(event);
+  }
+
+  _item(id) {
+    return id ? this.conversation.find((item) => item.id === id) ?? null : null;
+  }
+
+  _itemAdded(raw, previousId) {
+    if (typeof raw.id !== "string" || this._item(raw.id)) return; // ours, already known
+    if (!["system", "user", "assistant"].includes(raw.role)) return;
+    const item = { id: raw.id, role: raw.role, text: textOf(raw) };
+    const after = this.conversation.findIndex((i) => i.id === previousId);
+    if (previousId === null || previousId === undefined) {
+      this.conversation.push(item);
+    } else {
+      this.conversation.splice(after + 1, 0, item); // -1 ("root" or unknown): first
+    }
+    if (raw.role === "assistant" && this._turn && !this._turn.itemId) this._turn.itemId = raw.id;
+  }
+
+  _keepPartial(turn) {
+    const item = this._item(turn.itemId);
+    if (item) item.text = turn.text;
+  }
+
+  _responseDone(response) {
+    const turn = this._turn;
+    if (!turn || (turn.responseId && response.id !== turn.responseId)) return;
+    this._turn = null;
+    this._stopSilenceTimer();
+    const output = response.output?.[0];
+    if (output && !turn.itemId) turn.itemId = output.id ?? null;
+    const text = output ? textOf(output) || turn.text : turn.text;
+    turn.text = text;
+    this._keepPartial(turn);
+    const details = response.status_details ?? {};
+    turn._finish({ status: response.status, text, metadata: response.metadata, usage: response.usage,
+      reason: details.reason, error: details.error });
+    this.emit("turn", turn);
+  }
+
+  _serverError(error) {
+    const eventId = error.event_id;
+    if (eventId && this._ignoredErrors.delete(eventId)) return;
+    const waiter = [...this._waiters].find((w) => w.eventId && w.eventId === eventId);
+    if (waiter) {
+      waiter.reject(new ServerError(error));
+      return;
+    }
+    const turn = this._turn;
+    if (turn && !turn.responseId && eventId === turn.createEventId) {
+      // the response was refused (rate limit, one already active): no response.done will come
+      this._turn = null;
+      this._stopSilenceTimer();
+      turn._finish({ status: "failed", error });
+      this.emit("turn", turn);
+      return;
+    }
+    this.emit("error", error);
+  }
+
+  // --- silence ---
+
+  _armSilenceTimer() {
+    this._stopSilenceTimer();
+    const turn = this._turn;
+    const ws = this._ws;
+    this._silenceTimer = setTimeout(() => {
+      turn._silenceError = { type: "timeout", code: "silence_timeout",
+        message: `no event from the gateway for ${this.silenceTimeoutMs / 1000} s while a turn was active` };
+      try { ws?.close(SILENCE_CLOSE_CODE, "silence timeout"); } catch { /* closing anyway */ }
+      this._lost(ws, SILENCE_CLOSE_CODE, "silence timeout"); // do not wait for a close that may never come
+    }, this.silenceTimeoutMs);
+  }
+
+  _stopSilenceTimer() {
+    clearTimeout(this._silenceTimer);
+    this._silenceTimer = null;
+  }
+
+  // --- operations ---
+
+  /** Session settings ({instructions, temperature, maxOutputTokens}); kept for later sessions. */
+  async configure(settings) {
+    this.sessionSettings = { ...this.sessionSettings, ...wireFields(settings, SESSION_FIELDS) };
+    if (this.connected) await this._updateSession(this.sessionSettings);
+  }
+
+  _updateSession(fields) {
+    return this._request({ type: "session.update", session: { type: "realtime", ...fields } },
+      (e) => e.type === "session.updated");
+  }
+
+  /** A user message and the request to answer it; resolves with the Turn once both are sent.
+   * options: maxOutputTokens, temperature, instructions, metadata (for this response only). */
+  async send(text, options = {}) {
+    if (this._turn) throw new TurnInProgress();
+    const item = { id: newId("item"), role: "user", text };
+    const turn = new Turn(item.id);
+    this._turn = turn;
+    try {
+      await this.connect();
+    } catch (e) {
+      if (this._turn === turn) this._turn = null;
+      throw e;
+    }
+    this.conversation.push(item);
+    const response = wireFields(options, RESPONSE_FIELDS);
+    this._armSilenceTimer();
+    this._request({ type: "conversation.item.create", item: wireItem(item) },
+      (e) => (e.type === "conversation.item.added" || e.type === "conversation.item.created") && e.item?.id === item.id)
+      .catch((error) => {
+        if (!(error instanceof ServerError)) return; // lost: the turn fails through _lost
+        this.conversation = this.conversation.filter((i) => i.id !== item.id);
+      });
+    this._sendEvent({ type: "response.create", event_id: turn.createEventId,
+      ...(Object.keys(response).length ? { response } : {}) });
+    return turn;
+  }
+
+  /** Sends a message and resolves with the whole answer's result. */
+  async ask(text, options = {}) {
+    return (await this.send(text, options)).result;
+  }
+
+  /** Stops the active turn; resolves with its result (status `cancelled` unless it had ended). */
+  async cancel() {
+    const turn = this._turn;
+    if (!turn) return null;
+    if (this.connected) {
+      const eventId = newId("evt");
+      this._ignoredErrors.add(eventId);
+      this._sendEvent({ type: "response.cancel", event_id: eventId });
+    }
+    return turn.result;
+  }
+
+  /** Barge-in: stop the answer and keep only its first `heardChars` characters (code points) in
+   * the conversation, here and on the server. Without an active turn it cuts the last assistant
+   * message. Resolves with {itemId, text, method: "truncate" | "replace" | "local"} or null. */
+  async interrupt(heardChars, { itemId } = {}) {
+    const turn = this._turn;
+    if (turn) await this.cancel();
+    const target = itemId ?? (turn ? turn.itemId : [...this.conversation].reverse().find((i) => i.role === "assistant")?.id);
+    const item = this._item(target);
+    if (!item || item.role !== "assistant") return null; // cancelled before its first token: nothing to cut
+    const end = Math.max(0, Math.min(Math.floor(heardChars), codePointLength(item.text)));
+    const heard = codePointSlice(item.text, end);
+    if (!this.connected) {
+      item.text = heard; // the next session is restored from the local copy
+      return { itemId: item.id, text: heard, method: "local" };
+    }
+    try {
+      await this._request({ type: "conversation.item.truncate", item_id: item.id, content_index: 0,
+        audio_end_ms: 0, x_text_end: end }, (e) => e.type === "conversation.item.truncated" && e.item_id === item.id);
+      return { itemId: item.id, text: this._item(item.id)?.text ?? heard, method: "truncate" };
+    } catch (error) {
+      if (!(error instanceof ServerError)) throw error;
+    }
+    // a server without x_text_end: delete the item and create it again with the heard text
+    const index = this.conversation.indexOf(item);
+    const previous = index > 0 ? this.conversation[index - 1].id : "root";
+    await this._request({ type: "conversation.item.delete", item_id: item.id },
+      (e) => e.type === "conversation.item.deleted" && e.item_id === item.id);
+    const replacement = { id: item.id, role: "assistant", text: heard };
+    await this._request({ type: "conversation.item.create", previous_item_id: previous, item: wireItem(replacement) },
+      (e) => (e.type === "conversation.item.added" || e.type === "conversation.item.created") && e.item?.id === item.id);
+    return { itemId: item.id, text: heard, method: "replace" };
+  }
+
+  /** Every server event (and `client.connected` / `client.disconnected`) as an async iterator,
+   * from now until `close()` or the loop is left. */
+  events() {
+    const queue = [];
+    let wake = null;
+    let ended = false;
+    const sink = {
+      push: (e) => { queue.push(e); wake?.(); },
+      end: () => { ended = true; wake?.(); },
+    };
+    this._iterators.add(sink);
+    const iterators = this._iterators;
+    return {
+      async next() {
+        while (!queue.length && !ended) await new Promise((resolve) => { wake = resolve; });
+        wake = null;
+        return queue.length ? { value: queue.shift(), done: false } : { value: undefined, done: true };
+      },
+      async return() {
+        iterators.delete(sink);
+        ended = true;
+        return { value: undefined, done: true };
+      },
+      [Symbol.asyncIterator]() { return this; },
+    };
+  }
+
+  _push(event) {
+    for (const sink of this._iterators) sink.push(event);
+  }
+}

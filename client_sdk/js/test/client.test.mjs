@@ -1,0 +1,280 @@
+// The client's logic over a scripted in-memory WebSocket: no gateway, no network. What a real
+// gateway cannot show (a server without x_text_end, a silent server, a socket that never opens)
+// is scripted here; gateway.test.mjs checks the rest against the real thing.
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import * as msgpack from "../msgpack.js";
+import { backoffDelays, GatewayUnreachable, RealtimeClient, realtimeUrl } from "../rtgw.js";
+
+/** A fake gateway: answers the client's events the way the real one does, unless told otherwise. */
+class FakeServer {
+  constructor({ truncate = true, silent = false, refuse = 0, neverOpen = false, binary = false } = {}) {
+    Object.assign(this, { truncate, silent, refuse, neverOpen, binary });
+    this.sockets = [];
+    this.received = []; // every client event, per socket index: [index, event]
+    this.items = [];
+    this.responses = 0;
+    const server = this;
+    this.WebSocket = class {
+      constructor(url, protocols) {
+        this.url = url;
+        this.protocols = protocols;
+        this.readyState = 0;
+        this.protocol = "";
+        server.sockets.push(this);
+        queueMicrotask(() => server._accept(this));
+      }
+      send(data) { server._receive(this, data); }
+      close(code = 1000, reason = "") { server.drop(this, code, reason); }
+    };
+  }
+
+  _accept(ws) {
+    if (this.neverOpen) return;
+    if (this.refuse > 0) {
+      this.refuse -= 1;
+      ws.readyState = 3;
+      ws.onerror?.({});
+      ws.onclose?.({ code: 1006, reason: "" });
+      return;
+    }
+    ws.readyState = 1;
+    ws.protocol = ws.protocols[0];
+    this.items = [];
+    ws.onopen?.({});
+    this.emit(ws, { type: "session.created", session: { id: `sess_${this.sockets.length}` } });
+  }
+
+  emit(ws, event) {
+    const data = this.binary ? msgpack.encode(event).buffer : JSON.stringify(event);
+    ws.onmessage?.({ data });
+  }
+
+  drop(ws, code = 1001, reason = "server shutting down") {
+    if (ws.readyState === 3) return;
+    ws.readyState = 3;
+    queueMicrotask(() => ws.onclose?.({ code, reason }));
+  }
+
+  get last() { return this.sockets.at(-1); }
+
+  sent(type) { return this.received.filter(([, e]) => e.type === type).map(([, e]) => e); }
+
+  _receive(ws, data) {
+    const event = this.binary ? msgpack.decode(data) : JSON.parse(data);
+    this.received.push([this.sockets.indexOf(ws), event]);
+    if (this.silent) return;
+    const reply = (e) => queueMicrotask(() => this.emit(ws, e));
+    switch (event.type) {
+      case "session.update":
+        reply({ type: "session.updated", session: event.session });
+        break;
+      case "conversation.item.create": {
+        const previous = event.previous_item_id === "root" ? null : (event.previous_item_id ?? this.items.at(-1) ?? null);
+        this.items.splice(previous === null ? 0 : this.items.indexOf(previous) + 1, 0, event.item.id);
+        reply({ type: "conversation.item.added", item: event.item, previous_item_id: previous });
+        break;
+      }
+      case "response.create":
+        this.responses += 1;
+        reply({ type: "response.created", response: { id: `resp_${this.responses}` } });
+        break;
+      case "conversation.item.truncate":
+        reply(this.truncate
+          ? { type: "conversation.item.truncated", item_id: event.item_id, x_text_end: event.x_text_end }
+          : { type: "error", error: { code: "unknown_parameter", message: "x_text_end", event_id: event.event_id } });
+        break;
+      case "conversation.item.delete":
+        this.items = this.items.filter((id) => id !== event.item_id);
+        reply({ type: "conversation.item.deleted", item_id: event.item_id });
+        break;
+      case "response.cancel":
+        reply(this.done(`resp_${this.responses}`, "cancelled", this.answer ?? ""));
+        break;
+      default:
+        break;
+    }
+  }
+
+  /** Streams an answer for the current response: the item, the deltas, optionally the end. */
+  answer_(texts, { finish = true } = {}) {
+    const ws = this.last;
+    const response = `resp_${this.responses}`;
+    const item = `item_srv${this.responses}`;
+    this.answer = texts.join("");
+    this.items.push(item);
+    this.emit(ws, { type: "conversation.item.added", item: { id: item, role: "assistant", content: [] },
+      previous_item_id: this.items.at(-2) ?? null });
+    for (const delta of texts) this.emit(ws, { type: "response.output_text.delta", response_id: response, item_id: item, delta });
+    if (finish) this.emit(ws, this.done(response, "completed", this.answer, item));
+    return item;
+  }
+
+  done(response, status, text, item = `item_srv${this.responses}`) {
+    return { type: "response.done", response: { id: response, status,
+      status_details: status === "cancelled" ? { type: "cancelled", reason: "client_cancelled" } : null,
+      output: [{ id: item, role: "assistant", content: [{ type: "output_text", text }] }],
+      metadata: { x_tier: "edge" }, usage: { input_tokens: 9, output_tokens: 2, input_token_details: { cached_tokens: 4 } } } };
+  }
+}
+
+/** Resolves once the active turn's response.created has arrived. */
+async function responseCreated(c) {
+  while (!c.activeTurn?.responseId) await c.once("event");
+}
+
+const client = (server, options = {}) => new RealtimeClient({ url: "http://gw.test:8000", WebSocket: server.WebSocket,
+  backoff: { initialMs: 1, attempts: 3 }, fetch: async () => { throw new Error("no network"); }, ...options });
+
+test("realtimeUrl maps http(s) to ws(s), adds the path and the model", () => {
+  assert.equal(realtimeUrl("http://h:8000"), "ws://h:8000/v1/realtime");
+  assert.equal(realtimeUrl("https://h/", "m 1"), "wss://h/v1/realtime?model=m+1");
+  assert.equal(realtimeUrl("ws://h/v1/realtime"), "ws://h/v1/realtime");
+});
+
+test("backoff doubles up to its ceiling with jitter below each step", () => {
+  assert.deepEqual([...backoffDelays({ initialMs: 100, maxMs: 500, attempts: 6 }, () => 0)], [100, 200, 400, 500, 500]);
+  assert.deepEqual([...backoffDelays({ initialMs: 100, jitter: 0.5, attempts: 3 }, () => 1)], [50, 100]);
+});
+
+test("a turn: subprotocols, user item then response.create, deltas, result, local conversation", async () => {
+  const server = new FakeServer();
+  const c = client(server, { apiKey: "sk-1", model: "m", instructions: "Be brief.", maxOutputTokens: 50 });
+  const turn = await c.send("Hi", { maxOutputTokens: 7, metadata: { k: "v" } });
+  assert.equal(server.last.url, "ws://gw.test:8000/v1/realtime?model=m");
+  assert.deepEqual(server.last.protocols, ["realtime", "openai-insecure-api-key.sk-1"]);
+  assert.deepEqual(server.received.map(([, e]) => e.type), ["session.update", "conversation.item.create", "response.create"]);
+  assert.deepEqual(server.sent("session.update")[0].session,
+    { type: "realtime", instructions: "Be brief.", max_output_tokens: 50 });
+  assert.deepEqual(server.sent("conversation.item.create")[0].item.content, [{ type: "input_text", text: "Hi" }]);
+  assert.deepEqual(server.sent("response.create")[0].response, { max_output_tokens: 7, metadata: { k: "v" } });
+  await responseCreated(c);
+  const item = server.answer_(["Hel", "lo!"]);
+  const deltas = [];
+  for await (const d of turn) deltas.push(d);
+  const result = await turn.result;
+  assert.equal(deltas.join(""), "Hello!");
+  assert.equal(result.status, "completed");
+  assert.equal(result.tier, "edge");
+  assert.equal(result.cachedTokens, 4);
+  assert.deepEqual(c.conversation.map((i) => [i.role, i.text]), [["user", "Hi"], ["assistant", "Hello!"]]);
+  assert.equal(c.conversation[1].id, item);
+  c.close();
+});
+
+test("interrupt falls back to delete and re-create on a server without x_text_end", async () => {
+  const server = new FakeServer({ truncate: false });
+  const c = client(server);
+  const turn = await c.send("Hi");
+  await responseCreated(c);
+  const item = server.answer_(["Once upon ", "a time"], { finish: false });
+  const cut = await c.interrupt(4);
+  assert.equal((await turn.result).status, "cancelled");
+  assert.deepEqual(cut, { itemId: item, text: "Once", method: "replace" });
+  const [deleted] = server.sent("conversation.item.delete");
+  assert.equal(deleted.item_id, item);
+  const recreate = server.sent("conversation.item.create").at(-1);
+  assert.equal(recreate.previous_item_id, c.conversation[0].id);
+  assert.deepEqual(recreate.item, { type: "message", id: item, role: "assistant", content: [{ type: "output_text", text: "Once" }] });
+  assert.deepEqual(c.conversation.map((i) => [i.role, i.text]), [["user", "Hi"], ["assistant", "Once"]]);
+  c.close();
+});
+
+test("interrupt counts code points, not UTF-16 units", async () => {
+  const server = new FakeServer();
+  const c = client(server);
+  const turn = await c.send("Hi");
+  await responseCreated(c);
+  server.answer_(["😀😀ab"]);
+  await turn.result;
+  const cut = await c.interrupt(3);
+  assert.equal(server.sent("conversation.item.truncate")[0].x_text_end, 3);
+  assert.equal(cut.text, "😀😀a");
+  assert.equal(c.conversation[1].text, "😀😀a");
+  c.close();
+});
+
+test("a silent server fails the turn with silence_timeout and drops the socket", async () => {
+  const server = new FakeServer();
+  const c = client(server, { silenceTimeoutMs: 50 });
+  await c.connect();
+  server.silent = true;
+  const turn = await c.send("Hi");
+  const result = await turn.result;
+  assert.equal(result.status, "failed");
+  assert.equal(result.error.code, "silence_timeout");
+  assert.match(result.error.message, /no event from the gateway/);
+  assert.equal(c.connected, false);
+  c.close();
+});
+
+test("a lost connection fails the turn; the next send reconnects and restores the items with their ids", async () => {
+  const server = new FakeServer({ refuse: 0 });
+  const c = client(server, { framing: "msgpack", msgpack });
+  server.binary = true;
+  const first = await c.send("My name is Ada.");
+  await responseCreated(c);
+  server.answer_(["Hello Ada."]);
+  await first.result;
+  const second = await c.send("Tell me a story.");
+  await responseCreated(c);
+  server.answer_(["Once"], { finish: false });
+  const disconnected = c.once("disconnected");
+  server.drop(server.last);
+  assert.deepEqual(await disconnected, { code: 1001, reason: "server shutting down" });
+  const lost = await second.result;
+  assert.equal(lost.status, "failed");
+  assert.equal(lost.error.code, "connection_lost");
+  assert.equal(lost.text, "Once");
+
+  server.refuse = 1; // the first attempt fails: backoff, then the second opens
+  const retries = [];
+  c.on("reconnecting", (r) => retries.push(r.attempt));
+  const before = c.conversation.map((i) => ({ ...i }));
+  const third = await c.send("What is my name?");
+  assert.deepEqual(retries, [1]);
+  assert.equal(server.sockets.length, 3);
+  assert.deepEqual(server.last.protocols, ["x-openai-realtime-msgpack", "realtime"]);
+  const onNew = server.received.filter(([i]) => i === 2).map(([, e]) => e);
+  assert.deepEqual(onNew.map((e) => e.type), [...before.map(() => "conversation.item.create"), "conversation.item.create",
+    "response.create"]);
+  assert.deepEqual(onNew.slice(0, before.length).map((e) => [e.item.id, e.item.role, e.item.content[0]]),
+    before.map((i) => [i.id, i.role, { type: i.role === "assistant" ? "output_text" : "input_text", text: i.text }]));
+  assert.equal(c.sessions, 2);
+  await responseCreated(c);
+  server.answer_(["Ada."]);
+  assert.equal((await third.result).text, "Ada.");
+  c.close();
+});
+
+test("a socket that never opens is a connect timeout after the retries", async () => {
+  const server = new FakeServer({ neverOpen: true });
+  const c = client(server, { connectTimeoutMs: 20, backoff: { initialMs: 1, attempts: 2 } });
+  await assert.rejects(c.send("Hi"), (e) => e instanceof GatewayUnreachable && e.code === "connect_timeout");
+  assert.equal(server.sockets.length, 2);
+  assert.equal(c.activeTurn, null);
+  assert.deepEqual(c.conversation, []);
+});
+
+test("an unreachable gateway says so", async () => {
+  const server = new FakeServer({ refuse: 5 });
+  const c = client(server, { backoff: { attempts: 1 } });
+  await assert.rejects(c.connect(), (e) => e instanceof GatewayUnreachable && /cannot reach the gateway/.test(e.message));
+});
+
+test("a refused response.create fails the turn with the server's error", async () => {
+  const server = new FakeServer();
+  const c = client(server);
+  await c.connect();
+  server.silent = true;
+  const turn = await c.send("Hi");
+  const create = server.sent("response.create")[0];
+  server.emit(server.last, { type: "error", error: { code: "rate_limit_exceeded", message: "slow down",
+    event_id: create.event_id } });
+  const result = await turn.result;
+  assert.equal(result.status, "failed");
+  assert.equal(result.error.code, "rate_limit_exceeded");
+  assert.equal(c.activeTurn, null);
+  c.close();
+});
