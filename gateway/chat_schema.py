@@ -110,6 +110,9 @@ def _messages(value: Any, limits: ServerConfig) -> list[dict[str, str]]:
         extra = sorted(set(message) - MESSAGE_FIELDS)
         if extra:
             raise _bad(f"'{where}' has unsupported fields {extra} (tool calls are not supported)", where)
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise _bad(f"'{where}.{key}' must be a string", f"{where}.{key}", "invalid_type")
         role = message.get("role")
         if role not in ROLE_MAP:
             raise _bad(f"'{where}.role' must be one of {sorted(ROLE_MAP)}", f"{where}.role")
@@ -164,6 +167,24 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     if fmt is not None and fmt != {"type": "text"}:
         raise _bad("only response_format {\"type\": \"text\"} is supported", "response_format",
                    "unsupported_parameter")
+    _check_ignored(body)
+
+
+def _check_ignored(body: Mapping[str, Any]) -> None:
+    """Fields accepted and ignored still have OpenAI's types: a wrong one is a client bug to report."""
+    for key in ("user", "safety_identifier", "prompt_cache_key"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise _bad(f"'{key}' must be a string", key, "invalid_type")
+    for key in ("store", "parallel_tool_calls"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise _bad(f"'{key}' must be a boolean", key, "invalid_type")
+    metadata = body.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16
+                                 or not all(isinstance(v, str) for v in metadata.values())):
+        raise _bad("'metadata' must be an object of at most 16 string values", "metadata", "invalid_type")
+    modalities = body.get("modalities")
+    if modalities is not None and (not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities)):
+        raise _bad("'modalities' must be a list of strings", "modalities", "invalid_type")
 
 
 def parse_chat_request(body: Any, models: Mapping[str, str], limits: ServerConfig) -> ChatRequest:

@@ -9,6 +9,7 @@ is aborted in the engine: aiohttp cancels the handler when the connection drops
 
 from __future__ import annotations
 
+import codecs
 import json
 import secrets
 from typing import Any
@@ -29,6 +30,7 @@ from gateway.chat_schema import (
 from gateway.metrics import CONTENT_TYPE
 from gateway.state import STATE, GatewayState
 from gateway.turns import Turn
+from gateway.ws.fields import is_unicode
 from llm_shared.contract import FinishEvent, StreamEvent
 from llm_shared.errors import EngineError, EngineUnavailableError, InvalidRequestError, OverloadedError
 
@@ -103,14 +105,50 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response(_model_card(state, model_id))
 
 
+MAX_JSON_DEPTH = 32  # a chat body nests 5 levels; more is an attack on the parser
+
+
 async def _read_json(request: web.Request) -> Any:
+    """The body as JSON, or HttpError 400/413 with a reason: an unknown charset, bytes that do
+    not decode, invalid JSON, nesting deeper than MAX_JSON_DEPTH, strings that are not valid
+    Unicode (lone surrogates from ``\\ud800`` escapes). Never a 500."""
+    charset = request.charset or "utf-8"
     try:
-        return await request.json(loads=lambda text: json.loads(text, parse_constant=_no_constant))
+        codecs.lookup(charset)
+    except LookupError:
+        raise HttpError(400, "invalid_charset", f"the body's charset {charset[:40]!r} is unknown; send UTF-8") from None
+    try:
+        raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
         raise HttpError(413, "request_too_large", f"the request body is larger than {request.client_max_size} "
                         "bytes") from e
+    try:
+        body = json.loads(raw.decode(charset), parse_constant=_no_constant)
+    except RecursionError:
+        raise HttpError(400, "invalid_json", f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise HttpError(400, "invalid_json", "the request body is not valid JSON") from e
+        raise HttpError(400, "invalid_json", f"the request body is not valid {charset} JSON") from e
+    _check_json(body)
+    return body
+
+
+def _check_json(body: Any) -> None:
+    """Depth and Unicode of a parsed body, walked without recursion."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if not is_unicode(value):
+                raise HttpError(400, "invalid_json", "the request body holds a string that is not valid Unicode "
+                                "(a lone surrogate escape)")
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise HttpError(400, "invalid_json", f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+            items = list(value.items()) if isinstance(value, dict) else [(None, v) for v in value]
+            for key, item in items:
+                if key is not None:
+                    stack.append((key, depth))
+                stack.append((item, depth + 1))
 
 
 def _no_constant(name: str) -> Any:
