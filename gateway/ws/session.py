@@ -303,16 +303,25 @@ class RealtimeSession:
                                               metadata=dict(event.metadata or {}), model=self._model))
 
     def _resolve_input(self, entries: tuple[Any, ...]) -> list[Item]:
-        items = []
+        """The items an out-of-band input names, sized as they are resolved: references to one
+        large item repeated many times are refused before any string is joined."""
+        items: list[Item] = []
+        chars = 0
         for n, entry in enumerate(entries):
             if isinstance(entry, ItemReference):
                 found = self._conversation.get(entry.id)
                 if found is None:
                     raise ProtocolError("item_not_found", f"referenced item {entry.id!r} does not exist",
                                         f"response.input[{n}].id")
-                items.append(found)
+                item = found
             else:
-                items.append(Item(id=entry.id or self._ids("item"), role=entry.role, parts=list(entry.parts)))
+                item = Item(id=entry.id or self._ids("item"), role=entry.role, parts=list(entry.parts))
+            chars += sum(len(part) for part in item.parts)
+            if chars > self._limits.max_conversation_chars:
+                raise ProtocolError("conversation_limit_exceeded",
+                                    f"the input holds more than this server's limit of "
+                                    f"{self._limits.max_conversation_chars} characters", f"response.input[{n}]")
+            items.append(item)
         return items
 
     def _response_cancel(self, event: ResponseCancel) -> None:

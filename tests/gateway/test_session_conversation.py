@@ -161,6 +161,23 @@ def test_input_reference_to_a_missing_item() -> None:
     assert session.commands() == [] and session.active_response_id is None
 
 
+def test_repeated_references_to_a_large_item_are_refused_before_any_string_is_joined(monkeypatch) -> None:
+    session = make(limits=SessionLimits(max_conversation_chars=1000))
+    session.receive({"type": "conversation.item.create", "item": {
+        "id": "big", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 600}]}})
+    drain(session)
+    import gateway.ws.session as session_module
+
+    joined: list[int] = []
+    real = session_module.to_messages
+    monkeypatch.setattr(session_module, "to_messages", lambda *a: joined.append(1) or real(*a))
+    session.receive({"type": "response.create", "event_id": "r2", "response": {
+        "conversation": "none", "input": [{"type": "item_reference", "id": "big"}] * 200}})
+    error = error_of(drain(session))
+    assert (error["code"], error["param"]) == ("conversation_limit_exceeded", "response.input[1]")
+    assert joined == [] and session.commands() == []  # refused at the second reference, nothing joined
+
+
 def test_conversation_limits() -> None:
     session = make(limits=SessionLimits(max_conversation_items=3, max_conversation_chars=20))
     say(session, "user", "0123456789")
