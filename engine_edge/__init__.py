@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 BACKENDS = MappingProxyType({
     "llama_cpp": "engine_edge.llama_cpp_backend:LlamaCppBackend",
     "onnx": "engine_edge.onnx_backend:OnnxBackend",
+    "synthetic": "engine_edge.synthetic_backend:SyntheticBackend",  # load tests: tokens at a fixed rate
 })
 
 

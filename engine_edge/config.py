@@ -18,7 +18,7 @@ MiB = 2**20
 
 @dataclass(frozen=True)
 class EdgeConfig:
-    backend: Literal["llama_cpp", "onnx"] = "llama_cpp"
+    backend: Literal["llama_cpp", "onnx", "synthetic"] = "llama_cpp"
     model: str = "smollm2-135m"
     # Memory for the KV of every sequence (and the drafter). 256 MiB is 11,520 cells of the
     # embedded model in llama.cpp (23,040 bytes each: 30 layers x K and V x 3 heads x 64 x f16).
@@ -32,9 +32,15 @@ class EdgeConfig:
     max_queued: int = 64  # waiting requests beyond this are rejected as overloaded
     prefix_reuse: bool = True  # a finished turn's KV stays in its slot for the conversation's next turn
     snapshot_mib: int = 256  # host memory for the KV of idle conversations moved out of their slots (0: none)
+    # backend = "synthetic" (load tests, bench/load.py): tokens at this rate per stream, up to this many streams
+    synthetic_tokens_per_s: float = 20.0
+    synthetic_max_streams: int = 4096
 
     def __post_init__(self) -> None:
-        require(self.backend in ("llama_cpp", "onnx"), f"edge.backend must be 'llama_cpp' or 'onnx', got {self.backend!r}")
+        require(self.backend in ("llama_cpp", "onnx", "synthetic"),
+                f"edge.backend must be 'llama_cpp', 'onnx' or 'synthetic', got {self.backend!r}")
+        require(0 < self.synthetic_tokens_per_s <= 10_000, "edge.synthetic_tokens_per_s must be in (0, 10000]")
+        require(1 <= self.synthetic_max_streams <= 1_000_000, "edge.synthetic_max_streams must be in 1..1000000")
         require(self.kv_layout in ("shared", "per_sequence"),
                 f"edge.kv_layout must be 'shared' or 'per_sequence', got {self.kv_layout!r}")
         require(0 < self.kv_cache_mib <= 1 << 20, "edge.kv_cache_mib must be in (0, 1048576]")

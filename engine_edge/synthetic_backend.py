@@ -1,0 +1,154 @@
+"""A synthetic edge backend: real tokens at a fixed rate per stream, no model arithmetic.
+
+For measuring the gateway itself (``bench/load.py``, ``bench/faults.py``): how many streams one
+gateway process carries, what overload and cancels do, whether KV accounting leaks, without the
+model's compute hiding the server's costs. It behaves like an engine where that matters: one
+step loop emits a token to every running stream each ``1 / synthetic_tokens_per_s`` seconds (a
+batch, not a timer per stream); admission is bounded (``synthetic_max_streams``, then
+``OverloadedError`` at once); each stream holds KV cells for its prompt and output, freed when it
+ends or is aborted; stop strings and max tokens work through the same ``TextStream`` as the real
+tiers. The tokenizer is the configured GGUF's, so prompts are encoded as for real.
+
+Select it with ``[edge] backend = "synthetic"``; it never serves users' turns in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine_edge.base import Draft, EdgeBackend, check_prompt
+from engine_edge.config import EdgeConfig
+from llm_shared.contract import FinishEvent, FinishReason, Priority, SamplingParams, StreamEvent, TokenEvent
+from llm_shared.errors import DuplicateRequestError, EngineUnavailableError, OverloadedError
+from llm_shared.modelfile import check_gguf
+from llm_shared.textstream import TextStream
+from llm_shared.tokenizer import Tokenizer
+
+ANSWER = ("The quick brown fox jumps over the lazy dog while the river runs quietly past the old mill, "
+          "and the town wakes slowly under a pale morning sky. ")
+CONTEXT_TOKENS = 8192
+
+
+@dataclass
+class _Stream:
+    prompt_tokens: int
+    params: SamplingParams
+    text: TextStream
+    events: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
+    produced: int = 0
+    finished: bool = False
+
+
+class SyntheticBackend(EdgeBackend):
+    def __init__(self, model_path: Path, config: EdgeConfig) -> None:
+        self.config = config
+        self._tokenizer = Tokenizer.from_gguf(check_gguf(Path(model_path)))
+        self._answer = self._tokenizer.encode(ANSWER)
+        self._interval = 1.0 / config.synthetic_tokens_per_s
+        self._max_streams = config.synthetic_max_streams
+        self._streams: dict[str, _Stream] = {}
+        self._ticker: asyncio.Task[None] | None = None
+        self._closed = False
+        self._steps = 0
+        self._generated = 0
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return not self._closed
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return CONTEXT_TOKENS - 1
+
+    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                       priority: Priority = Priority.INTERACTIVE, session_id: str = "",
+                       draft_ids: Sequence[int] = ()) -> AsyncIterator[StreamEvent]:
+        if self._closed:
+            raise EngineUnavailableError("the synthetic engine is closed")
+        prompt = check_prompt(prompt_ids, self._tokenizer.vocab_size, self.max_prompt_tokens)
+        if request_id in self._streams:
+            raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")
+        if len(self._streams) >= self._max_streams:
+            raise OverloadedError(f"the engine is at its {self._max_streams} streams; retry shortly")
+        stream = self._streams[request_id] = _Stream(len(prompt), params, TextStream(self._tokenizer, params.stop))
+        self._ensure_ticker()
+        try:
+            while True:
+                event = await stream.events.get()
+                yield event
+                if isinstance(event, FinishEvent):
+                    return
+        finally:
+            self._streams.pop(request_id, None)  # a consumer that left early frees its cells now
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._run(), name="synthetic-engine")
+
+    async def _run(self) -> None:
+        """The step loop: one token for every running stream per interval."""
+        loop = asyncio.get_running_loop()
+        next_step = loop.time()
+        while self._streams:
+            next_step += self._interval
+            await asyncio.sleep(max(0.0, next_step - loop.time()))
+            self._steps += 1
+            for request_id, stream in list(self._streams.items()):
+                if not stream.finished:
+                    self._step(request_id, stream)
+
+    def _step(self, request_id: str, stream: _Stream) -> None:
+        token_id = self._answer[stream.produced % len(self._answer)]
+        stream.produced += 1
+        self._generated += 1
+        text, stopped = stream.text.push(token_id)
+        stream.events.put_nowait(TokenEvent(token_id, text, -0.1))
+        if stopped:
+            self._finish(request_id, stream, "stop")
+        elif stream.produced >= stream.params.max_tokens:
+            self._finish(request_id, stream, "length")
+
+    def _finish(self, request_id: str, stream: _Stream, reason: FinishReason) -> None:
+        stream.finished = True
+        text = stream.text.finish() if reason != "abort" else ""
+        stream.events.put_nowait(FinishEvent(reason, stream.prompt_tokens, stream.produced, text=text, tier="edge"))
+        self._streams.pop(request_id, None)  # its cells are free as soon as it ends
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.finished:
+            self._finish(request_id, stream, "abort")
+
+    async def end_session(self, session_id: str) -> None:
+        """Nothing is kept between turns."""
+
+    async def probe(self) -> None:
+        if self._closed:
+            raise EngineUnavailableError("the synthetic engine is closed")
+
+    async def propose(self, context_ids: Sequence[int], k: int) -> Draft:
+        tokens = tuple(self._answer[i % len(self._answer)] for i in range(k))
+        return Draft(tokens, tuple(0.9 for _ in tokens))
+
+    def stats(self) -> dict[str, float]:
+        cells = sum(s.prompt_tokens + s.produced for s in self._streams.values())
+        return {"running": float(len(self._streams)), "waiting": 0.0, "kv_cells_used": float(cells),
+                "kv_cells_total": float(self._max_streams * CONTEXT_TOKENS), "steps": float(self._steps),
+                "generated_tokens": float(self._generated)}
+
+    async def close(self) -> None:
+        self._closed = True
+        for request_id in list(self._streams):
+            await self.abort(request_id)
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
