@@ -27,6 +27,7 @@ from gateway.chat_schema import (
     parse_chat_request,
     usage_chunk,
 )
+from gateway.demo import add_demo_routes
 from gateway.metrics import CONTENT_TYPE
 from gateway.state import STATE, GatewayState
 from gateway.turns import Turn
@@ -295,3 +296,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    add_demo_routes(app)  # the demo page and the JS SDK (gateway/demo.py)

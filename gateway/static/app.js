@@ -1,0 +1,311 @@
+// The demo page: a chat over the JS SDK the gateway serves at /sdk/rtgw.js; no build step.
+// Each answer streams into its bubble; in speaking mode it is revealed at a speaking rate, as a
+// voice would read it, and Stop is barge-in: the conversation keeps what was shown.
+import {
+  codePointLength, codePointSlice, GatewayRefused, GatewayUnreachable, RealtimeClient,
+} from "../sdk/rtgw.js";
+
+const SPEAK_RATE = 15; // characters per second, about a speaking voice
+const STORE = "rtgw-demo";
+
+const el = (id) => document.getElementById(id);
+const ui = {
+  status: el("status"), banner: el("banner"), messages: el("messages"), form: el("composer"), prompt: el("prompt"),
+  send: el("send"), stop: el("stop"), model: el("model"), maxTokens: el("max-tokens"), apiKey: el("api-key"),
+  speaking: el("speaking"), newChat: el("new-chat"), rate: el("rate"),
+};
+
+let client = null;
+let active = null; // the TurnView of the answer being streamed or spoken
+
+// --- settings, kept in localStorage ---
+
+function loadSettings() {
+  let saved = {};
+  try { saved = JSON.parse(localStorage.getItem(STORE) || "{}"); } catch { /* a fresh start */ }
+  ui.apiKey.value = saved.apiKey ?? "";
+  ui.maxTokens.value = saved.maxTokens ?? 80;
+  ui.speaking.checked = Boolean(saved.speaking);
+  ui.rate.textContent = String(SPEAK_RATE);
+  return saved;
+}
+
+function saveSettings() {
+  localStorage.setItem(STORE, JSON.stringify({ apiKey: ui.apiKey.value.trim(), model: ui.model.value,
+    maxTokens: Number(ui.maxTokens.value) || 80, speaking: ui.speaking.checked }));
+}
+
+const authHeaders = () => (ui.apiKey.value.trim() ? { Authorization: `Bearer ${ui.apiKey.value.trim()}` } : {});
+
+// --- status and messages ---
+
+function setStatus(state, text) {
+  ui.status.dataset.state = state;
+  ui.status.textContent = text;
+}
+
+function showBanner(text) {
+  ui.banner.textContent = text;
+  ui.banner.hidden = false;
+}
+
+function hideBanner() { ui.banner.hidden = true; }
+
+function explain(error) {
+  if (error instanceof GatewayRefused) {
+    if (error.status === 401) return `The server refused the API key (${error.code}). Enter a valid key in Settings.`;
+    if (error.status === 403) return `The server refused this page (${error.code}).`;
+    if (error.status === 404) return `The server does not serve this model (${error.code}). Pick another in Settings.`;
+    return error.message;
+  }
+  if (error instanceof GatewayUnreachable) {
+    return `Cannot reach the server at ${location.origin}. Is it running? (${error.message})`;
+  }
+  return error?.message ?? String(error);
+}
+
+function addMessage(role, text) {
+  ui.messages.querySelector(".hint")?.remove();
+  const box = document.createElement("div");
+  box.className = `msg ${role}`;
+  const body = document.createElement("div");
+  body.className = "text";
+  body.textContent = text;
+  box.append(body);
+  if (role === "assistant") {
+    const meta = document.createElement("div");
+    meta.className = "meta";
+    box.append(meta);
+  }
+  ui.messages.append(box);
+  box.scrollIntoView({ block: "end" });
+  return box;
+}
+
+function setBusy(busy) {
+  ui.send.disabled = busy;
+  ui.stop.disabled = !busy;
+}
+
+// --- one answer on screen ---
+
+class TurnView {
+  constructor(box, speaking) {
+    this.box = box;
+    this.textEl = box.querySelector(".text");
+    this.metaEl = box.querySelector(".meta");
+    this.speaking = speaking;
+    this.turn = null;
+    this.result = null;
+    this.shown = 0; // characters (code points) on screen: what the user has "heard"
+    this.firstAt = null;
+    this.timer = null;
+    this.revealed = new Promise((resolve) => { this._revealed = resolve; });
+    box.dataset.status = "waiting";
+  }
+
+  attach(turn) {
+    this.turn = turn;
+    this.box.dataset.status = "streaming";
+    turn.on("delta", () => this.render());
+    if (this.speaking) this.timer = setInterval(() => this.render(), 1000 / SPEAK_RATE);
+    else this._revealed();
+  }
+
+  render() {
+    const text = this.turn.text;
+    const length = codePointLength(text);
+    if (!this.speaking) {
+      this.shown = length;
+      this.textEl.textContent = text;
+    } else if (this.timer !== null) {
+      if (this.firstAt === null && length) this.firstAt = performance.now();
+      const due = this.firstAt === null ? 0 : Math.floor(((performance.now() - this.firstAt) / 1000) * SPEAK_RATE);
+      this.shown = Math.min(length, Math.max(this.shown, due));
+      this.textEl.textContent = codePointSlice(text, this.shown);
+      if (this.result && this.shown >= length) this.stopReveal();
+    }
+    this.box.scrollIntoView({ block: "end" });
+  }
+
+  stopReveal() {
+    clearInterval(this.timer);
+    this.timer = null;
+    this._revealed();
+  }
+
+  finish(result) {
+    this.result = result;
+    this.render();
+    this.box.dataset.status = result.status;
+    if (result.tier) this.box.dataset.tier = result.tier;
+    this.metaEl.replaceChildren(...describe(result).map(([cls, text]) => {
+      const span = document.createElement("span");
+      span.className = cls;
+      span.textContent = text;
+      return span;
+    }));
+  }
+
+  interrupted(cut) {
+    this.box.dataset.interrupted = "true";
+    const kept = cut ? codePointLength(cut.text) : this.shown;
+    this.textEl.textContent = cut ? cut.text : codePointSlice(this.turn?.text ?? "", kept);
+    const note = document.createElement("span");
+    note.className = "state state-cancelled interrupted";
+    note.textContent = `interrupted: the conversation keeps ${kept} characters`;
+    this.metaEl.append(note);
+  }
+
+  fail(message) {
+    this.stopReveal();
+    this.box.dataset.status = "failed";
+    this.metaEl.replaceChildren(Object.assign(document.createElement("span"),
+      { className: "state state-failed", textContent: message }));
+  }
+}
+
+function describe(result) {
+  const meta = result.metadata ?? {};
+  const out = [["state state-" + result.status,
+    result.status === "incomplete" && result.reason === "max_output_tokens" ? "max tokens" : result.status]];
+  if (result.tier) {
+    let tier = `tier ${result.tier}`;
+    if (meta.x_route) tier += ` · ${meta.x_route}`;
+    if (meta.x_confidence) tier += ` · confidence ${Number(meta.x_confidence).toFixed(2)}`;
+    out.push(["tier", tier]);
+  }
+  if (result.ttftMs !== null) out.push(["ttft", `TTFT ${Math.round(result.ttftMs)} ms`]);
+  const tokens = result.usage?.output_tokens ?? 0;
+  const streaming = (result.elapsedMs - (result.ttftMs ?? 0)) / 1000;
+  if (tokens > 1 && streaming > 0) out.push(["rate", `${((tokens - 1) / streaming).toFixed(1)} tok/s`]);
+  if (result.usage?.input_tokens) out.push(["cached", `cached ${result.cachedTokens}/${result.usage.input_tokens} tok`]);
+  if (result.error) out.push(["state state-failed", result.error.message ?? result.error.code]);
+  return out;
+}
+
+// --- the client ---
+
+function newClient() {
+  client?.close();
+  const c = new RealtimeClient({
+    url: location.origin, apiKey: ui.apiKey.value.trim() || null, model: ui.model.value || null,
+    backoff: { initialMs: 250, maxMs: 2000, attempts: 3 }, connectTimeoutMs: 15000, silenceTimeoutMs: 120000,
+  });
+  c.on("connected", ({ restored }) => {
+    if (client !== c) return;
+    hideBanner();
+    setStatus("connected", restored ? `reconnected, ${restored} messages restored` : "connected");
+  });
+  c.on("disconnected", () => { if (client === c) setStatus("idle", "disconnected: the next message reconnects"); });
+  c.on("reconnecting", ({ attempt }) => { if (client === c) setStatus("connecting", `connecting (try ${attempt + 1})…`); });
+  c.on("error", (e) => { if (client === c) showBanner(`Server error: ${e.message}`); });
+  client = c;
+  return c;
+}
+
+async function connect() {
+  const c = client;
+  setStatus("connecting", "connecting…");
+  try {
+    await c.connect();
+  } catch (e) {
+    if (client !== c) return;
+    setStatus("error", e instanceof GatewayRefused ? "refused" : "unreachable");
+    showBanner(explain(e));
+  }
+}
+
+async function loadModels(wanted) {
+  let response;
+  try {
+    response = await fetch("v1/models", { headers: authHeaders() });
+  } catch {
+    return; // the connection attempt says it better
+  }
+  if (!response.ok) return;
+  const { data } = await response.json();
+  ui.model.replaceChildren(new Option("server default", ""), ...data.map((m) => new Option(m.id, m.id)));
+  if (data.some((m) => m.id === wanted)) ui.model.value = wanted;
+}
+
+function newChat() {
+  if (active) return;
+  ui.messages.replaceChildren();
+  newClient();
+  connect();
+}
+
+async function send(text) {
+  hideBanner();
+  addMessage("user", text);
+  const view = new TurnView(addMessage("assistant", ""), ui.speaking.checked);
+  active = view;
+  setBusy(true);
+  try {
+    const turn = await client.send(text, { maxOutputTokens: Number(ui.maxTokens.value) || 80 });
+    setStatus("connected", "connected");
+    view.attach(turn);
+    const result = await turn.result;
+    view.finish(result);
+    if (result.error?.code === "connection_lost" || result.error?.code === "silence_timeout") {
+      showBanner(`${result.error.message}. The next message reconnects and restores the conversation.`);
+    }
+    await view.revealed;
+  } catch (e) {
+    view.fail(explain(e));
+    setStatus("error", e instanceof GatewayRefused ? "refused" : "unreachable");
+    showBanner(explain(e));
+  } finally {
+    if (active === view) active = null;
+    setBusy(false);
+  }
+}
+
+async function stop() {
+  const view = active;
+  if (!view) return;
+  ui.stop.disabled = true;
+  if (!view.speaking) {
+    await client.cancel();
+    return;
+  }
+  const heard = view.shown; // barge-in: keep what was shown
+  view.stopReveal();
+  try {
+    view.interrupted(await client.interrupt(heard));
+  } catch (e) {
+    showBanner(`Could not cut the answer on the server: ${e.message}`);
+  }
+}
+
+// --- wiring ---
+
+const saved = loadSettings();
+ui.form.addEventListener("submit", (event) => {
+  event.preventDefault();
+  const text = ui.prompt.value.trim();
+  if (!text || active) return;
+  ui.prompt.value = "";
+  send(text);
+});
+ui.prompt.addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    ui.form.requestSubmit();
+  }
+});
+ui.stop.addEventListener("click", stop);
+ui.newChat.addEventListener("click", newChat);
+ui.maxTokens.addEventListener("change", saveSettings);
+ui.speaking.addEventListener("change", saveSettings);
+ui.model.addEventListener("change", () => { saveSettings(); newChat(); });
+ui.apiKey.addEventListener("change", async () => {
+  saveSettings();
+  await loadModels(ui.model.value);
+  newChat();
+});
+
+await loadModels(saved.model);
+newClient();
+connect();
