@@ -309,3 +309,4 @@ ui.apiKey.addEventListener("change", async () => {
 await loadModels(saved.model);
 newClient();
 connect();
+globalThis.rtgwDemo = { client: () => client }; // for the console and the page's test

@@ -1,0 +1,170 @@
+"""The demo page in Debian's Chromium (through Playwright) against a real gateway process.
+
+Desktop: tokens stream into the answer, Stop cancels a long answer, the next answer completes
+with its tier and TTFT. Phone-sized: no horizontal scrolling, the input and buttons on screen,
+and speaking mode's Stop is barge-in (the conversation keeps what was shown). Last, the
+gateway is stopped and the page says it cannot reach it. Screenshots go to docs/img/ only when
+everything passed. The model runs on a busy CPU: waits are long, and observed, never slept.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client_sdk"))
+from gateway_process import REPO_ROOT, GatewayProcess, write_config
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+WAIT_MS = 180_000
+IMG = REPO_ROOT / "docs" / "img"
+STORY = "Tell me a long story about a dragon who learns to bake bread, with many details."
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium is not installed (make system-deps)"),
+]
+playwright_sync = pytest.importorskip("playwright.sync_api")
+
+# Records the last answer's text length at every change, with its status then: the proof that
+# text arrived in pieces while the turn was still streaming.
+WATCH = """() => {
+  window.__lengths = [];
+  const box = () => [...document.querySelectorAll('.msg.assistant')].at(-1);
+  new MutationObserver(() => {
+    const b = box();
+    if (b) window.__lengths.push([b.querySelector('.text').textContent.length, b.dataset.status]);
+  }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def last_answer(page: Any) -> Any:
+    return page.locator(".msg.assistant").last
+
+
+def ask(page: Any, text: str, max_tokens: int) -> Any:
+    page.evaluate("""(n) => { const input = document.getElementById('max-tokens');
+                             input.value = n; input.dispatchEvent(new Event('change')); }""", max_tokens)
+    page.fill("#prompt", text)
+    page.click("#send")
+    return last_answer(page)
+
+
+def wait_done(page: Any, answer: Any) -> str:
+    answer.locator("xpath=self::*[@data-status!='waiting' and @data-status!='streaming']").wait_for(timeout=WAIT_MS)
+    page.wait_for_function("() => !document.getElementById('send').disabled", timeout=WAIT_MS)
+    return str(answer.get_attribute("data-status"))
+
+
+def wait_text(page: Any, chars: int) -> None:
+    page.wait_for_function(
+        """(n) => { const b = [...document.querySelectorAll('.msg.assistant')].at(-1);
+                    return b && b.querySelector('.text').textContent.length >= n; }""", arg=chars, timeout=WAIT_MS)
+
+
+def open_settings(page: Any) -> None:
+    page.evaluate("() => { document.getElementById('settings').open = true; }")
+
+
+def desktop_flow(page: Any, url: str, shots: Path) -> None:
+    page.goto(url)
+    page.wait_for_selector('#status[data-state="connected"]', timeout=WAIT_MS)
+    open_settings(page)
+    assert "smollm2-135m-edge" in page.locator("#model option").all_inner_texts()
+
+    page.evaluate(WATCH)
+    answer = ask(page, "What is the capital of France?", 24)
+    assert wait_done(page, answer) in ("completed", "incomplete")
+    lengths = page.evaluate("() => window.__lengths")
+    growing = sorted({n for n, status in lengths if status == "streaming" and n > 0})
+    assert len(growing) >= 2, f"the text did not stream: {lengths}"
+
+    answer = ask(page, STORY, 400)
+    wait_text(page, 1)
+    page.click("#stop")
+    assert wait_done(page, answer) == "cancelled"
+    assert "cancelled" in answer.locator(".meta").inner_text()
+
+    answer = ask(page, "Say hello in French.", 16)
+    assert wait_done(page, answer) in ("completed", "incomplete")
+    meta = answer.locator(".meta")
+    assert meta.locator(".tier").inner_text().startswith("tier edge")
+    assert meta.locator(".ttft").inner_text().startswith("TTFT ")
+    assert meta.locator(".cached").inner_text().startswith("cached ")
+    page.screenshot(path=str(shots / "demo_desktop.png"))
+
+
+def phone_flow(page: Any, url: str, shots: Path) -> None:
+    page.goto(url)
+    page.wait_for_selector('#status[data-state="connected"]', timeout=WAIT_MS)
+    open_settings(page)
+    page.check("#speaking")
+    page.evaluate("() => { document.getElementById('settings').open = false; }")
+
+    answer = ask(page, STORY, 200)
+    wait_text(page, 8)  # revealed at 15 characters per second
+    page.click("#stop")
+    answer.locator("xpath=self::*[@data-interrupted='true']").wait_for(timeout=WAIT_MS)
+    wait_done(page, answer)
+    shown = answer.locator(".text").inner_text()
+    kept = page.evaluate("() => window.rtgwDemo.client().conversation.at(-1)")
+    assert kept["role"] == "assistant" and kept["text"] == shown and len(shown) >= 8
+    assert f"keeps {len(shown)} characters" in answer.locator(".meta").inner_text()
+
+    answer = ask(page, "Say hi.", 12)  # still speaking: Send comes back once it is all shown
+    assert wait_done(page, answer) in ("completed", "incomplete", "cancelled")
+
+    width = page.evaluate("() => [document.documentElement.scrollWidth, document.body.scrollWidth, innerWidth]")
+    assert max(width[:2]) <= width[2], f"horizontal scrolling on a phone: {width}"
+    for selector in ("#prompt", "#send", "#stop"):
+        box = page.locator(selector).bounding_box()
+        assert box is not None and page.locator(selector).is_visible(), selector
+        assert box["x"] >= 0 and box["x"] + box["width"] <= 390 and box["y"] + box["height"] <= 844, (selector, box)
+    page.screenshot(path=str(shots / "demo_phone.png"))
+
+
+def unreachable_flow(page: Any, gateway: GatewayProcess) -> None:
+    gateway.stop()
+    page.wait_for_selector('#status[data-state="idle"]', timeout=WAIT_MS)  # the socket closed
+    page.fill("#prompt", "Are you there?")
+    page.click("#send")
+    page.wait_for_selector("#banner:not([hidden])", timeout=WAIT_MS)
+    assert "Cannot reach the server" in page.locator("#banner").inner_text()
+    assert last_answer(page).get_attribute("data-status") == "failed"
+
+
+def test_demo_page_in_chromium(tmp_path: Path) -> None:
+    gateway = GatewayProcess(write_config(tmp_path), tmp_path / "gateway.log")
+    gateway.start()
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    try:
+        with playwright_sync.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+            try:
+                desktop = browser.new_page(viewport={"width": 1280, "height": 800})
+                desktop.set_default_timeout(WAIT_MS)
+                desktop_flow(desktop, f"{gateway.url}/", shots)
+                phone_context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2,
+                                                    is_mobile=True, has_touch=True)
+                phone = phone_context.new_page()
+                phone.set_default_timeout(WAIT_MS)
+                phone_flow(phone, f"{gateway.url}/", shots)
+                unreachable_flow(desktop, gateway)
+            finally:
+                browser.close()
+    except Exception:
+        print(gateway.log_tail())
+        raise
+    finally:
+        gateway.stop()
+    IMG.mkdir(parents=True, exist_ok=True)
+    for name in ("demo_desktop.png", "demo_phone.png"):
+        shutil.copyfile(shots / name, IMG / name)
