@@ -30,7 +30,11 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3.11 curl
     && useradd --create-home --uid 10001 gateway
 COPY --from=build /opt/venv /opt/venv
 COPY --chown=gateway:gateway configs /app/configs
-ENV PATH=/opt/venv/bin:$PATH
+# The demo page and the JS SDK it serves at / and /sdk/ are plain files, not part of the installed
+# package: the gateway reads them from GATEWAY_WEB_ROOT, laid out as in the repository.
+COPY --chown=gateway:gateway gateway/static /app/web/gateway/static
+COPY --chown=gateway:gateway client_sdk/js/rtgw.js client_sdk/js/msgpack.js /app/web/client_sdk/js/
+ENV PATH=/opt/venv/bin:$PATH GATEWAY_WEB_ROOT=/app/web
 WORKDIR /app
 USER gateway
 EXPOSE 8000
