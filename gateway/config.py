@@ -46,6 +46,8 @@ class ServerConfig:
     send_queue_max_bytes: int = 4 * 1024 * 1024  # same, in queued bytes (coalesced deltas grow); half pauses the reader
     slow_client_timeout_s: float = 30.0  # a client whose queue stays full this long is closed (1008)
     engine_abort_timeout_s: float = 5.0  # an engine abort that takes longer is given up on (the response ends)
+    sse_write_timeout_s: float = 30.0  # an SSE client that takes no data this long is dropped (its turn aborted)
+    operator_endpoints_need_key: bool = False  # /readyz and /metrics require an API key (when keys are configured)
     shutdown_grace_s: float = 5.0
     default_max_output_tokens: int = 512
     max_output_tokens: int = 4096
@@ -58,7 +60,7 @@ class ServerConfig:
                      "default_max_output_tokens", "max_output_tokens"):
             require(getattr(self, name) >= 1, f"server.{name} must be >= 1")
         for name in ("idle_timeout_s", "ping_interval_s", "ping_timeout_s", "shutdown_grace_s", "slow_client_timeout_s",
-                     "engine_abort_timeout_s"):
+                     "engine_abort_timeout_s", "sse_write_timeout_s"):
             require(getattr(self, name) > 0, f"server.{name} must be > 0")
         require(self.send_queue_high < self.send_queue_limit, "server.send_queue_high must be below send_queue_limit")
         require(self.default_max_output_tokens <= self.max_output_tokens,

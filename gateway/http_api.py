@@ -9,6 +9,7 @@ is aborted in the engine: aiohttp cancels the handler when the connection drops
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import json
 import secrets
@@ -66,8 +67,21 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def _operator_check(request: web.Request, state: GatewayState) -> web.Response | None:
+    """``/readyz`` and ``/metrics`` may require an API key (``server.operator_endpoints_need_key``)."""
+    if not state.config.server.operator_endpoints_need_key:
+        return None
+    try:
+        authorize(request, state)
+    except HttpError as e:
+        return json_error(e)
+    return None
+
+
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    if (refused := _operator_check(request, state)) is not None:
+        return refused
     tiers = state.router.tiers_up() if state.router is not None else {}
     if state.ready:
         # degraded: the cascade serves on one tier while the other is down
@@ -77,7 +91,10 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[STATE].metrics.render()
+    state = request.app[STATE]
+    if (refused := _operator_check(request, state)) is not None:
+        return refused
+    body = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -261,8 +278,10 @@ async def _stream_events(response: web.StreamResponse, state: GatewayState, req:
                          turn: Turn, first: StreamEvent) -> None:
     usage = req.include_usage
 
+    timeout = state.config.server.sse_write_timeout_s
+
     async def send(obj: Any) -> None:
-        await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        await _write(response, b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n", timeout)
 
     await send(chunk(ids, {"role": "assistant", "content": ""}, include_usage=usage))
     pending: list[dict[str, Any]] = []  # logprobs of tokens whose text is not printable yet
@@ -285,8 +304,17 @@ async def _stream_events(response: web.StreamResponse, state: GatewayState, req:
             await send(usage_chunk(ids, event))
     else:
         await send(_end_error(state, event).body())
-    await response.write(b"data: [DONE]\n\n")
+    await _write(response, b"data: [DONE]\n\n", timeout)
     await response.write_eof()
+
+
+async def _write(response: web.StreamResponse, data: bytes, timeout: float) -> None:
+    """One SSE write; a client that does not take it within ``timeout`` is treated as gone (the
+    turn is aborted), so a stalled reader cannot hold a stream and its KV forever."""
+    try:
+        await asyncio.wait_for(response.write(data), timeout)
+    except TimeoutError:
+        raise ConnectionError(f"the client took no data for {timeout:g} s") from None
 
 
 def add_routes(app: web.Application) -> None:

@@ -32,3 +32,38 @@ async def test_a_wedged_abort_still_ends_the_response_and_lets_shutdown_finish_i
         # Shutdown waited for no abort: its share of the grace period, the teardown's own waits.
         assert time.monotonic() - stopping < grace + 8
         await ws.close()
+
+
+async def test_an_sse_client_that_stops_reading_is_dropped_and_its_turn_aborted() -> None:
+    import socket
+
+    word = "z" * 20_000 + " "  # 4 MB/s of stream: the kernel's socket buffers fill within seconds
+    engine = FakeEngine(tokens_per_second=200, reply=lambda p, s: [word] * 20_000)
+    async with running_gateway(engine, sse_write_timeout_s=0.5, max_output_tokens=20_000) as gw:
+        body = ('{"model": "smollm2-135m-edge", "stream": true, "max_tokens": 20000, '
+                '"messages": [{"role": "user", "content": "go"}]}').encode()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", gw.port))
+        await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                      b"Content-Type: application/json\r\nContent-Length: "
+                                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+        for _ in range(3000):  # never reading: the server gives up on us and aborts the turn
+            if engine.aborts:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.aborts and engine.blocks_in_use == 0
+        sock.close()
+
+
+async def test_operator_endpoints_can_require_a_key() -> None:
+    import aiohttp
+
+    async with running_gateway(api_keys=("sk-operator",), operator_endpoints_need_key=True) as gw, \
+            aiohttp.ClientSession(gw.http) as http:
+        for path in ("/metrics", "/readyz"):
+            assert (await http.get(path)).status == 401
+            assert (await http.get(path, headers={"Authorization": "Bearer sk-operator"})).status == 200
+        assert (await http.get("/healthz")).status == 200  # liveness stays open
