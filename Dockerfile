@@ -39,6 +39,8 @@ WORKDIR /app
 USER gateway
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=3s --start-period=120s --retries=3 \
-    CMD curl -fsS http://127.0.0.1:8000/healthz || exit 1
+    CMD curl -fsS http://127.0.0.1:8000/readyz || exit 1
+# /readyz is 200 only while a turn can be served (the cascade: either tier up), 503 while the
+# models load or when every tier is down; the gateway restarts a dead engine core itself.
 # Binding 0.0.0.0 is refused unless API keys are configured (GATEWAY_API_KEYS).
 CMD ["python3.11", "-m", "gateway", "serve", "--config", "/app/configs/gpu.toml", "--host", "0.0.0.0", "--port", "8000"]
