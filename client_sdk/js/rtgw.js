@@ -549,6 +549,7 @@ export class RealtimeClient extends Emitter {
     const turn = this._turn;
     const ws = this._ws;
     this._silenceTimer = setTimeout(() => {
+      if (this._turn !== turn) return;
       turn._silenceError = { type: "timeout", code: "silence_timeout",
         message: `no event from the gateway for ${this.silenceTimeoutMs / 1000} s while a turn was active` };
       try { ws?.close(SILENCE_CLOSE_CODE, "silence timeout"); } catch { /* closing anyway */ }
@@ -585,8 +586,11 @@ export class RealtimeClient extends Emitter {
       await this.connect();
     } catch (e) {
       if (this._turn === turn) this._turn = null;
+      this._stopSilenceTimer();
+      turn._finish({ status: "failed", error: { type: "connection_error", code: e.code, message: e.message } });
       throw e;
     }
+    turn._startedAt = now(); // time to first token counts from the request, not the reconnect
     this.conversation.push(item);
     const response = wireFields(options, RESPONSE_FIELDS);
     this._armSilenceTimer();
