@@ -103,6 +103,7 @@ def build_router(config: Config, engines: Mapping[str, Engine], metrics: Gateway
     check_same_tokenizer(gpu.tokenizer, edge.tokenizer, config.edge.model, role="cascade edge model")
     cascade_cfg = config.cascade
     health = HealthMonitor(engines, interval_s=cascade_cfg.probe_interval_s, timeout_s=cascade_cfg.probe_timeout_s,
+                           slow_probes_to_down=cascade_cfg.slow_probes_to_down,
                            on_change=lambda tier, up: metrics.tier_up.labels(tier).set(1.0 if up else 0.0))
     for tier in engines:
         metrics.tier_up.labels(tier).set(1.0)

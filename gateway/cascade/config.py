@@ -65,7 +65,8 @@ class CascadeConfig:
     escalate_prompt_tokens: int = 0  # longer prompts go straight to the torch tier (0: only what the edge cannot hold)
     escalate_keywords: tuple[str, ...] = ()  # regexes (case-insensitive) on the last user message
     probe_interval_s: float = 2.0  # health probe of each tier
-    probe_timeout_s: float = 1.0  # a probe that takes longer marks the tier down
+    probe_timeout_s: float = 1.0  # a probe that takes longer counts as slow
+    slow_probes_to_down: int = 3  # slow probes in a row that mark a tier down (a failed one does at once)
 
     def __post_init__(self) -> None:
         require(1 <= self.hold_tokens <= MAX_PREFIX_DRAFT_TOKENS,
@@ -84,5 +85,6 @@ class CascadeConfig:
                 re.compile(pattern)
             except re.error as e:
                 raise ConfigError(f"cascade.escalate_keywords: {pattern!r} is not a valid regex ({e})") from e
+        require(self.slow_probes_to_down >= 1, "cascade.slow_probes_to_down must be >= 1")
         require(0 < self.probe_timeout_s <= self.probe_interval_s,
                 "cascade.probe_timeout_s must be > 0 and <= probe_interval_s")

@@ -1,10 +1,11 @@
 """Each tier's health, known before a user's turn needs it.
 
 A probe task calls every tier's ``Engine.probe`` (a round trip through its worker or core
-process) every ``probe_interval_s`` under a ``probe_timeout_s`` limit. A tier is up while its
-engine says it is ready and its latest probe answered in time. A turn that meets an
-unavailable tier marks it down at once (``mark_down``); the next probe that answers brings it
-back. So a dead or wedged tier costs at most one probe interval of wrong routing, and never a
+process) every ``probe_interval_s`` under a ``probe_timeout_s`` limit. A tier is down at once
+when its engine says it is not ready or a probe fails, and after ``slow_probes_to_down``
+probes in a row that did not answer in time (one slow probe on a busy machine is not a dead
+tier: marking both tiers down would refuse every turn). A turn that meets an unavailable tier
+marks it down at once (``mark_down``); the next probe that answers brings it back. So a dead or wedged tier costs at most one probe interval of wrong routing, and never a
 request that hangs waiting for it.
 """
 
@@ -30,14 +31,16 @@ class TierState:
     since: float = 0.0  # monotonic time of the latest change
     probes: int = 0
     failures: int = 0
+    slow_in_a_row: int = 0  # consecutive probes that timed out
 
 
 class HealthMonitor:
     def __init__(self, engines: Mapping[str, Engine], *, interval_s: float, timeout_s: float,
-                 on_change: Callable[[str, bool], None] | None = None) -> None:
+                 slow_probes_to_down: int = 3, on_change: Callable[[str, bool], None] | None = None) -> None:
         self._engines = dict(engines)
         self._interval = interval_s
         self._timeout = timeout_s
+        self._slow_to_down = slow_probes_to_down
         self._on_change = on_change
         self._states = {tier: TierState(since=time.monotonic()) for tier in self._engines}
         self._task: asyncio.Task[None] | None = None
@@ -103,7 +106,9 @@ class HealthMonitor:
             await asyncio.wait_for(engine.probe(), self._timeout)
         except TimeoutError:
             state.failures += 1
-            self._set(tier, False, f"probe took over {self._timeout:g} s")
+            state.slow_in_a_row += 1
+            if state.slow_in_a_row >= self._slow_to_down:
+                self._set(tier, False, f"{state.slow_in_a_row} probes in a row took over {self._timeout:g} s")
         except EngineError as e:
             state.failures += 1
             self._set(tier, False, e.message)
@@ -112,6 +117,7 @@ class HealthMonitor:
             log.exception("probing the %s tier failed", tier)
             self._set(tier, False, f"probe failed: {type(e).__name__}")
         else:
+            state.slow_in_a_row = 0
             self._set(tier, True, "")
 
     def _set(self, tier: str, up: bool, reason: str) -> None:

@@ -309,8 +309,10 @@ async def test_a_wedged_tier_is_marked_down_by_its_probe_timeout() -> None:
     edge, gpu = tiers()
     async with cascade_gateway(edge, gpu) as cascade:
         gpu.probe_hangs = True
-        await cascade.health.wait_rounds(2)
-        assert not cascade.health.up("gpu") and "probe took over" in cascade.health.state("gpu").reason
+        await cascade.health.wait_rounds(1)
+        assert cascade.health.up("gpu")  # one slow probe is a busy machine, not a dead tier
+        await cascade.health.wait_rounds(3)
+        assert not cascade.health.up("gpu") and "probes in a row took over" in cascade.health.state("gpu").reason
         gpu.probe_hangs = False
         await cascade.health.wait_rounds(1)
         assert cascade.health.up("gpu")
