@@ -7,7 +7,7 @@ gateway's own. The clients are raw ``websockets`` sessions in this process, on t
 what a stream costs the client side is part of what is measured (the report gives both
 processes' CPU).
 
-- ``streams``: sessions are added in steps (250, 500, 1000, 1500, 2000, 2500, 3000); at each step
+- ``streams``: sessions are added in steps (50, 100, 200, 300, 400, 500, 1000, 1500, 2000, 3000); at each step
   every session streams one response of 60 tokens at once; the gaps between a session's
   consecutive deltas are its inter-token latencies (nominal 50 ms). ``max_streams_itl_p99_under_100ms``
   is the largest step whose ITL p99 stayed under 100 ms.
@@ -64,7 +64,7 @@ from bench._common import (  # noqa: E402
 )
 from bench._gateway_server import GatewayProcess  # noqa: E402
 
-STEPS = (250, 500, 1000, 1500, 2000, 2500, 3000)
+STEPS = (50, 100, 200, 300, 400, 500, 1000, 1500, 2000, 3000)
 TOKENS_PER_S = 20.0
 STREAM_TOKENS = 60
 ITL_GOAL_S = 0.100

@@ -2,9 +2,10 @@
 
 A ``python -m gateway serve`` subprocess with the synthetic edge backend (20 tokens/s per stream,
 see bench/load.py) and 1,000 Realtime sessions open for the whole run. Each session loops: one
-turn in its conversation (a user item, then a 20-token response), a pause of 5 to 15 s, and now
-and then a cancel mid-stream, a truncate, a deleted item, or a session closed and opened again,
-so that every path that allocates runs many times. The server's RSS is sampled throughout;
+turn in its conversation (a user item, then a 20-token response), both items deleted again (a
+client keeping a window of its conversation, so that a session's state does not grow by design),
+a pause of 5 to 15 s; now and then a cancel mid-stream, a truncate, or a session closed and opened
+again, so that every path that allocates runs many times. The server's RSS is sampled throughout;
 ``soak_rss_growth`` is the RSS at the end over the RSS after the first minute (the warm-up), minus
 one (goal: within 5%). Turns that did not end with ``response.done`` are counted as hung
 (goal 0), and the KV cells still in use once every session has closed are read from ``/metrics``.
@@ -58,15 +59,17 @@ async def session_loop(url: str, deadline: float, rng: random.Random, counts: Co
     await asyncio.sleep(rng.uniform(0, 15))  # spread the sessions' turns over time
     try:
         while time.monotonic() < deadline:
-            action = rng.choices(["turn", "cancel", "truncate", "delete", "reopen"], [80, 8, 5, 4, 3])[0]
+            action = rng.choices(["turn", "cancel", "truncate", "reopen"], [84, 8, 5, 3])[0]
             if action == "reopen":
                 await ws.close()
                 ws = await websockets.connect(url, max_size=None, open_timeout=EVENT_TIMEOUT_S, ping_interval=None)
                 await recv_until(ws, "session.created")
                 counts["reopened"] += 1
                 continue
+            user_id = f"u{counts['turns']}_{rng.randrange(1 << 30)}"
             await ws.send(json.dumps({"type": "conversation.item.create", "item": {
-                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me more."}]}}))
+                "id": user_id, "type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "Tell me more."}]}}))
             await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 20}}))
             try:
                 if action == "cancel":
@@ -82,8 +85,11 @@ async def session_loop(url: str, deadline: float, rng: random.Random, counts: Co
             if action == "truncate" and output:
                 await ws.send(json.dumps({"type": "conversation.item.truncate", "item_id": output[0]["id"],
                                           "content_index": 0, "audio_end_ms": 0, "x_text_end": 3}))
-            elif action == "delete" and output:
+            # A client keeps a window of its conversation: it deletes what falls out of it (one turn
+            # here), so a session's state stays the same size and growth would be a leak.
+            if output:
                 await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": output[0]["id"]}))
+            await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": user_id}))
             await asyncio.sleep(rng.uniform(5, 15))
     finally:
         await ws.close()
