@@ -75,4 +75,4 @@ def test_registry_resolves_llama_cpp_lazily() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "LlamaCppBackend"
     assert issubclass(engine_edge.backend_class("llama_cpp"), EdgeBackend)
-    assert set(engine_edge.BACKENDS) == {"llama_cpp", "onnx"}
+    assert set(engine_edge.BACKENDS) == {"llama_cpp", "onnx", "synthetic"}

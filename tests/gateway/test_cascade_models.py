@@ -30,6 +30,9 @@ async def session_turns(client: AsyncOpenAI, model: str, prompts: list[str]) -> 
     """One Realtime session, a turn per prompt: (streamed text, response.done's response) each."""
     out = []
     async with client.realtime.connect(model=model) as conn:
+        # Greedy, as the calibration ran: at the Realtime default of 0.8 the held tokens are
+        # sampled, and their confidence varies from run to run.
+        await conn.session.update(session={"type": "realtime", "temperature": 0.0})
         for prompt in prompts:
             await conn.conversation.item.create(item={
                 "type": "message", "role": "user", "content": [{"type": "input_text", "text": prompt}]})
