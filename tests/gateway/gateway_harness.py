@@ -29,6 +29,16 @@ def make_config(**server: Any) -> Config:
     return replace(config, routing=replace(config.routing, default="edge"))
 
 
+def gpu_tier_config(method: str = "off", *, num_blocks: int = 256, max_model_len: int = 2048) -> Config:
+    """The shipped config routing every turn to the torch tier alone (the real model, one
+    thread), with speculation ``method`` (the edge drafter one-threaded too)."""
+    config = make_config()
+    spec = replace(config.engine.speculative, method=method, draft_model=config.edge.model, draft_threads=1)
+    return replace(config, routing=replace(config.routing, default="gpu"),
+                   engine=replace(config.engine, num_blocks=num_blocks, max_model_len=max_model_len, threads=1,
+                                  speculative=spec))
+
+
 @dataclass
 class Gateway:
     server: RunningServer

@@ -1,11 +1,10 @@
 """A real turn through the torch engine tier: gateway → engine core process → SmolLM2 (the dtype
 ``auto`` picks), with each speculation method the config offers."""
 
-from dataclasses import replace
 
 import aiohttp
 import pytest
-from gateway_harness import make_config, sdk_turn
+from gateway_harness import gpu_tier_config, sdk_turn
 from openai import AsyncOpenAI
 
 from gateway.engines import load_engines
@@ -17,10 +16,7 @@ pytestmark = pytest.mark.model
 
 @pytest.mark.parametrize("method", ["edge", "ngram", "off"])
 async def test_gpu_tier_serves_a_turn_and_frees_its_blocks(method: str) -> None:
-    config = make_config()
-    spec = replace(config.engine.speculative, method=method, draft_model=config.edge.model, draft_threads=1)
-    config = replace(config, routing=replace(config.routing, default="gpu"),
-                     engine=replace(config.engine, num_blocks=256, max_model_len=2048, threads=1, speculative=spec))
+    config = gpu_tier_config(method)
     app = create_app(config)
     server = await start_server(app)
     state = app[STATE]

@@ -7,12 +7,11 @@ import asyncio
 import os
 import signal
 import time
-from dataclasses import replace
 
 import aiohttp
 import pytest
 import websockets
-from gateway_harness import make_config, recv_json, recv_until, send, user_item
+from gateway_harness import gpu_tier_config, recv_json, recv_until, send, user_item
 
 from gateway.engines import load_engines
 from gateway.server import create_app, start_server
@@ -23,10 +22,7 @@ pytestmark = pytest.mark.model
 
 
 async def test_a_killed_core_fails_its_turns_fast_and_is_restarted() -> None:
-    config = make_config()
-    spec = replace(config.engine.speculative, method="off")
-    config = replace(config, routing=replace(config.routing, default="gpu"),
-                     engine=replace(config.engine, num_blocks=128, max_model_len=1024, threads=1, speculative=spec))
+    config = gpu_tier_config("off", num_blocks=128, max_model_len=1024)
     app = create_app(config)
     server = await start_server(app)
     state = app[STATE]
