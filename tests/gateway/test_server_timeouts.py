@@ -40,8 +40,8 @@ async def test_an_sse_client_that_stops_reading_is_dropped_and_its_turn_aborted(
     word = "z" * 20_000 + " "  # 4 MB/s of stream: the kernel's socket buffers fill within seconds
     engine = FakeEngine(tokens_per_second=200, reply=lambda p, s: [word] * 20_000)
     async with running_gateway(engine, sse_write_timeout_s=0.5, max_output_tokens=20_000) as gw:
-        body = ('{"model": "smollm2-135m-edge", "stream": true, "max_tokens": 20000, '
-                '"messages": [{"role": "user", "content": "go"}]}').encode()
+        body = (b'{"model": "smollm2-135m-edge", "stream": true, "max_tokens": 20000, '
+                b'"messages": [{"role": "user", "content": "go"}]}')
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.setblocking(False)
