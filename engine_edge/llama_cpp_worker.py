@@ -4,7 +4,7 @@ decodes a single batch per step for all of them, then samples and streams.
 A request goes to the slot ``prefix_cache.PrefixCache`` picks: a finished request leaves its
 KV in its slot, so the next turn of a conversation computes only its new tokens; a slot's KV
 moves to host memory when another conversation needs the slot, and back when restoring beats
-recomputing.
+recomputing. Only requests with the same cache salt reuse each other's KV.
 
 A step is schedule (``plan_batch``: which tokens of which sequences), execute (one
 ``llama_decode``) and update (sample, emit, finish). Commands from the asyncio front are
@@ -278,7 +278,7 @@ class LlamaWorker:
             if not self._fits(reservation):
                 return False
             self._preempted.popleft()
-            placement = self._cache.place(tuple(seq.tokens), self._free_slots)
+            placement = self._cache.place(tuple(seq.tokens), self._free_slots, seq.cmd.salt)
             self._free_slots.remove(placement.slot)
             seq.slot, seq.reservation = placement.slot, reservation
             seq.n_cached = self._prepare_slot(placement)
@@ -302,7 +302,7 @@ class LlamaWorker:
                 return  # first come first served: later requests do not jump a big one
             heapq.heappop(self._waiting)
             del self._waiting_cmds[request_id]
-            placement = self._cache.place(cmd.prompt, self._free_slots)
+            placement = self._cache.place(cmd.prompt, self._free_slots, cmd.salt)
             self._free_slots.remove(placement.slot)
             keep = self._prepare_slot(placement)
             seq = GenSeq(cmd, placement.slot, list(cmd.prompt), TextStream(self._tokenizer, cmd.params.stop),
@@ -438,7 +438,8 @@ class LlamaWorker:
             self._ctx.seq_rm(seq.slot)
             self._cache.dropped(seq.slot)
         else:  # the work stops now; its KV stays as cache for the conversation's next turn
-            self._cache.finished(seq.slot, seq.tokens[: seq.n_cached], seq.cmd.session, len(seq.cmd.prompt))
+            self._cache.finished(seq.slot, seq.tokens[: seq.n_cached], seq.cmd.session, len(seq.cmd.prompt),
+                                 seq.cmd.salt)
             if not self._cache.enabled:
                 self._ctx.seq_rm(seq.slot)
 

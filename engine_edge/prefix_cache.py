@@ -8,7 +8,10 @@ least recently used evicted) and can be loaded back into any slot on that conver
 turn, when loading is cheaper than computing the same prefix again (both costs are measured).
 
 A request reuses the longest common token prefix, never its whole prompt: the last prompt
-token is always computed again, since its logits are the first token's distribution.
+token is always computed again, since its logits are the first token's distribution. It reuses
+only KV left by requests with its own cache salt (``Engine.generate(cache_salt=...)``, one per
+API key when the gateway isolates tenants), so no tenant's timing or ``cached_tokens`` shows
+what another sent.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Resident:
     session: str  # whose conversation ("" when the request named none); released with it
     last_used: int
     prompt_len: int  # the prompt part of ``tokens``: the conversation's next turn starts with all of it
+    salt: str = ""  # the cache salt of the request that left it: only requests with the same one reuse it
 
 
 @dataclass(eq=False)
@@ -44,6 +48,7 @@ class Snapshot:
     tokens: tuple[int, ...]
     data: bytes
     session: str
+    salt: str = ""  # carried over from the resident it was copied from
 
 
 @dataclass(frozen=True)
@@ -81,8 +86,9 @@ class PrefixCache:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def place(self, prompt: Sequence[int], free_slots: Sequence[int]) -> Placement:
-        """Where a request with ``prompt`` goes, among ``free_slots`` (at least one)."""
+    def place(self, prompt: Sequence[int], free_slots: Sequence[int], salt: str = "") -> Placement:
+        """Where a request with ``prompt`` and cache ``salt`` goes, among ``free_slots`` (at least
+        one). KV left under another salt is never reused; its slot is only taken as an empty one."""
         assert free_slots, "place() needs a free slot"
         limit = len(prompt) - 1  # the last prompt token is always computed
         self.stats.queried_tokens += len(prompt)
@@ -91,12 +97,14 @@ class PrefixCache:
         best_slot, best = None, 0
         for slot in free_slots:
             resident = self.resident.get(slot)
-            if resident is not None:
+            if resident is not None and resident.salt == salt:
                 n = min(common_prefix(resident.tokens, prompt), limit)
                 if n > best:
                     best_slot, best = slot, n
         snapshot_id, snapshot_keep = None, 0
         for sid, snap in self.snapshots.items():
+            if snap.salt != salt:
+                continue
             n = min(common_prefix(snap.tokens, prompt), limit)
             if n > snapshot_keep:
                 snapshot_id, snapshot_keep = sid, n
@@ -137,10 +145,12 @@ class PrefixCache:
 
     # ---- results the worker reports --------------------------------------------------------
 
-    def finished(self, slot: int, tokens: Sequence[int], session: str, prompt_len: int) -> None:
-        """A request whose prompt was ``prompt_len`` tokens left ``tokens`` of KV in ``slot`` (freed with it)."""
+    def finished(self, slot: int, tokens: Sequence[int], session: str, prompt_len: int, salt: str = "") -> None:
+        """A request whose prompt was ``prompt_len`` tokens, with cache ``salt``, left ``tokens`` of
+        KV in ``slot`` (freed with it)."""
         if tokens and self.enabled:
-            self.resident[slot] = Resident(tuple(tokens), session, next(self._clock), min(prompt_len, len(tokens)))
+            self.resident[slot] = Resident(tuple(tokens), session, next(self._clock), min(prompt_len, len(tokens)),
+                                           salt)
 
     def dropped(self, slot: int) -> None:
         """The slot's KV is gone (an error, or the worker cleared it)."""
@@ -154,7 +164,7 @@ class PrefixCache:
             _, old = self.snapshots.popitem(last=False)
             self.snapshot_bytes -= len(old.data)
             self.stats.snapshot_evictions += 1
-        self.snapshots[next(self._ids)] = Snapshot(resident.tokens, data, resident.session)
+        self.snapshots[next(self._ids)] = Snapshot(resident.tokens, data, resident.session, resident.salt)
         self.snapshot_bytes += len(data)
         self.stats.saves += 1
 

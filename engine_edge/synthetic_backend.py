@@ -22,7 +22,15 @@ from pathlib import Path
 
 from engine_edge.base import Draft, EdgeBackend, check_prompt
 from engine_edge.config import EdgeConfig
-from llm_shared.contract import FinishEvent, FinishReason, Priority, SamplingParams, StreamEvent, TokenEvent
+from llm_shared.contract import (
+    FinishEvent,
+    FinishReason,
+    Priority,
+    SamplingParams,
+    StreamEvent,
+    TokenEvent,
+    check_cache_salt,
+)
 from llm_shared.errors import DuplicateRequestError, EngineUnavailableError, OverloadedError
 from llm_shared.modelfile import check_gguf
 from llm_shared.textstream import TextStream
@@ -70,10 +78,12 @@ class SyntheticBackend(EdgeBackend):
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                        priority: Priority = Priority.INTERACTIVE, session_id: str = "",
-                       draft_ids: Sequence[int] = ()) -> AsyncIterator[StreamEvent]:
+                       draft_ids: Sequence[int] = (), cache_salt: str = "") -> AsyncIterator[StreamEvent]:
+        """``cache_salt`` is checked and has nothing to separate: no KV outlives its turn here."""
         if self._closed:
             raise EngineUnavailableError("the synthetic engine is closed")
         prompt = check_prompt(prompt_ids, self._tokenizer.vocab_size, self.max_prompt_tokens)
+        check_cache_salt(cache_salt)
         if request_id in self._streams:
             raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")
         if len(self._streams) >= self._max_streams:

@@ -42,6 +42,7 @@ class GenerateCmd:
     priority: Priority
     sink: EventSink
     session: str = ""  # the conversation it belongs to: its KV stays reusable until the session ends
+    salt: str = ""  # cache salt (checked by the front): it reuses only KV that requests with the same salt left
 
 
 @dataclass(frozen=True)

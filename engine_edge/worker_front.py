@@ -28,7 +28,14 @@ from engine_edge.worker_channel import (
     ProposeCmd,
     reject,
 )
-from llm_shared.contract import MAX_PREFIX_DRAFT_TOKENS, FinishEvent, Priority, SamplingParams, StreamEvent
+from llm_shared.contract import (
+    MAX_PREFIX_DRAFT_TOKENS,
+    FinishEvent,
+    Priority,
+    SamplingParams,
+    StreamEvent,
+    check_cache_salt,
+)
 from llm_shared.errors import (
     ConfigError,
     DuplicateRequestError,
@@ -107,8 +114,10 @@ class WorkerFront(EdgeBackend):
         priority: Priority = Priority.INTERACTIVE,
         session_id: str = "",
         draft_ids: Sequence[int] = (),
+        cache_salt: str = "",
     ) -> AsyncIterator[StreamEvent]:
-        """``draft_ids`` are checked and ignored: this tier is the drafter, not a verifier."""
+        """``draft_ids`` are checked and ignored: this tier is the drafter, not a verifier. A slot's
+        or snapshot's KV is reused only by a request with the ``cache_salt`` of the one that left it."""
         self._require_ready()
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(f"request_id must be a string of 1..{MAX_REQUEST_ID_CHARS} characters",
@@ -124,6 +133,7 @@ class WorkerFront(EdgeBackend):
         if len(draft_ids) > MAX_PREFIX_DRAFT_TOKENS:
             raise InvalidRequestError(f"draft_ids holds at most {MAX_PREFIX_DRAFT_TOKENS} tokens", param="draft_ids")
         check_token_ids(draft_ids, self.n_vocab, param="draft_ids")
+        salt = check_cache_salt(cache_salt)
         if request_id in self._open:
             raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")
         if len(self._open) >= self._n_seq_max + self._max_queued:
@@ -133,7 +143,7 @@ class WorkerFront(EdgeBackend):
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._open.add(request_id)
         self._commands.put(GenerateCmd(request_id, prompt, params, Priority(priority),
-                                       EventSink(asyncio.get_running_loop(), events), session_id))
+                                       EventSink(asyncio.get_running_loop(), events), session_id, salt))
         finished = False
         try:
             while not finished:

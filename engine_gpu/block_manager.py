@@ -11,6 +11,13 @@ hit on block i implies the whole prefix up to i matches. The token ids are compa
 as well. A block becomes findable only once its KV is computed (``publish_full_blocks``, called
 after the step ran), never at allocation, so a hit can never read KV that is still being written.
 
+Tenants are kept apart by the request's cache salt (``Engine.generate(cache_salt=...)``): the
+chain of a salted sequence starts from a seed derived from its salt instead of b"", so its
+blocks hash differently from the same tokens under another salt or none, and the salt is
+compared on a hit too. Unsalted chains are exactly what they were before salts existed.
+``block_hashes`` computes the chain outside any pool (a router finding which replica holds a
+prompt's prefix) with the same code the pool uses.
+
 Every operation costs O(blocks it touches); nothing scans the pool, except ``check_invariants``
 which tests call.
 """
@@ -21,12 +28,17 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
+from collections.abc import Sequence as SequenceABC
 
 from engine_gpu.sequence import Sequence
 
+# blake2b personalisation of a salt's seed: a seed is never the hash of any block (those are
+# computed without one), so no salted chain can continue an unsalted one by construction.
+SALT_PERSON = b"kv-prefix-salt1"
 
-def chain_hash(prev: bytes, token_ids: list[int]) -> bytes:
-    """Hash of a full block given its predecessor's hash (b"" for the first block).
+
+def chain_hash(prev: bytes, token_ids: SequenceABC[int]) -> bytes:
+    """Hash of a full block given its predecessor's hash (its chain's seed for the first block).
 
     A cryptographic hash rather than Python's ``hash``: users choose the tokens, and a
     crafted collision would let one user's prompt reuse KV computed for another prefix.
@@ -34,6 +46,34 @@ def chain_hash(prev: bytes, token_ids: list[int]) -> bytes:
     h = hashlib.blake2b(prev, digest_size=16)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def salt_seed(cache_salt: str) -> bytes:
+    """What a chain starts from: b"" unsalted (the hashes as they always were), else a 16-byte
+    digest of the salt under its own personalisation."""
+    if not cache_salt:
+        return b""
+    return hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=16, person=SALT_PERSON).digest()
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: SequenceABC[int], block_size: int, num_blocks: int,
+                        seed: bytes) -> None:
+    """Append to ``hashes`` (the chain of ``token_ids``' first ``len(hashes)`` full blocks, from
+    ``seed``) until it covers ``num_blocks`` blocks. The one place a chain is computed."""
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        prev = hashes[-1] if hashes else seed
+        hashes.append(chain_hash(prev, token_ids[i * block_size : (i + 1) * block_size]))
+
+
+def block_hashes(token_ids: SequenceABC[int], block_size: int, cache_salt: str = "") -> list[bytes]:
+    """The chained hashes of every full block of ``token_ids``, bit for bit those the block
+    manager registers for a sequence with these tokens and ``cache_salt``. Pure: no pool, no torch."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, token_ids, block_size, len(token_ids) // block_size, salt_seed(cache_salt))
+    return hashes
 
 
 class BlockManager:
@@ -46,6 +86,7 @@ class BlockManager:
         self._ref_count = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks  # set only while registered in _by_hash
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # compared on every hit
+        self._salts: list[str] = [""] * num_blocks  # the publishing request's cache salt, compared on every hit
         self._by_hash: dict[bytes, int] = {}
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack; pops block 0 first
         self._cached: OrderedDict[int, None] = OrderedDict()  # oldest-freed first: the eviction order
@@ -79,11 +120,9 @@ class BlockManager:
 
     def _seq_block_hash(self, seq: Sequence, index: int) -> bytes:
         """Hash of the seq's full block ``index``, extending its memoised chain as needed."""
-        bs = self.block_size
-        while len(seq.block_hashes) <= index:
-            i = len(seq.block_hashes)
-            prev = seq.block_hashes[-1] if seq.block_hashes else b""
-            seq.block_hashes.append(chain_hash(prev, seq.token_ids[i * bs : (i + 1) * bs]))
+        if len(seq.block_hashes) <= index:
+            seed = salt_seed(seq.cache_salt) if not seq.block_hashes else b""  # the seed matters only at block 0
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, index + 1, seed)
         return seq.block_hashes[index]
 
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -98,7 +137,8 @@ class BlockManager:
         hits: list[int] = []
         for i in range((seq.num_tokens - 1) // bs):
             block_id = self._by_hash.get(self._seq_block_hash(seq, i))
-            if block_id is None or self._tokens[block_id] != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            if (block_id is None or self._salts[block_id] != seq.cache_salt
+                    or self._tokens[block_id] != tuple(seq.token_ids[i * bs : (i + 1) * bs])):
                 break
             hits.append(block_id)
         return hits
@@ -141,6 +181,7 @@ class BlockManager:
             del self._by_hash[h]
             self._hash[block_id] = None
             self._tokens[block_id] = None
+            self._salts[block_id] = ""
         assert self._ref_count[block_id] == 0
         self._ref_count[block_id] = 1
         return block_id
@@ -193,6 +234,7 @@ class BlockManager:
                 self._by_hash[h] = block_id
                 self._hash[block_id] = h
                 self._tokens[block_id] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self._salts[block_id] = seq.cache_salt
         seq.num_published_blocks = max(seq.num_published_blocks, full)
 
     # ---- testing aid ----
@@ -221,3 +263,5 @@ class BlockManager:
                 raise AssertionError(f"hash index points at block {block_id}, which holds something else")
         if sum(h is not None for h in self._hash) != len(self._by_hash):
             raise AssertionError("a block carries a hash that the index does not know")
+        if any(salt and h is None for salt, h in zip(self._salts, self._hash, strict=True)):
+            raise AssertionError("an unregistered block still carries a cache salt")

@@ -49,7 +49,14 @@ from engine_gpu.protocol import (
     secret_bytes,
 )
 from llm_shared import errors
-from llm_shared.contract import MAX_PREFIX_DRAFT_TOKENS, FinishEvent, Priority, SamplingParams, StreamEvent
+from llm_shared.contract import (
+    MAX_PREFIX_DRAFT_TOKENS,
+    FinishEvent,
+    Priority,
+    SamplingParams,
+    StreamEvent,
+    check_cache_salt,
+)
 from llm_shared.models import REPO_ROOT, ModelConfig, tokenizer_for
 from llm_shared.tokenizer import Tokenizer
 
@@ -177,10 +184,11 @@ class EngineClient:
 
     def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                  priority: Priority = Priority.INTERACTIVE, session_id: str = "",
-                 draft_ids: Sequence[int] = ()) -> _Stream:
+                 draft_ids: Sequence[int] = (), cache_salt: str = "") -> _Stream:
         # session_id is not sent: the core's prefix cache finds a conversation by its token
-        # blocks, whoever asks, and evicts them by LRU, so there is nothing to end per session.
-        stream = _Stream(self, request_id, prompt_ids, params, priority, draft_ids)
+        # blocks (among those of requests with the same cache_salt) and evicts them by LRU, so
+        # there is nothing to end per session.
+        stream = _Stream(self, request_id, prompt_ids, params, priority, draft_ids, cache_salt)
         if isinstance(request_id, str):
             self._unstarted[request_id] = stream
         return stream
@@ -246,7 +254,7 @@ class EngineClient:
     # --- internals ----------------------------------------------------------------------------
 
     def _validate(self, request_id: object, prompt_ids: Sequence[int], params: object, priority: object,
-                  draft_ids: Sequence[int] = ()) -> None:
+                  draft_ids: Sequence[int] = (), cache_salt: object = "") -> None:
         """Cheap checks that save a round trip; the core validates again."""
         if not self._ready:
             raise errors.EngineUnavailableError("the torch engine is not available")
@@ -268,17 +276,19 @@ class EngineClient:
         if len(draft_ids) > MAX_PREFIX_DRAFT_TOKENS:
             raise errors.InvalidRequestError(f"draft_ids holds at most {MAX_PREFIX_DRAFT_TOKENS} tokens",
                                              param="draft_ids")
+        check_cache_salt(cache_salt)
         for ids, param in ((prompt_ids, "prompt"), (draft_ids, "draft_ids")):
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < (self._vocab_size or 2**31):
                     raise errors.InvalidRequestError(f"token id {t!r} is outside the vocabulary", param=param)
 
     async def _open(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                    priority: Priority, draft_ids: Sequence[int]) -> _Live:
-        self._validate(request_id, prompt_ids, params, priority, draft_ids)
+                    priority: Priority, draft_ids: Sequence[int], cache_salt: str) -> _Live:
+        self._validate(request_id, prompt_ids, params, priority, draft_ids, cache_salt)
         live = self._live[request_id] = _Live(prompt_tokens=len(prompt_ids))
         try:
-            await self._send(AddRequest(request_id, list(prompt_ids), params, Priority(priority), list(draft_ids)))
+            await self._send(AddRequest(request_id, list(prompt_ids), params, Priority(priority), list(draft_ids),
+                                        cache_salt))
         except BaseException:
             self._live.pop(request_id, None)
             raise
@@ -365,9 +375,9 @@ class _Stream:
     which raises the request's typed error if the client or the core rejects it."""
 
     def __init__(self, client: EngineClient, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                 priority: Priority, draft_ids: Sequence[int]) -> None:
+                 priority: Priority, draft_ids: Sequence[int], cache_salt: str) -> None:
         self._client = client
-        self._args = (request_id, prompt_ids, params, priority, draft_ids)
+        self._args = (request_id, prompt_ids, params, priority, draft_ids, cache_salt)
         self._live: _Live | None = None
         self._done = False
         self.aborted = False  # aborted before it started: it ends at once without reaching the core

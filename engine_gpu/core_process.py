@@ -82,7 +82,8 @@ class StepEngine(Protocol):
     """What the loop needs of LLMEngine (kept narrow so the loop reads on its own)."""
 
     def add_checked_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                            priority: Priority, draft_ids: list[int] | None = None) -> None: ...
+                            priority: Priority, draft_ids: list[int] | None = None,
+                            cache_salt: str = "") -> None: ...
     def abort_request(self, request_id: str, reason: FinishReason = "abort", message: str = "") -> RequestOutput | None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
@@ -377,7 +378,8 @@ class CoreServer:
         engine_id = f"{conn.cid}/{msg.request_id}"
         try:
             # decode_client_message checked the fields; the engine checks only its own limits
-            self.engine.add_checked_request(engine_id, msg.prompt_ids, msg.params, msg.priority, msg.draft_ids)
+            self.engine.add_checked_request(engine_id, msg.prompt_ids, msg.params, msg.priority, msg.draft_ids,
+                                            msg.cache_salt)
         except EngineError as e:
             self._send(conn, Rejected(msg.request_id, e.code, e.message, e.param))
             return

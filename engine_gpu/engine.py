@@ -77,21 +77,23 @@ class LLMEngine:
     # --- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                    priority: Priority = Priority.INTERACTIVE, draft_ids: Sequence[int] = ()) -> None:
+                    priority: Priority = Priority.INTERACTIVE, draft_ids: Sequence[int] = (),
+                    cache_salt: str = "") -> None:
         """Queue a request from an in-process caller. The scheduler checks its fields, then this
         engine's limits; raises EmptyPromptError, InvalidRequestError (a malformed field or a token
         outside the vocabulary), PromptTooLongError, DuplicateRequestError or OverloadedError.
-        ``draft_ids`` are verified with the prompt's last chunk (``Scheduler.add_request``)."""
+        ``draft_ids`` are verified with the prompt's last chunk (``Scheduler.add_request``);
+        prefix-cache hits come only from requests with the same ``cache_salt``."""
         self.scheduler.add_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
-                                   draft_ids=draft_ids)
+                                   draft_ids=draft_ids, cache_salt=cache_salt)
         self._requests[request_id] = _Request(TextStream(self.tokenizer, params.stop), prompt_tokens=len(prompt_ids))
 
     def add_checked_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                            priority: Priority, draft_ids: list[int] | None = None) -> None:
+                            priority: Priority, draft_ids: list[int] | None = None, cache_salt: str = "") -> None:
         """Queue a request whose fields the core's socket decoder checked; only this engine's limits
         are checked (vocabulary, length, duplicates, load), raising as ``add_request`` does."""
         self.scheduler.add_checked_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
-                                           draft_ids=draft_ids)
+                                           draft_ids=draft_ids, cache_salt=cache_salt)
         self._requests[request_id] = _Request(TextStream(self.tokenizer, params.stop), prompt_tokens=len(prompt_ids))
 
     def abort_request(self, request_id: str, reason: FinishReason = "abort", message: str = "") -> RequestOutput | None:

@@ -38,6 +38,7 @@ from llm_shared.contract import (
     Priority,
     SamplingParams,
     TokenEvent,
+    check_cache_salt,
 )
 
 HEADER = struct.Struct(">I")
@@ -84,6 +85,7 @@ class AddRequest:
     params: SamplingParams
     priority: Priority
     draft_ids: list[int] = dataclasses.field(default_factory=list)  # verified with the prompt (Engine.generate)
+    cache_salt: str = ""  # prefix-cache hits only from requests with the same salt (Engine.generate)
     t: Literal["add"] = "add"
 
 
@@ -276,6 +278,8 @@ def _to_wire(m: ClientMessage | CoreMessage) -> dict[str, Any]:
                     "priority": int(m.priority)}
             if m.draft_ids:
                 wire["draft"] = list(m.draft_ids)
+            if m.cache_salt:
+                wire["salt"] = m.cache_salt
             return wire
         case Authenticate():
             return {"t": m.t, "mac": m.mac}
@@ -364,7 +368,7 @@ def decode_client_message(payload: bytes) -> ClientMessage:
     try:
         match obj.get("t"):
             case "add":
-                _keys(obj, {"t", "id", "prompt", "params", "priority", "draft"})
+                _keys(obj, {"t", "id", "prompt", "params", "priority", "draft", "salt"})
                 request_id = _str(obj, "id", max_chars=MAX_REQUEST_ID_CHARS, empty=False)
                 try:
                     return _decode_add(obj, request_id)
@@ -410,7 +414,8 @@ def _decode_add(obj: Mapping[str, Any], request_id: str) -> AddRequest:
     priority = obj.get("priority")
     if isinstance(priority, bool) or priority not in {int(p) for p in Priority}:
         raise errors.InvalidRequestError(f"priority must be one of {[int(p) for p in Priority]}", param="priority")
-    return AddRequest(request_id, prompt, params_from_wire(obj.get("params")), Priority(priority), drafts)
+    salt = check_cache_salt(obj.get("salt", ""))  # a bad salt rejects this request only
+    return AddRequest(request_id, prompt, params_from_wire(obj.get("params")), Priority(priority), drafts, salt)
 
 
 def decode_core_message(payload: bytes) -> CoreMessage:

@@ -90,25 +90,28 @@ class Scheduler:
         priority: Priority = Priority.INTERACTIVE,
         arrival: float | None = None,
         draft_ids: SequenceABC[int] = (),
+        cache_salt: str = "",
     ) -> None:
         """Queue a request from an in-process caller, or raise: a malformed field (checked here),
         a token outside the vocabulary, a request that can never fit, or overload.
 
         ``draft_ids`` guess the output's first tokens (the cascade's held edge tokens): they
-        ride with the prompt's last chunk and are verified in that same pass."""
+        ride with the prompt's last chunk and are verified in that same pass. ``cache_salt``:
+        prefix-cache hits come only from requests with the same salt (``Engine.generate``)."""
         try:
             drafts = as_token_ids(draft_ids)
         except ValueError as e:
             raise InvalidRequestError(f"draft_ids: {e}", param="draft_ids") from None
-        seq = new_sequence(request_id, prompt_ids, params, priority, arrival, next(self._seq_numbers))
+        seq = new_sequence(request_id, prompt_ids, params, priority, arrival, next(self._seq_numbers), cache_salt)
         self._admit(seq, drafts)
 
     def add_checked_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: Priority, arrival: float,
-        draft_ids: list[int] | None = None,
+        draft_ids: list[int] | None = None, cache_salt: str = "",
     ) -> None:
         """Queue a request whose fields a trust boundary already checked (the core's socket decoder:
-        a non-empty list of non-negative ints, a valid priority); only this engine's limits are checked."""
+        a non-empty list of non-negative ints, a valid priority and cache salt); only this engine's
+        limits are checked."""
         self._admit(Sequence(
             request_id=request_id,
             token_ids=list(prompt_ids),  # a copy: the sequence appends its output to it
@@ -117,6 +120,7 @@ class Scheduler:
             priority=priority,
             arrival=arrival,
             seq_no=next(self._seq_numbers),
+            cache_salt=cache_salt,
         ), draft_ids or [])
 
     def _admit(self, seq: Sequence, drafts: list[int]) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from llm_shared.contract import FinishReason, Priority, SamplingParams
+from llm_shared.contract import FinishReason, Priority, SamplingParams, check_cache_salt
 from llm_shared.errors import EmptyPromptError, InvalidRequestError
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids are hashed as int64 and fed to int32 tensors
@@ -45,6 +45,9 @@ class Sequence:
     num_published_blocks: int = 0  # leading block_table entries already offered to the prefix cache
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to verify next step
     finish_reason: FinishReason | None = None
+    # Whose prefix cache it may use (Engine.generate's cache_salt, "" for none): its block hash
+    # chain starts from this salt's seed, so it shares blocks only with requests of the same salt.
+    cache_salt: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +103,8 @@ def as_token_ids(values: Iterable[object]) -> list[int]:
 
 
 def new_sequence(
-    request_id: object, prompt_ids: Iterable[object], params: object, priority: object, arrival: object, seq_no: int
+    request_id: object, prompt_ids: Iterable[object], params: object, priority: object, arrival: object, seq_no: int,
+    cache_salt: object = "",
 ) -> Sequence:
     """A waiting sequence from an in-process caller's input, or an ``InvalidRequestError`` naming
     the bad field. Limits that depend on the engine (vocabulary, context length, pool size, load)
@@ -119,6 +123,7 @@ def new_sequence(
         raise InvalidRequestError(f"prompt: {e}", param="prompt") from None
     if not tokens:
         raise EmptyPromptError("the prompt is empty", param="prompt")
+    salt = check_cache_salt(cache_salt)
     if arrival is None:
         arrival = time.monotonic()
     elif isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival):
@@ -131,4 +136,5 @@ def new_sequence(
         priority=priority,
         arrival=float(arrival),
         seq_no=seq_no,
+        cache_salt=salt,
     )

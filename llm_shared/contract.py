@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Literal, Protocol, get_args, runtime_checkable
 
-from llm_shared.errors import InvalidSamplingError
+from llm_shared.errors import InvalidRequestError, InvalidSamplingError
 
 if TYPE_CHECKING:
     from llm_shared.tokenizer import Tokenizer
@@ -30,6 +30,10 @@ MAX_MAX_TOKENS = 1 << 24
 # A tier that speculates verifies a caller's draft of the output's first tokens (the cascade's
 # held edge tokens) in its first pass; longer drafts are refused.
 MAX_PREFIX_DRAFT_TOKENS = 64
+# A cache salt names whose cached prefix state a request may reuse (``Engine.generate``); the
+# gateway sends a 32-hex-digit digest per API key. Printable ASCII only, so every tier hashes
+# the same bytes for it.
+MAX_CACHE_SALT_CHARS = 64
 
 
 class Priority(IntEnum):
@@ -38,6 +42,16 @@ class Priority(IntEnum):
     REALTIME = 0  # WebSocket session turns: a person is waiting and may interrupt
     INTERACTIVE = 1  # HTTP chat completions
     BATCH = 2  # offline work that may be preempted first
+
+
+def check_cache_salt(salt: object) -> str:
+    """``salt`` if it is a valid cache salt (a string of at most ``MAX_CACHE_SALT_CHARS``
+    printable ASCII characters, "" for none), else InvalidRequestError naming ``cache_salt``."""
+    if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS or not (salt.isascii() and salt.isprintable()):
+        raise InvalidRequestError(
+            f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} printable ASCII characters",
+            param="cache_salt")
+    return salt
 
 
 @dataclass(frozen=True)
@@ -146,6 +160,11 @@ class Engine(Protocol):
     that verifies drafts (the torch engine) checks them in the prompt's last pass and emits the
     prefix it agrees with at once; the output is what the tier would sample anyway. Other
     tiers ignore them.
+    ``cache_salt`` (``check_cache_salt``: at most ``MAX_CACHE_SALT_CHARS`` printable ASCII
+    characters, "" for none) keeps tenants apart: a tier reuses cached prefix state (KV blocks,
+    a slot's or a snapshot's KV) only from requests that sent the same salt, so one tenant cannot
+    learn from ``cached_tokens`` or the time to first token whether another sent a prompt. The
+    gateway sends one salt per API key when ``server.isolate_prefix_cache`` is on.
     Every stream that starts ends with exactly one ``FinishEvent``. ``abort`` is idempotent;
     after it returns the request's KV is freed (edge: at once; torch: before the next step)
     and its stream ends with ``FinishEvent(reason="abort")``.
@@ -170,6 +189,7 @@ class Engine(Protocol):
         priority: Priority = Priority.INTERACTIVE,
         session_id: str = "",
         draft_ids: Sequence[int] = (),
+        cache_salt: str = "",
     ) -> AsyncIterator[StreamEvent]: ...
 
     @abstractmethod

@@ -268,6 +268,10 @@ async def test_bad_inputs_raise_typed_errors(backend: LlamaCppBackend) -> None:
         SamplingParams(temperature=-1.0)
     with pytest.raises(InvalidRequestError):
         await first([1, 2], request_id="")
+    for salt in ("s" * 65, 7, "caf\u00e9"):
+        with pytest.raises(InvalidRequestError) as info:
+            await anext(backend.generate("bad", [1, 2], GREEDY, cache_salt=salt))  # type: ignore[arg-type]
+        assert info.value.param == "cache_salt"
     with pytest.raises(InvalidRequestError) as info:
         await backend.propose([1, 2], 0)
     assert info.value.param == "k"

@@ -102,3 +102,30 @@ def test_switched_off_nothing_is_kept_or_reused() -> None:
     cache.finished(0, CONV_A, "a", 40)
     assert not cache.resident
     assert cache.place([*CONV_A, 1], [0]).keep == 0
+
+
+def test_kv_left_under_one_cache_salt_is_reused_only_under_it() -> None:
+    cache = PrefixCache(n_slots=3, snapshot_budget_bytes=1 << 20)
+    cache.finished(0, CONV_A, "a", 40, salt="tenant-a")
+    for slot, salt in ((1, "tenant-b"), (2, "")):  # another tenant, or no salt: nothing to reuse, an empty slot
+        placement = cache.place([*CONV_A, 1], [0, 1, 2], salt)
+        assert (placement.slot, placement.keep, placement.restore) == (slot, 0, None)
+        cache.finished(slot, [*CONV_A, 1], "other", 61, salt=salt)  # what it computed stays under its own salt
+    placement = cache.place([*CONV_A, 2], [0, 1, 2], "tenant-a")
+    assert (placement.slot, placement.keep) == (0, 60)
+    assert cache.place([*CONV_A, 1, 5], [1, 2], "").keep == 61  # and the unsalted turn's KV serves unsalted turns
+
+
+def test_a_snapshot_keeps_its_salt_and_is_restored_only_under_it() -> None:
+    cache = PrefixCache(n_slots=1, snapshot_budget_bytes=1 << 20)
+    cache.finished(0, CONV_A, "a", 40, salt="tenant-a")
+    placement = cache.place(CONV_B, [0], "tenant-b")  # A's KV moves to host memory, salt and all
+    assert placement.save is not None and placement.keep == 0
+    cache.saved(placement.save, b"x" * 100)
+    assert [snap.salt for snap in cache.snapshots.values()] == ["tenant-a"]
+    cache.finished(0, CONV_B, "b", 40, salt="tenant-b")
+    stolen = cache.place([*CONV_A, 1], [0], "tenant-b")
+    assert stolen.restore is None and stolen.keep == 0
+    cache.finished(0, [*CONV_A, 1], "b", 61, salt="tenant-b")
+    own = cache.place([*CONV_A, 2], [0], "tenant-a")
+    assert own.restore is not None and own.keep == 60

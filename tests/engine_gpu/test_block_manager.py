@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 import pytest
 
 from engine_gpu import block_manager as bm_module
-from engine_gpu.block_manager import BlockManager
+from engine_gpu.block_manager import BlockManager, block_hashes
 from engine_gpu.sequence import Sequence
 from llm_shared.contract import Priority, SamplingParams
 
 BS = 4
 
 
-def make_seq(tokens: list[int], request_id: str = "r") -> Sequence:
+def make_seq(tokens: list[int], request_id: str = "r", cache_salt: str = "") -> Sequence:
     return Sequence(
         request_id=request_id,
         token_ids=list(tokens),
@@ -21,6 +24,7 @@ def make_seq(tokens: list[int], request_id: str = "r") -> Sequence:
         priority=Priority.INTERACTIVE,
         arrival=0.0,
         seq_no=0,
+        cache_salt=cache_salt,
     )
 
 
@@ -204,3 +208,75 @@ def test_prefix_caching_off_never_hits_or_caches() -> None:
 def test_pool_must_not_be_empty() -> None:
     with pytest.raises(ValueError):
         BlockManager(0, BS)
+
+
+# ---- tenants: cache salts ----
+
+SALT_A, SALT_B = "a" * 32, "b" * 32
+
+
+def registered(bm: BlockManager, seq: Sequence) -> list[bytes]:
+    """The hashes the pool registered the seq's published blocks under."""
+    by_block = {block_id: h for h, block_id in bm._by_hash.items()}
+    return [by_block[block_id] for block_id in seq.block_table[: seq.num_published_blocks]]
+
+
+@pytest.mark.parametrize("salt", ["", SALT_A])
+def test_block_hashes_are_what_the_block_manager_registers(salt: str) -> None:
+    """A router imports ``block_hashes`` to find the replica holding a prompt's prefix: it must
+    give the engine's hashes bit for bit (partial last block excluded)."""
+    tokens = [(7 * i + 3) % 1000 for i in range(4 * BS + 3)]
+    bm = BlockManager(16, BS)
+    seq = make_seq(tokens, "a", salt)
+    admit(bm, seq)
+    compute_all(bm, seq)
+    assert seq.num_published_blocks == 4
+    assert registered(bm, seq) == block_hashes(tokens, BS, salt) == block_hashes(tuple(tokens), BS, salt)
+    assert block_hashes(tokens[: BS - 1], BS, salt) == []
+
+
+def test_unsalted_hashes_are_unchanged_and_salted_ones_never_meet_them() -> None:
+    tokens = list(range(3 * BS))
+    unsalted = block_hashes(tokens, BS)
+    # exactly the chain from before salts existed: blake2b-128 of (previous hash, int64 token ids) from b""
+    prev, expected = b"", []
+    for i in range(3):
+        prev = hashlib.blake2b(prev + array("q", tokens[i * BS:(i + 1) * BS]).tobytes(), digest_size=16).digest()
+        expected.append(prev)
+    assert unsalted == expected
+    a, b = block_hashes(tokens, BS, SALT_A), block_hashes(tokens, BS, SALT_B)
+    assert len({*unsalted, *a, *b}) == 9  # no block hash shared between salts, or with no salt
+    # nor does a salted chain continue an unsalted one: its seed is no block's hash
+    assert not set(block_hashes([*tokens, *tokens], BS, SALT_A)) & set(block_hashes([*tokens, *tokens], BS))
+
+
+def test_a_prefix_cached_under_one_salt_is_found_only_under_that_salt() -> None:
+    bm = BlockManager(32, BS)
+    prefix = list(range(100, 100 + 3 * BS))
+    owner = make_seq([*prefix, 1], "owner", SALT_A)
+    admit(bm, owner)
+    compute_all(bm, owner)
+    bm.deallocate(owner)
+    assert bm.match_prefix(make_seq([*prefix, 2], "other", SALT_B)) == []
+    assert bm.match_prefix(make_seq([*prefix, 2], "unsalted")) == []
+    again = make_seq([*prefix, 2], "again", SALT_A)
+    assert len(admit(bm, again)) == 3
+    bm.check_invariants([again.block_table])
+    # and the other way round: unsalted blocks serve unsalted requests only
+    plain = make_seq([*prefix[::-1], 1], "plain")
+    admit(bm, plain)
+    compute_all(bm, plain)
+    assert bm.match_prefix(make_seq([*prefix[::-1], 2], "salted", SALT_A)) == []
+    assert len(bm.match_prefix(make_seq([*prefix[::-1], 2], "plain2"))) == 3
+
+
+def test_even_a_hash_collision_across_salts_is_no_hit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The salt is compared on a hit as the tokens are, so tenancy does not rest on the hash alone."""
+    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: b"same for every block")
+    bm = BlockManager(16, BS)
+    a = make_seq(list(range(9)), "a", SALT_A)
+    admit(bm, a)
+    compute_all(bm, a)
+    assert bm.match_prefix(make_seq(list(range(9)), "b", SALT_B)) == []
+    assert bm.match_prefix(make_seq(list(range(9)), "c", SALT_A)) == a.block_table[:1]
+    bm.check_invariants([a.block_table])

@@ -253,6 +253,44 @@ async def test_bad_messages_get_error_replies_and_the_loop_goes_on(core_address:
     assert finish.reason == "length"
 
 
+async def test_prefix_cache_hits_stay_within_a_cache_salt(client: EngineClient) -> None:
+    shared = prompt(40, offset=7)  # 2 full blocks of 16 reusable
+    salt_a, salt_b = "a" * 32, "b" * 32
+    first, finish_a = await collect(client.generate("salt-a1", shared, GREEDY, cache_salt=salt_a))
+    _, finish_b = await collect(client.generate("salt-b", shared, GREEDY, cache_salt=salt_b))
+    _, finish_plain = await collect(client.generate("no-salt", shared, GREEDY))
+    again, finish_a2 = await collect(client.generate("salt-a2", shared, GREEDY, cache_salt=salt_a))
+    assert (finish_a.cached_tokens, finish_b.cached_tokens, finish_plain.cached_tokens) == (0, 0, 0)
+    assert finish_a2.cached_tokens == 32 and [t.token_id for t in again] == [t.token_id for t in first]
+    with pytest.raises(errors.InvalidRequestError, match="cache_salt"):  # the client checks before sending
+        await anext(client.generate("long-salt", shared, GREEDY, cache_salt="s" * 65))
+
+
+async def test_a_bad_cache_salt_on_the_socket_rejects_that_request_only(core_address: str,
+                                                                       client: EngineClient) -> None:
+    reader, writer, _ = await raw_connection(core_address)
+    live = client.generate("bystander", prompt(20), LONG)  # another client's request runs meanwhile
+    await anext(live)
+    wire = msgpack.unpackb(encode_frame(AddRequest("x", prompt(20), GREEDY, Priority.BATCH))[HEADER.size:])
+    for request_id, salt in (("too-long", "s" * 65), ("not-a-string", 12345), ("bytes", b"salt"),
+                             ("not-ascii", "sel\u00e9"), ("list", ["a"])):
+        frame = msgpack.packb({**wire, "id": request_id, "salt": salt}, use_bin_type=True)
+        writer.write(HEADER.pack(len(frame)) + frame)
+        answer = await reply(reader)
+        assert isinstance(answer, Rejected)
+        assert (answer.request_id, answer.code, answer.param) == (request_id, "invalid_request", "cache_salt")
+    frame = msgpack.packb({**wire, "id": "good", "salt": "a-fine-salt"}, use_bin_type=True)
+    writer.write(HEADER.pack(len(frame)) + frame)  # the same connection goes on serving
+    outputs: list[StepOutputs] = []
+    while not any(o.request_id == "good" and o.finish is not None for out in outputs for o in out.outputs):
+        answer = decode_core_message(await asyncio.wait_for(read_frame(reader), 10) or b"")
+        assert isinstance(answer, StepOutputs)
+        outputs.append(answer)
+    writer.close()
+    assert isinstance(await anext(live), TokenEvent)  # and the other client's stream was never touched
+    await live.aclose()
+
+
 async def test_a_vanished_client_has_its_requests_aborted(core_address: str, client: EngineClient) -> None:
     other = await EngineClient.connect(core_address)
     stream = other.generate("orphan", prompt(60), LONG)

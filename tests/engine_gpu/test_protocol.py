@@ -50,6 +50,7 @@ def test_client_messages_round_trip() -> None:
                             stop_token_ids=(7,), logprobs=2, ignore_eos=True)
     for message in (
         AddRequest("r1", [1, 2, 3], params, Priority.REALTIME),
+        AddRequest("r2", [1, 2, 3], params, Priority.REALTIME, [4, 5], cache_salt="0123456789abcdef" * 2),
         AbortRequest("r1", 4),
         StatsRequest(5),
         Shutdown(),
@@ -153,6 +154,12 @@ def add(**fields: object) -> bytes:
         ({"params": {"stop_token_ids": list(range(65))}}, "invalid_sampling_params", "stop_token_ids"),
         ({"params": {"seed": 2**64 - 1}}, "invalid_sampling_params", "seed"),
         ({"params": {"stop": ["x"] * 9}}, "invalid_sampling_params", "stop"),
+        # a cache salt names a tenant's prefix cache: bounded, printable ASCII, a string
+        ({"salt": "s" * 65}, "invalid_request", "cache_salt"),
+        ({"salt": 7}, "invalid_request", "cache_salt"),
+        ({"salt": b"bytes"}, "invalid_request", "cache_salt"),
+        ({"salt": "caf\u00e9"}, "invalid_request", "cache_salt"),
+        ({"salt": "a\nb"}, "invalid_request", "cache_salt"),
     ],
 )
 def test_bad_add_is_rejected_with_a_typed_code_for_its_request(fields: dict, code: str, param: str) -> None:

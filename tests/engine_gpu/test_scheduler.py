@@ -178,7 +178,8 @@ def test_requests_that_can_never_fit_or_are_malformed_are_rejected_at_add() -> N
     with pytest.raises(InvalidRequestError):
         sched.add_request("neg", [1, -5], greedy(1))
     for bad in (dict(request_id=""), dict(prompt_ids=[1, True]), dict(prompt_ids=[1, 2**31]),
-                dict(prompt_ids="abc"), dict(params={"max_tokens": 1}), dict(priority=7), dict(arrival=float("nan"))):
+                dict(prompt_ids="abc"), dict(params={"max_tokens": 1}), dict(priority=7), dict(arrival=float("nan")),
+                dict(cache_salt=7), dict(cache_salt="s" * 65), dict(cache_salt="\x00")):
         args: dict[str, object] = dict(request_id="bad", prompt_ids=[1, 2], params=greedy(1))
         args.update(bad)
         with pytest.raises(InvalidRequestError):
@@ -251,6 +252,24 @@ def test_shared_prefix_blocks_are_shared_reported_cached_reused_and_evicted_lru(
     assert plan.cached_tokens["d"] == BS  # the shared prefix's tail blocks were evicted first
     driver.run()
     assert driver.outputs["d"] == reference_output([*shared, 4001], 2)
+
+
+def test_prefix_hits_stay_within_a_cache_salt() -> None:
+    sched = make_sched()
+    driver = Driver(sched)
+    shared = prompt(6, 3 * BS)
+    sched.add_request("a1", [*shared, 1], greedy(2), cache_salt="tenant-a")
+    driver.run()
+    sched.add_request("b1", [*shared, 2], greedy(2), cache_salt="tenant-b")
+    assert driver.step().cached_tokens == {"b1": 0}  # another tenant's prefix is not served
+    driver.run()
+    sched.add_request("plain", [*shared, 3], greedy(2))
+    assert driver.step().cached_tokens == {"plain": 0}  # nor is it served to requests with no salt
+    driver.run()
+    sched.add_request("a2", [*shared, 4], greedy(2), cache_salt="tenant-a")
+    assert driver.step().cached_tokens == {"a2": 48}  # the tenant's own prefix is
+    driver.run()
+    assert driver.outputs["a2"] == reference_output([*shared, 4], 2)
 
 
 def test_a_prompt_fully_in_cache_still_computes_its_last_token() -> None:
