@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from gateway.config import ServerConfig
-from llm_shared.errors import APIError, EngineError
+from llm_shared.errors import APIError, ConfigError, EngineError
 
 ANONYMOUS = "anonymous"
 BROWSER_KEY_PREFIX = "openai-insecure-api-key."
+CACHE_SALT_CONTEXT = b"rt-llm-gateway prefix-cache salt v1\x00"  # keeps the salt apart from any other digest of a key
+CACHE_SALT_HEX_CHARS = 32
 
 Clock = Callable[[], float]
 
@@ -46,6 +48,28 @@ class RateLimitedError(EngineError):
 def key_fingerprint(key: str) -> str:
     """A non-secret name for a key: enough to tell keys apart in logs, useless to an attacker."""
     return "key-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:10]
+
+
+def cache_salt(key: str) -> str:
+    """The prefix-cache salt of an API key (``Engine.generate(cache_salt=...)``): 32 hex digits
+    of a domain-separated SHA-256 of the key. Deterministic, so every gateway process sends the
+    same salt for a key to the engine replicas they share; reveals nothing of the key, and is
+    unrelated to the key's fingerprint in logs."""
+    return hashlib.sha256(CACHE_SALT_CONTEXT + key.encode("utf-8")).hexdigest()[:CACHE_SALT_HEX_CHARS]
+
+
+def cache_salts(server: ServerConfig) -> dict[str, str]:
+    """Key id -> cache salt for every configured key when ``server.prefix_cache_isolated()``;
+    empty otherwise (every turn sends "", and all callers share one prefix cache)."""
+    if not server.prefix_cache_isolated():
+        return {}
+    salts: dict[str, str] = {}
+    for key in server.all_api_keys():
+        key_id = key_fingerprint(key)
+        if key_id in salts:  # two keys would share one salt (and one rate limit): refuse rather than mix
+            raise ConfigError(f"two API keys share the fingerprint {key_id}; replace one of them")
+        salts[key_id] = cache_salt(key)
+    return salts
 
 
 def parse_subprotocols(header: str | None) -> list[str]:

@@ -11,6 +11,7 @@ import ipaddress
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from engine_edge.config import EdgeConfig
 from engine_gpu.config import EngineConfig, check_engine_models, parse_engine_table
@@ -48,6 +49,10 @@ class ServerConfig:
     engine_abort_timeout_s: float = 5.0  # an engine abort that takes longer is given up on (the response ends)
     sse_write_timeout_s: float = 30.0  # an SSE client that takes no data this long is dropped (its turn aborted)
     operator_endpoints_need_key: bool = False  # /readyz and /metrics require an API key (when keys are configured)
+    # Prefix-cache hits only within one API key (a per-key cache salt to every tier); "auto": when
+    # more than one key is configured. Off, one tenant's TTFT and cached_tokens tell whether
+    # another sent a prompt.
+    isolate_prefix_cache: bool | Literal["auto"] = "auto"
     shutdown_grace_s: float = 5.0
     default_max_output_tokens: int = 512
     max_output_tokens: int = 4096
@@ -65,10 +70,19 @@ class ServerConfig:
         require(self.send_queue_high < self.send_queue_limit, "server.send_queue_high must be below send_queue_limit")
         require(self.default_max_output_tokens <= self.max_output_tokens,
                 "server.default_max_output_tokens must be <= max_output_tokens")
+        require(isinstance(self.isolate_prefix_cache, bool) or self.isolate_prefix_cache == "auto",
+                f'server.isolate_prefix_cache must be true, false or "auto", got {self.isolate_prefix_cache!r}')
 
     def all_api_keys(self) -> frozenset[str]:
         from_env = os.environ.get(self.api_keys_env, "") if self.api_keys_env else ""
         return frozenset(k.strip() for k in (*self.api_keys, *from_env.split(",")) if k.strip())
+
+    def prefix_cache_isolated(self) -> bool:
+        """Whether each API key gets its own prefix cache (``isolate_prefix_cache``; "auto": more
+        than one key configured, counting those from the environment)."""
+        if self.isolate_prefix_cache == "auto":
+            return len(self.all_api_keys()) > 1
+        return bool(self.isolate_prefix_cache)
 
     @property
     def is_loopback(self) -> bool:

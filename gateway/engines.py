@@ -13,6 +13,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from gateway.auth import cache_salts
 from gateway.cascade.confidence import build_scorer
 from gateway.cascade.engine import CascadeEngine
 from gateway.cascade.health import HealthMonitor
@@ -97,8 +98,9 @@ def build_router(config: Config, engines: Mapping[str, Engine], metrics: Gateway
         raise ConfigError(f"routing.default = {config.routing.default!r} needs the {' and '.join(missing)} tier(s), "
                           "which were not built")
     routes = config.routing.served()
+    salts = cache_salts(config.server)
     if config.routing.default != "cascade":
-        return Router(routes, engines)
+        return Router(routes, engines, cache_salts=salts)
     edge, gpu = engines["edge"], engines["gpu"]
     check_same_tokenizer(gpu.tokenizer, edge.tokenizer, config.edge.model, role="cascade edge model")
     cascade_cfg = config.cascade
@@ -109,7 +111,7 @@ def build_router(config: Config, engines: Mapping[str, Engine], metrics: Gateway
         metrics.tier_up.labels(tier).set(1.0)
     cascade = CascadeEngine(edge, gpu, cascade_cfg, build_scorer(cascade_cfg), health, metrics)
     metrics.cascade_threshold.set_function(cascade.threshold)
-    return Router(routes, engines, cascade, cascade_cfg.escalate_keywords)
+    return Router(routes, engines, cascade, cascade_cfg.escalate_keywords, cache_salts=salts)
 
 
 async def encode_chat(engine: Engine, messages: Sequence[Mapping[str, str]]) -> list[int]:

@@ -64,10 +64,10 @@ class SupervisedEngine:
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                        priority: Priority = Priority.INTERACTIVE, session_id: str = "",
-                       draft_ids: Sequence[int] = ()) -> AsyncIterator[StreamEvent]:
+                       draft_ids: Sequence[int] = (), cache_salt: str = "") -> AsyncIterator[StreamEvent]:
         engine = self._engine()
         stream = engine.generate(request_id, prompt_ids, params, priority, session_id=session_id,
-                                 draft_ids=draft_ids)
+                                 draft_ids=draft_ids, cache_salt=cache_salt)
         try:
             async for event in stream:
                 yield event

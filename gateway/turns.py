@@ -150,8 +150,9 @@ class Turn:
         engine = self.engine
         self._metrics.requests.labels(self._api, engine.tier).inc()
         self._started = asyncio.get_running_loop().time()
+        # The key's salt: the tiers reuse cached prefixes only among this key's turns (when isolated).
         self._stream = engine.generate(self.request_id, self._prompt_ids, self._params, self._priority,
-                                       session_id=self.session_id)
+                                       session_id=self.session_id, cache_salt=self._router.cache_salt(self._key_id))
 
     async def abort(self) -> None:
         """Ask the engine to stop now (its stream then ends with ``reason="abort"``). Safe

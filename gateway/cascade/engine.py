@@ -37,6 +37,15 @@ log = logging.getLogger(__name__)
 CascadeEvent = StreamEvent | RouteInfo
 
 
+@dataclass(frozen=True)
+class _Ask:
+    """What every stage of a turn passes on to the tier it runs on, as the caller gave it."""
+
+    priority: Priority
+    session_id: str
+    cache_salt: str  # the caller's tenant: each tier reuses cached prefixes only within it
+
+
 @dataclass
 class _Flight:
     """One request while the cascade runs it."""
@@ -90,14 +99,15 @@ class CascadeEngine:
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                        priority: Priority = Priority.INTERACTIVE, session_id: str = "",
-                       draft_ids: Sequence[int] = ()) -> AsyncIterator[CascadeEvent]:
+                       draft_ids: Sequence[int] = (), cache_salt: str = "") -> AsyncIterator[CascadeEvent]:
         """The turn's events, a ``RouteInfo`` first. ``draft_ids`` are not taken: the cascade
-        makes its own from the edge."""
+        makes its own from the edge. ``cache_salt`` goes to every stage, on either tier."""
         if request_id in self._flights:
             raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")
         flight = self._flights[request_id] = _Flight()
         try:
-            async for event in self._serve(flight, request_id, list(prompt_ids), params, priority, session_id):
+            async for event in self._serve(flight, request_id, list(prompt_ids), params,
+                                           _Ask(priority, session_id, cache_salt)):
                 yield event
         finally:
             await asyncio.shield(self._stop(flight))
@@ -130,13 +140,13 @@ class CascadeEngine:
     # --- one turn -------------------------------------------------------------------------------
 
     async def _serve(self, flight: _Flight, rid: str, prompt: list[int], params: SamplingParams,
-                     priority: Priority, session_id: str) -> AsyncIterator[CascadeEvent]:
+                     ask: _Ask) -> AsyncIterator[CascadeEvent]:
         edge_up, gpu_up = self.health.up("edge"), self.health.up("gpu")
         rule = self._pre_route(prompt)
         if rule:
             if gpu_up:
                 yield RouteInfo("gpu", "pre_routed", reason=rule)
-                async for event in self._stage(flight, self.gpu, rid, prompt, params, priority, session_id):
+                async for event in self._stage(flight, self.gpu, rid, prompt, params, ask):
                     yield event
                 return
             if len(prompt) > self.edge_max_prompt_tokens:
@@ -152,14 +162,14 @@ class CascadeEngine:
             info, engine = None, None
         if info is not None and engine is not None:
             yield info
-            async for event in self._stage(flight, engine, rid, prompt, params, priority, session_id):
+            async for event in self._stage(flight, engine, rid, prompt, params, ask):
                 yield event
             return
 
         loop = asyncio.get_running_loop()
         started = loop.time()
         threshold = self.threshold()
-        edge_stream = self._start(flight, self.edge, rid, prompt, params, priority, session_id)
+        edge_stream = self._start(flight, self.edge, rid, prompt, params, ask)
         held: list[TokenEvent] = []
         finish: FinishEvent | None = None
         try:
@@ -175,7 +185,7 @@ class CascadeEngine:
                 self.health.mark_down("edge", e.message)
             yield RouteInfo("gpu", "fallback", reason="edge_unavailable" if isinstance(e, EngineUnavailableError)
                             else "edge_overloaded")
-            async for event in self._stage(flight, self.gpu, rid, prompt, params, priority, session_id):
+            async for event in self._stage(flight, self.gpu, rid, prompt, params, ask):
                 yield event
             return
         if finish is not None and (finish.reason == "abort" or flight.aborted):
@@ -205,7 +215,7 @@ class CascadeEngine:
             yield FinishEvent("abort", len(prompt), 0, tier="edge")
             return
         drafts = [t.token_id for t in held]
-        gpu_stream = self._start(flight, self.gpu, rid, prompt, params, priority, session_id, drafts)
+        gpu_stream = self._start(flight, self.gpu, rid, prompt, params, ask, drafts)
         try:
             first = await self._next(flight, gpu_stream)
         except (EngineUnavailableError, OverloadedError) as e:
@@ -214,7 +224,7 @@ class CascadeEngine:
             reason = "gpu_unavailable" if isinstance(e, EngineUnavailableError) else "gpu_overloaded"
             yield RouteInfo("edge", "fallback", confidence, threshold, degraded=True, reason=reason)
             # A fresh id: the edge may still be retiring the first request under ``rid``.
-            async for event in self._stage(flight, self.edge, f"{rid}#edge", prompt, params, priority, session_id):
+            async for event in self._stage(flight, self.edge, f"{rid}#edge", prompt, params, ask):
                 yield event
             return
         yield RouteInfo("gpu", "escalated", confidence, threshold)
@@ -244,8 +254,9 @@ class CascadeEngine:
     # --- stages ---------------------------------------------------------------------------------
 
     def _start(self, flight: _Flight, engine: Engine, rid: str, prompt: list[int], params: SamplingParams,
-               priority: Priority, session_id: str, drafts: Sequence[int] = ()) -> AsyncIterator[StreamEvent]:
-        stream = engine.generate(rid, prompt, params, priority, session_id=session_id, draft_ids=drafts)
+               ask: _Ask, drafts: Sequence[int] = ()) -> AsyncIterator[StreamEvent]:
+        stream = engine.generate(rid, prompt, params, ask.priority, session_id=ask.session_id, draft_ids=drafts,
+                                 cache_salt=ask.cache_salt)
         flight.engine, flight.stream, flight.finished, flight.stage_id = engine, stream, False, rid
         return stream
 
@@ -263,12 +274,12 @@ class CascadeEngine:
         return event
 
     async def _stage(self, flight: _Flight, engine: Engine, rid: str, prompt: list[int], params: SamplingParams,
-                     priority: Priority, session_id: str) -> AsyncIterator[StreamEvent]:
+                     ask: _Ask) -> AsyncIterator[StreamEvent]:
         """One tier serves the whole turn."""
         if flight.aborted:
             yield FinishEvent("abort", len(prompt), 0, tier=engine.tier)
             return
-        stream = self._start(flight, engine, rid, prompt, params, priority, session_id)
+        stream = self._start(flight, engine, rid, prompt, params, ask)
         while True:
             event = await self._next(flight, stream)
             yield event

@@ -1,4 +1,5 @@
-"""The routing point: which engine serves a turn, from the model id the client named.
+"""The routing point: which engine serves a turn, from the model id the client named, and
+under which prefix-cache salt (``cache_salt``: one per API key while the cache is isolated).
 
 Every generation (a Realtime response or a chat completion) asks the router for a ``Route``.
 A tier's own model id sends the turn to that tier and nowhere else (it fails when the tier is
@@ -24,11 +25,19 @@ KEYWORD_SCAN_CHARS = 4096  # rules look at the start of the last user message: b
 
 class Router:
     def __init__(self, routes: Mapping[str, RouteKind], engines: Mapping[str, Engine],
-                 cascade: CascadeEngine | None = None, keywords: Sequence[str] = ()) -> None:
+                 cascade: CascadeEngine | None = None, keywords: Sequence[str] = (),
+                 cache_salts: Mapping[str, str] | None = None) -> None:
+        """``cache_salts``: key id -> its prefix-cache salt (``gateway.auth.cache_salts``); a key
+        missing from it (all of them while the cache is shared) sends ""."""
         self.routes = dict(routes)
         self.engines = dict(engines)
         self.cascade = cascade
+        self._cache_salts = dict(cache_salts or {})
         self._keywords = re.compile("|".join(f"(?:{k})" for k in keywords), re.IGNORECASE) if keywords else None
+
+    def cache_salt(self, key_id: str) -> str:
+        """The salt every tier gets with this key's turns: prefix-cache hits only among them."""
+        return self._cache_salts.get(key_id, "")
 
     @property
     def health(self) -> HealthMonitor | None:

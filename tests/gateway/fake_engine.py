@@ -99,13 +99,14 @@ class FakeEngine:
         self.n_ctx = n_ctx
         self.is_ready = True
         self._requests: dict[str, _Request] = {}
-        self._last_prompt: list[int] = []
+        self._last_prompt: dict[str, list[int]] = {}  # cache salt -> the latest prompt under it
         self.prefix_cache_hits = 0
         self.started: list[tuple[str, Priority]] = []  # (request id, priority) of every admitted request
         self.sessions: dict[str, str] = {}  # request id -> the session id it named
         self.ended_sessions: list[str] = []  # session ids passed to end_session, in order
         self.prompts: dict[str, list[int]] = {}  # request id -> the prompt ids it was given
         self.drafts: dict[str, list[int]] = {}  # request id -> the draft ids it was given
+        self.salts: dict[str, str] = {}  # request id -> the cache salt it was given
         self.probes = 0  # probe() calls answered
         self.probe_hangs = False  # probe() never returns (a wedged tier)
         self.abort_hangs = False  # abort() never returns (a wedged tier); the request runs on
@@ -154,13 +155,14 @@ class FakeEngine:
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
 
-    def _cached(self, prompt: list[int]) -> int:
+    def _cached(self, prompt: list[int], salt: str) -> int:
+        """Like a prefix cache: the prompt's full blocks shared with the latest prompt of the same salt."""
         common = 0
-        for a, b in zip(prompt, self._last_prompt, strict=False):
+        for a, b in zip(prompt, self._last_prompt.get(salt, []), strict=False):
             if a != b:
                 break
             common += 1
-        self._last_prompt = prompt
+        self._last_prompt[salt] = prompt
         cached = (min(common, len(prompt) - 1) // self.block_size) * self.block_size
         if cached:
             self.prefix_cache_hits += 1
@@ -168,7 +170,7 @@ class FakeEngine:
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                        priority: Priority = Priority.INTERACTIVE, session_id: str = "",
-                       draft_ids: Sequence[int] = ()) -> AsyncIterator[StreamEvent]:
+                       draft_ids: Sequence[int] = (), cache_salt: str = "") -> AsyncIterator[StreamEvent]:
         """Like a real engine, tokens are made by the engine's own task, not by the reader of
         this stream: a reader that goes away without ``abort`` leaves the request running."""
         if not self.ready:
@@ -188,6 +190,7 @@ class FakeEngine:
         self.sessions[request_id] = session_id
         self.prompts[request_id] = list(prompt_ids)
         self.drafts[request_id] = list(draft_ids)
+        self.salts[request_id] = cache_salt
         request.producer = asyncio.create_task(self._produce(request_id, request))
         async with self.admitted:
             self.admitted.notify_all()
@@ -199,7 +202,7 @@ class FakeEngine:
 
     async def _produce(self, request_id: str, request: _Request) -> None:
         prompt, params = request.prompt, request.params
-        cached = self._cached(prompt)
+        cached = self._cached(prompt, self.salts.get(request_id, ""))
         texts = self._reply(prompt, params)[: params.max_tokens]
         produced = 0
         try:

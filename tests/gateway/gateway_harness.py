@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import websockets
@@ -15,6 +17,7 @@ from fake_engine import FakeEngine
 from gateway.config import DEFAULT_CONFIG, Config, load_config
 from gateway.server import RunningServer, create_app, start_server
 from gateway.state import STATE, GatewayState
+from llm_shared.models import ModelConfig
 
 MODEL = "smollm2-135m-edge"  # the edge tier's own id in the shipped config
 KEY = "sk-test-key-1"
@@ -37,6 +40,44 @@ def gpu_tier_config(method: str = "off", *, num_blocks: int = 256, max_model_len
     return replace(config, routing=replace(config.routing, default="gpu"),
                    engine=replace(config.engine, num_blocks=num_blocks, max_model_len=max_model_len, threads=1,
                                   speculative=spec))
+
+
+# A chat template in the tiny test vocabulary (printable ASCII only: no newlines, no braces).
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                      "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def tiny_chat_model(directory: Path) -> ModelConfig:
+    """The engine tests' tiny random checkpoint (tests/engine_gpu/tiny_engine.py) with a chat
+    template, so a gateway can serve it on the torch tier: a real core that starts in seconds."""
+    engine_tests = str(Path(__file__).resolve().parents[1] / "engine_gpu")
+    if engine_tests not in sys.path:
+        sys.path.insert(0, engine_tests)
+    from tiny_engine import write_tiny_model  # imports torch: only the tests that ask for it pay
+
+    model = write_tiny_model(directory)
+    config_path = directory / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": TINY_CHAT_TEMPLATE}))
+    return model
+
+
+@asynccontextmanager
+async def tiny_gpu_gateway(model: ModelConfig, **server: Any) -> AsyncIterator[tuple[RunningServer, Config]]:
+    """A gateway routing every turn to a real torch-tier core serving ``model`` (``tiny_chat_model``)."""
+    from engine_gpu.client import EngineClient
+    from engine_gpu.config import EngineConfig
+
+    config = gpu_tier_config().with_server(**server)
+    core = await EngineClient.start(model, EngineConfig(dtype="float32", block_size=16, num_blocks=128,
+                                                        max_num_batched_tokens=128, threads=1))
+    try:
+        running = await start_server(create_app(config, {"gpu": core}))
+        try:
+            yield running, config
+        finally:
+            await running.stop()
+    finally:
+        await core.close()
 
 
 @dataclass
