@@ -253,6 +253,11 @@ class EngineClient:
 
     # --- internals ----------------------------------------------------------------------------
 
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus output tokens one request may have (the core's, 0 if it did not say)."""
+        return self._max_model_len
+
     def _validate(self, request_id: object, prompt_ids: Sequence[int], params: object, priority: object,
                   draft_ids: Sequence[int] = (), cache_salt: object = "") -> None:
         """Cheap checks that save a round trip; the core validates again."""

@@ -22,7 +22,7 @@ from gateway.config import Config
 from gateway.metrics import GatewayMetrics
 from gateway.supervisor import SupervisedEngine
 from llm_shared.contract import Engine
-from llm_shared.errors import ConfigError
+from llm_shared.errors import ConfigError, PromptTooLongError
 from llm_shared.modelfile import check_gguf, resolve_source
 from llm_shared.tokenizer import check_same_tokenizer
 
@@ -114,8 +114,22 @@ def build_router(config: Config, engines: Mapping[str, Engine], metrics: Gateway
     return Router(routes, engines, cascade, cascade_cfg.escalate_keywords, cache_salts=salts)
 
 
-async def encode_chat(engine: Engine, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """The prompt ids of ``messages`` (contents encoded as plain text: injection-safe)."""
+async def encode_chat(engine: Engine, messages: Sequence[Mapping[str, str]],
+                      max_prompt_tokens: int | None = None) -> list[int]:
+    """The prompt ids of ``messages`` (contents encoded as plain text: injection-safe).
+
+    With ``max_prompt_tokens`` (the most the serving tiers could take: ``router.prompt_token_limit``),
+    a prompt that certainly has more tokens is refused before any tokenizing, with the error the
+    tier's own check gives: its rendered bytes over the longest token's bytes
+    (``Tokenizer.min_chat_tokens``) is a lower bound on its length."""
+    tokenizer = engine.tokenizer
+    if max_prompt_tokens is not None:
+        at_least = tokenizer.min_chat_tokens(messages)
+        if at_least > max_prompt_tokens:
+            raise PromptTooLongError(
+                f"the prompt has at least {at_least} tokens but this model's context leaves room for at most "
+                f"{max(max_prompt_tokens, 0)} prompt tokens with the requested output tokens; shorten the conversation "
+                "or ask for fewer output tokens", param="messages")
     if sum(len(m.get("content", "")) for m in messages) > INLINE_TOKENIZE_CHARS:
-        return await asyncio.to_thread(engine.tokenizer.encode_chat, messages)
-    return engine.tokenizer.encode_chat(messages)
+        return await asyncio.to_thread(tokenizer.encode_chat, messages)
+    return tokenizer.encode_chat(messages)

@@ -56,6 +56,12 @@ class SupervisedEngine:
     def ready(self) -> bool:
         return self._current is not None and self._current.ready
 
+    @property
+    def max_model_len(self) -> int:
+        """The current instance's context (prompt plus output tokens); 0 while there is none."""
+        current = self._current
+        return int(getattr(current, "max_model_len", 0)) if current is not None else 0
+
     def _engine(self) -> Restartable:
         current = self._current
         if current is None or not current.ready:

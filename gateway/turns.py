@@ -20,7 +20,7 @@ from typing import Literal
 
 from gateway.auth import RateLimiter, Reservation
 from gateway.cascade.route import RouteInfo
-from gateway.cascade.router import Router
+from gateway.cascade.router import Router, prompt_token_limit
 from gateway.engines import encode_chat
 from gateway.metrics import GatewayMetrics
 from llm_shared.contract import Engine, FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
@@ -96,10 +96,12 @@ class Turn:
         return self._route
 
     async def prepare(self) -> Engine:
-        """Choose the route and encode the prompt; raises the EngineError that refused it."""
+        """Choose the route and encode the prompt; raises the EngineError that refused it. A prompt
+        that certainly exceeds every context that could serve it is refused before tokenizing."""
         route = self._router.choose(self._model, self._messages, self._params)
         self._engine, self._route = route.engine, route.info
-        self._prompt_ids = await encode_chat(self._engine, self._messages)
+        self._prompt_ids = await encode_chat(self._engine, self._messages,
+                                             prompt_token_limit(self._engine, self._params.max_tokens))
         # The output budget is taken now, before any token: a burst cannot overspend the key.
         self._reservation = self._limiter.reserve(self._key_id, self._params.max_tokens)
         return self._engine

@@ -35,6 +35,9 @@ class Tokenizer:
         self._plain_backend.encode_special_tokens = True
         self._token_bytes = parts.token_bytes
         self.vocab_size: int = len(parts.token_bytes)
+        # The most bytes any one token decodes to (specials: their text), so N bytes of text are
+        # at least ceil(N / max_token_bytes) tokens: a length check that needs no tokenizing.
+        self.max_token_bytes: int = max((len(b) for b in parts.token_bytes), default=1) or 1
         self.bos_id: int | None = parts.bos_id
         self.eos_id: int = parts.eos_id
         self.special_ids: frozenset[int] = parts.special_ids
@@ -94,6 +97,17 @@ class Tokenizer:
         """The raw bytes a token stands for (may be part of a UTF-8 character); specials give their text."""
         self._check_ids((token_id,))
         return self._token_bytes[token_id]
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` (either ``special``), found without tokenizing:
+        the tokens' bytes join to the text's UTF-8, and none is longer than ``max_token_bytes``."""
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self.max_token_bytes)
+
+    def min_chat_tokens(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> int:
+        """A lower bound on ``len(encode_chat(messages))``: the rendered prompt's ``min_tokens``.
+        Rendering is string work (tens of microseconds for 150k characters, where tokenizing them
+        takes tens of milliseconds), so a prompt far past a context can be refused first."""
+        return self.min_tokens(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
 
     def _require_template(self) -> ChatTemplate:
         if self._template is None:

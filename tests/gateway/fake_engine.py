@@ -32,18 +32,31 @@ class FakeTokenizer:
     bos_id = None
     eos_id = 0
 
+    max_token_bytes = 4  # one UTF-8 character per token
+
     def __init__(self, chat_delay_s: float = 0.0) -> None:
         self.chat_delay_s = chat_delay_s  # a slow encode_chat, as a real tokenizer is on a long prompt
+        self.chat_encodes = 0  # encode_chat calls (a prompt refused before tokenizing adds none)
+
+    def min_chat_tokens(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> int:
+        """The real tokenizer's lower bound: the rendered prompt's UTF-8 bytes over the longest token's."""
+        text = self._render(validate_messages(messages), add_generation_prompt)
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self.max_token_bytes)
 
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         return [ord(c) for c in text]
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
         checked = validate_messages(messages)
+        self.chat_encodes += 1
         if self.chat_delay_s:
             time.sleep(self.chat_delay_s)  # the gateway runs long prompts in a worker thread
+        return self.encode(self._render(checked, add_generation_prompt))
+
+    @staticmethod
+    def _render(checked: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in checked)
-        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+        return text + ("<assistant>" if add_generation_prompt else "")
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return "".join(chr(i) for i in ids)

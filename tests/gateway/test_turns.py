@@ -58,7 +58,7 @@ async def test_a_turn_left_early_aborts_its_engine_request() -> None:
 
 
 async def test_a_refused_turn_has_nothing_to_abort() -> None:
-    engine = FakeEngine(n_ctx=8)
+    engine = FakeEngine(n_ctx=40)  # the prompt (30 tokens) fits, not with 50 output tokens: the engine refuses
     turn, metrics, _ = make(engine, max_tokens=50)
     await turn.prepare()
     with pytest.raises(PromptTooLongError):

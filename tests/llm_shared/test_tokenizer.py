@@ -338,3 +338,19 @@ def test_from_gguf_errors(tmp_path: Path) -> None:
     garbage.write_bytes(b"not a gguf file at all, just some bytes")
     with pytest.raises(ModelFileError, match="not a GGUF"):
         Tokenizer.from_gguf(garbage)
+
+
+@pytest.mark.model
+def test_a_lower_bound_on_the_token_count_needs_no_tokenizing(tok: Tokenizer) -> None:
+    """No token decodes to more than ``max_token_bytes`` bytes, so text of N bytes has at least
+    ceil(N / max_token_bytes) tokens: the bound holds on every corpus text and on the texts that
+    come nearest to it (runs of the vocabulary's longest tokens)."""
+    assert tok.max_token_bytes == max(len(tok.token_bytes(i)) for i in range(tok.vocab_size)) == 81
+    longest = max(range(tok.vocab_size), key=lambda i: len(tok.token_bytes(i)))
+    tight = tok.token_bytes(longest).decode() * 20
+    for text in [*CORPUS, tight, "#" * 5000, " " * 5000, "日本語" * 500]:
+        for special in (False, True):
+            assert tok.min_tokens(text) <= len(tok.encode(text, special=special))
+    assert tok.min_tokens(tight) >= len(tok.encode(tight)) // 2  # and it is not far off where it is tight
+    for messages in [*CONVERSATIONS, [{"role": "user", "content": tight}]]:
+        assert tok.min_chat_tokens(messages) <= len(tok.encode_chat(messages))
