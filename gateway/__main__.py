@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gateway.config import DEFAULT_CONFIG, load_config
+from gateway.config import DEFAULT_CONFIG, Config, load_config
 from llm_shared.errors import ConfigError, EngineError
 
 log = logging.getLogger("gateway")
@@ -34,7 +34,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="override server.host")
     serve.add_argument("--port", type=int, help="override server.port (0: any free port)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--local-cluster", action="store_true",
+                       help="start a Ray cluster on this machine in this process and deploy the [cluster] engine "
+                            "replicas before serving (make cluster)")
     return parser
+
+
+def start_local_cluster(config: Config, path: str) -> None:
+    """A single-machine Ray cluster running the same code as production: the engine replicas
+    deployed with their autoscaling policy, before the gateway joins it as a driver."""
+    if not config.cluster.enabled:
+        raise ConfigError(f"--local-cluster needs [cluster] enabled = true in {path}")
+    from engine_cluster.local import deploy, start_local  # Ray only here
+
+    log.info("starting a local Ray cluster and the engine replicas (%s)", config.cluster.app_name)
+    start_local(path)
+    deploy(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if overrides:
             config = config.with_server(**overrides)
         check_bind_safety(config)
+        if args.local_cluster:
+            start_local_cluster(config, args.config)
         run(config)
     except (ConfigError, EngineError) as e:
         # Start-up errors (a bad config, a missing model file) are for the operator; they may name paths.

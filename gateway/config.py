@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from engine_cluster.config import ClusterConfig
 from engine_edge.config import EdgeConfig
 from engine_gpu.config import EngineConfig, check_engine_models, parse_engine_table
 from gateway.cascade.config import CascadeConfig, RoutingConfig
@@ -106,6 +107,7 @@ class Config:
 
     def __post_init__(self) -> None:
         check_engine_models(self.engine, self.models)  # the served model, and the drafter's if any
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the torch tier on Ray Serve replicas
         require(require_model(self.models, self.edge.model, "edge.model").format == "gguf",
                 f"the edge tier ({self.edge.backend}) needs a gguf model; edge.model {self.edge.model!r} is "
                 f"{self.models[self.edge.model].format}")
@@ -118,6 +120,8 @@ class Config:
     def model(self, model_id: str) -> ModelConfig:
         return self.models[model_id]
 
+        require(not self.cluster.enabled or "gpu" in self.routing.tiers,
+                "[cluster] enabled serves the torch tier on Ray, but routing.default uses only the edge tier")
     def with_server(self, **changes: object) -> Config:
         return replace(self, server=replace(self.server, **changes))
 
@@ -127,7 +131,7 @@ def load_config(path: str | Path = DEFAULT_CONFIG) -> Config:
 
 
 def parse_config(raw: dict, path: Path | None = None) -> Config:
-    known = {"server", "models", "edge", "engine", "routing", "cascade"}
+    known = {"server", "models", "edge", "engine", "routing", "cascade", "cluster"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown}; known sections: {sorted(known)}")
@@ -141,3 +145,4 @@ def parse_config(raw: dict, path: Path | None = None) -> Config:
         path=path,
     )
 
+        cluster=build(ClusterConfig, raw.get("cluster", {}), "cluster"),

@@ -57,6 +57,8 @@ async def build_gpu_engine(config: Config) -> Engine:
     under a supervisor that restarts the core when it dies."""
     from engine_gpu.client import EngineClient  # torch itself is only imported by the core process
 
+    if config.cluster.enabled:
+        return await build_cluster_engine(config)
     log.info("starting the torch engine core for %s on %s (%s)", config.engine.model, config.engine.device,
              config.engine.dtype)
     spec = config.engine.speculative
@@ -66,6 +68,19 @@ async def build_gpu_engine(config: Config) -> Engine:
         return await EngineClient.start(config.model(config.engine.model), config.engine, draft_model_cfg=draft)
 
     return SupervisedEngine(await start(), start)  # a core that dies is started again
+
+
+async def build_cluster_engine(config: Config) -> Engine:
+    """The torch tier as engine replicas on Ray Serve (``[cluster] enabled``): joins the cluster,
+    follows the replicas' membership and routes across them. Ray restarts replicas, not us."""
+    from engine_cluster.pool import RayMembership, ReplicaPool, cluster_secret
+    from llm_shared.models import tokenizer_for
+
+    cluster = config.cluster
+    log.info("joining the Ray cluster at %s for the engine replicas of %s", cluster.ray_address, cluster.app_name)
+    tokenizer = await asyncio.to_thread(tokenizer_for, config.model(config.engine.model))
+    pool = ReplicaPool(cluster, tokenizer, RayMembership(cluster), secret=cluster_secret(config.engine.secret_env))
+    return await pool.start(wait_s=60.0)
 
 
 async def load_engines(config: Config) -> dict[str, Engine]:

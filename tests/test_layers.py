@@ -1,4 +1,4 @@
-"""The packages depend one way: gateway -> {engine_gpu, engine_edge} -> llm_shared, and the
+"""The packages depend one way: gateway -> {engine_cluster -> engine_gpu, engine_edge} -> llm_shared, and the
 client SDK -> {llm_shared, engine_edge}. Read from the source with ``ast`` (every import,
 lazy ones inside functions and ``TYPE_CHECKING`` blocks included), so a cycle cannot hide
 behind a deferred import."""
@@ -17,7 +17,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "llm_shared": frozenset(),
     "engine_edge": frozenset({"llm_shared"}),
     "engine_gpu": frozenset({"llm_shared"}),
-    "gateway": frozenset({"llm_shared", "engine_edge", "engine_gpu"}),
+    "engine_cluster": frozenset({"llm_shared", "engine_gpu"}),
+    "gateway": frozenset({"llm_shared", "engine_edge", "engine_gpu", "engine_cluster"}),
     "client_sdk": frozenset({"llm_shared", "engine_edge"}),
 }
 OURS = frozenset(ALLOWED)
@@ -67,16 +68,20 @@ TORCH_FREE = [
     "llm_shared.textstream", "llm_shared.chat_template", "llm_shared.llamacpp_runtime", "engine_edge",
     "engine_edge.config",
     "engine_gpu.config", "engine_gpu.client", "engine_gpu.scheduler", "gateway.config",
+    "engine_cluster.config", "engine_cluster.policy", "engine_cluster.pool", "gateway.engines",
 ]
 
 
-def test_importing_the_torch_free_parts_loads_no_torch() -> None:
+def test_importing_the_torch_free_parts_loads_no_torch_or_ray() -> None:
     # A fresh interpreter (this one may have imported torch already); modules in order, so the
     # first one that loads torch is named.
     code = ("import importlib, sys\n"
             f"for name in {TORCH_FREE!r}:\n"
             "    importlib.import_module(name)\n"
             "    if 'torch' in sys.modules:\n"
-            "        sys.exit(f'importing {name} loaded torch')\n")
+            "        sys.exit(f'importing {name} loaded torch')\n"
+            # Ray too: the single-machine default never needs it (only [cluster] enabled joins).
+            "    if 'ray' in sys.modules:\n"
+            "        sys.exit(f'importing {name} loaded ray')\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

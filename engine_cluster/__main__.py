@@ -1,0 +1,5 @@
+import sys
+
+from engine_cluster.app import main
+
+sys.exit(main())
