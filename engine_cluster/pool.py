@@ -217,6 +217,13 @@ class ReplicaPool:
     def ready(self) -> bool:
         return not self._closed and bool(self.live())
 
+    @property
+    def max_model_len(self) -> int:
+        """The smallest context of the serving replicas (0 while none serves): what the gateway
+        checks a prompt against before tokenizing it."""
+        lens = [r.client.max_model_len for r in self.live() if r.client.max_model_len > 0]
+        return min(lens, default=0)
+
     def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                  priority: Priority = Priority.INTERACTIVE, session_id: str = "",
                  draft_ids: Sequence[int] = (), cache_salt: str = "") -> _PoolStream:
@@ -247,6 +254,8 @@ class ReplicaPool:
             for key in SUMMED_STATS:
                 out[key] += float(stats.get(key, 0.0))
         out["replicas"] = float(len(live))
+        # How requests were routed (exported with the other stats as engine_routed_*{tier="gpu"}).
+        out.update({f"routed_{why}": float(n) for why, n in self.routed.items()})
         return out
 
     async def close(self) -> None:

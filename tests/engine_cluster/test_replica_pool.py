@@ -95,6 +95,7 @@ def words(seed: int, n: int) -> list[int]:
 async def test_later_turns_return_to_the_replica_holding_their_prefix(cores: list[EngineClient]) -> None:
     pool, _ = await make_pool(cores)
     try:
+        assert pool.max_model_len == cores[0].max_model_len > 0  # what prompts are checked against early
         conversations = {c: words(c, 40) for c in range(4)}
         homes: dict[int, set[str]] = {c: set() for c in conversations}
         for turn in range(3):
@@ -236,7 +237,7 @@ async def test_a_refusal_before_the_first_token_is_retried_elsewhere(model_cfg: 
 async def test_no_replica_means_unavailable(model_cfg: ModelConfig) -> None:
     pool = await ReplicaPool(CLUSTER, None, Members({}), secret=SECRET).start()  # type: ignore[arg-type]
     try:
-        assert not pool.ready
+        assert not pool.ready and pool.max_model_len == 0
         with pytest.raises(errors.EngineUnavailableError, match="no engine replica"):
             await anext(pool.generate("none", [5, 6, 7], GREEDY))
         with pytest.raises(errors.EngineUnavailableError):
