@@ -55,6 +55,8 @@ class ServerConfig:
     # another sent a prompt.
     isolate_prefix_cache: bool | Literal["auto"] = "auto"
     shutdown_grace_s: float = 5.0
+    drain_timeout_s: float = 20.0  # on SIGTERM: how long responses in progress may run on before they are cancelled
+    drain_reconnect_spread_ms: int = 5000  # drained clients are told to reconnect after 0..this many ms (jitter)
     default_max_output_tokens: int = 512
     max_output_tokens: int = 4096
 
@@ -68,6 +70,8 @@ class ServerConfig:
         for name in ("idle_timeout_s", "ping_interval_s", "ping_timeout_s", "shutdown_grace_s", "slow_client_timeout_s",
                      "engine_abort_timeout_s", "sse_write_timeout_s"):
             require(getattr(self, name) > 0, f"server.{name} must be > 0")
+        require(0 <= self.drain_timeout_s <= 3600, "server.drain_timeout_s must be in 0..3600")
+        require(0 <= self.drain_reconnect_spread_ms <= 600_000, "server.drain_reconnect_spread_ms must be in 0..600000")
         require(self.send_queue_high < self.send_queue_limit, "server.send_queue_high must be below send_queue_limit")
         require(self.default_max_output_tokens <= self.max_output_tokens,
                 "server.default_max_output_tokens must be <= max_output_tokens")
@@ -103,11 +107,11 @@ class Config:
     engine: EngineConfig
     routing: RoutingConfig
     cascade: CascadeConfig = field(default_factory=CascadeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the torch tier on Ray Serve replicas
     path: Path | None = None
 
     def __post_init__(self) -> None:
         check_engine_models(self.engine, self.models)  # the served model, and the drafter's if any
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the torch tier on Ray Serve replicas
         require(require_model(self.models, self.edge.model, "edge.model").format == "gguf",
                 f"the edge tier ({self.edge.backend}) needs a gguf model; edge.model {self.edge.model!r} is "
                 f"{self.models[self.edge.model].format}")
@@ -116,12 +120,12 @@ class Config:
             require(edge.family == gpu.family,
                     f"the cascade hands the edge's tokens to the torch tier as drafts, so both need one tokenizer "
                     f"family; edge.model {edge.id!r} is {edge.family!r}, engine.model {gpu.id!r} is {gpu.family!r}")
+        require(not self.cluster.enabled or "gpu" in self.routing.tiers,
+                "[cluster] enabled serves the torch tier on Ray, but routing.default uses only the edge tier")
 
     def model(self, model_id: str) -> ModelConfig:
         return self.models[model_id]
 
-        require(not self.cluster.enabled or "gpu" in self.routing.tiers,
-                "[cluster] enabled serves the torch tier on Ray, but routing.default uses only the edge tier")
     def with_server(self, **changes: object) -> Config:
         return replace(self, server=replace(self.server, **changes))
 
@@ -142,7 +146,7 @@ def parse_config(raw: dict, path: Path | None = None) -> Config:
         engine=parse_engine_table(raw.get("engine", {})),
         routing=build(RoutingConfig, raw.get("routing", {}), "routing"),
         cascade=build(CascadeConfig, raw.get("cascade", {}), "cascade"),
+        cluster=build(ClusterConfig, raw.get("cluster", {}), "cluster"),
         path=path,
     )
 
-        cluster=build(ClusterConfig, raw.get("cluster", {}), "cluster"),

@@ -4,9 +4,12 @@
 ``start_server`` binds it; ``serve`` runs it until SIGINT/SIGTERM, loading the engines after
 the port is open so that ``/readyz`` can say 503 meanwhile; ``run`` does that on uvloop.
 
-Shutdown is graceful: the listening socket closes first, then every session ends its active
-response with ``server_shutdown`` and is closed with 1001, in-flight chat completions are
-aborted with a reason, and only then are the engines closed.
+On SIGINT/SIGTERM the replica first drains (gateway/drain.py: no new work, each session closed
+with 1001 and a reconnect hint once its response is done, whatever runs past
+``drain_timeout_s`` cancelled; a second signal cuts the wait short). Then shutdown: the
+listening socket closes, any session left ends its active response with ``server_shutdown``
+and is closed with 1001, in-flight chat completions are aborted with a reason, and only then
+are the engines closed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from aiohttp import web
 
 from gateway.auth import AuthError, host_allowed, origin_allowed, parse_subprotocols
 from gateway.config import Config
+from gateway.drain import RETRY_AFTER_S, drain_gate, drain_replica, jittered_hint
 from gateway.engines import close_engines, load_engines
 from gateway.http_api import add_routes
 from gateway.state import STATE, GatewayState
@@ -54,7 +58,7 @@ def create_app(config: Config, engines: dict[str, Engine] | None = None) -> web.
     loads them after the port is open and the app owns (and closes) them."""
     # Chat bodies carry whole conversations; UTF-8 and JSON escapes can take ~6 bytes a character.
     body_limit = max(1 << 20, 6 * config.server.max_conversation_chars + 65536)
-    app = web.Application(client_max_size=body_limit, middlewares=[_check_host])
+    app = web.Application(client_max_size=body_limit, middlewares=[_check_host, drain_gate])
     state = GatewayState.from_config(config)
     app[STATE] = state
     if engines is not None:
@@ -92,7 +96,8 @@ def _choose_subprotocol(offered: list[str]) -> str | None:
 def _handshake_error(state: GatewayState, e: AuthError) -> web.Response:
     state.metrics.handshakes_rejected.labels(e.code).inc()
     body = {"error": e.to_dict()}
-    return web.json_response(body, status=e.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+    return web.json_response(body, status=e.status, headers=headers)
 
 
 async def realtime(request: web.Request) -> web.StreamResponse:
@@ -105,6 +110,9 @@ async def realtime(request: web.Request) -> web.StreamResponse:
         if not origin_allowed(request.headers.get("Origin"), request.host, server.allowed_origins):
             raise AuthError(403, "origin_not_allowed", "this Origin is not allowed; add it to server.allowed_origins")
         key_id = state.auth.authenticate(request.headers.get("Authorization"), offered)
+        if state.draining:
+            raise AuthError(503, "server_draining", "this gateway replica is shutting down and takes no new "
+                            "sessions; retry: another replica will serve you", "server_error")
         if state.shutting_down:
             raise AuthError(503, "server_shutting_down", "the server is shutting down", "server_error")
         if not state.ready or state.router is None:
@@ -153,6 +161,8 @@ async def _run_session(request: web.Request, state: GatewayState, key_id: str, m
         router=state.router, limiter=state.limiter, key_id=key_id, metrics=state.metrics, config=server,
     )
     state.connections.add(connection)
+    if state.draining:  # accepted while the drain began: it closes right after session.created
+        connection.drain(jittered_hint(server.drain_reconnect_spread_ms))
     state.metrics.sessions_total.inc()
     state.metrics.sessions_active.inc()
     log.debug("session %s opened (key %s, beta=%s)", session_id, key_id, beta)
@@ -160,6 +170,7 @@ async def _run_session(request: web.Request, state: GatewayState, key_id: str, m
         await connection.run()
     finally:
         state.connections.discard(connection)
+        state.work_ended.set()
         state.metrics.sessions_active.dec()
         log.debug("session %s closed", session_id)
     return ws
@@ -201,6 +212,11 @@ class RunningServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    async def drain(self, hurry: asyncio.Event | None = None) -> None:
+        """Drain (gateway/drain.py): returns once every session and chat completion has ended, or
+        those left after ``drain_timeout_s`` (or once ``hurry`` is set) have been cancelled."""
+        await drain_replica(self.app[STATE], hurry=hurry)
+
     async def stop(self) -> None:
         """Graceful shutdown (idempotent): stop accepting, end sessions with 1001, close engines."""
         if self.runner.server is not None:
@@ -236,18 +252,27 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None) -> None:
     log.info("listening on %s (WebSocket %s%s); loading engines", server.url,
              server.url.replace("http", "ws", 1), REALTIME_PATH)
     loop = asyncio.get_running_loop()
+    hurry = asyncio.Event()  # a second signal: stop draining, cancel what runs
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, _on_signal, stop, hurry)
     try:
         engines = await load_engines(config)
         app[STATE].set_engines(engines, owned=True)
         log.info("ready: tiers %s serving models %s", sorted(engines), sorted(app[STATE].models))
         await stop.wait()
+        await server.drain(hurry)
         log.info("shutting down")
     finally:
         await server.stop()
+
+
+def _on_signal(stop: asyncio.Event, hurry: asyncio.Event) -> None:
+    if stop.is_set():
+        hurry.set()
+    else:
+        stop.set()
 
 
 def run(config: Config) -> None:

@@ -39,6 +39,10 @@ class GatewayState:
     connections: set[RealtimeConnection] = field(default_factory=set)  # live WebSocket sessions
     http_requests: dict[str, Engine] = field(default_factory=dict)  # in-flight chat completions
     shutting_down: bool = False
+    # Draining (gateway/drain.py): no new sessions or completions; live ones finish, then close.
+    draining: bool = False
+    chats_in_flight: int = 0  # chat completion handlers running, counted from the request (the drain waits)
+    work_ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when a session or a completion ends
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -81,7 +85,18 @@ class GatewayState:
 
     @property
     def ready(self) -> bool:
-        return not self.shutting_down and self.router is not None and self.router.ready
+        return not self.shutting_down and not self.draining and self.router is not None and self.router.ready
+
+    @property
+    def busy(self) -> bool:
+        """Sessions or chat completions are still running."""
+        return bool(self.connections) or self.chats_in_flight > 0
+
+    async def wait_idle(self) -> None:
+        """Return once no session and no chat completion is left."""
+        while self.busy:
+            self.work_ended.clear()
+            await self.work_ended.wait()
 
 
 STATE: web.AppKey[GatewayState] = web.AppKey("gateway_state", GatewayState)

@@ -6,6 +6,10 @@ Three kinds of task touch a connection: the handler task reads client frames
 which carries out the session's commands (start or abort an engine request) and queues its
 events. Aborts are awaited before the events drained with them are queued, so a client that
 sees ``response.done`` with ``cancelled`` knows the engine has let go of the request.
+
+A server-side close runs in its own task (``close``, or ``drain``: close at the first moment
+no response is in progress). From the moment it is decided no client frame is taken any more,
+and the teardown waits for it, so what was queued before the close frame is still sent.
 """
 
 from __future__ import annotations
@@ -74,8 +78,9 @@ class RealtimeConnection:
         self._engines_used: set[Engine] = set()  # told at teardown that this conversation is over
         self._aborted: set[str] = set()  # aborted before the engine request started
         self._writer: asyncio.Task[None] | None = None
-        self._closing = False
-        self._close_lock = asyncio.Lock()
+        self._closing = False  # set the moment a close is decided: no client frame is taken after it
+        self._close_task: asyncio.Task[None] | None = None  # a server-side close: flush, then the close frame
+        self._drain_reason: str | None = None  # draining: the close reason to use once no response is active
         self._pump_lock = asyncio.Lock()
         self._too_slow_cancelled: str | None = None
 
@@ -97,25 +102,58 @@ class RealtimeConnection:
 
     async def close(self, code: int, reason: str, *, cancel_reason: str | None = None) -> None:
         """Close from the server side: end any active response (its ``response.done`` is sent
-        first, within the grace period), then the close frame with ``code`` and ``reason``."""
-        async with self._close_lock:
-            if self._closing:
-                return
-            self._closing = True
-            if cancel_reason is not None:
-                self.session.cancel_active(cancel_reason)
-                await self._pump()
-            self._outbox.close()
-            if self._writer is not None:
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._writer), self._config.shutdown_grace_s)
-                except TimeoutError:
-                    self._writer.cancel()  # the client is not reading; stop waiting for it
-            with contextlib.suppress(TimeoutError, ConnectionError):
-                await asyncio.wait_for(self._ws.close(code=code, message=reason.encode()), CLOSE_TIMEOUT_S)
+        first, within the grace period), then the close frame with ``code`` and ``reason``.
+        A close already under way (a drain's) is waited for instead."""
+        if not self._closing:
+            self._begin_close(code, reason, cancel_reason)
+        if self._close_task is not None:
+            await asyncio.shield(self._close_task)
+
+    def drain(self, reason: str) -> None:
+        """Close with 1001 and ``reason`` at the first moment no response is in progress: now when
+        idle, else right after the active response's ``response.done`` (and whatever came with
+        it) is queued. ``close`` still cancels a response that does not end in time."""
+        if self._closing or self._drain_reason is not None:
+            return
+        self._drain_reason = reason
+        self._close_if_drained()
+
+    @property
+    def closed(self) -> bool:
+        """A close has been decided (by either side)."""
+        return self._closing
+
+    def _close_if_drained(self) -> None:
+        # Not before ``run`` has started (a session accepted as the drain began): its first pump closes it.
+        started = self._writer is not None
+        if started and self._drain_reason is not None and not self._closing and self.session.active_response_id is None:
+            self._begin_close(WS_CLOSE_GOING_AWAY, self._drain_reason, None)
+
+    def _begin_close(self, code: int, reason: str, cancel_reason: str | None) -> None:
+        self._closing = True  # synchronously, so the reader takes no client frame after this point
+        self._close_task = asyncio.create_task(self._close(code, reason, cancel_reason),
+                                               name=f"ws-close-{self.session_id}")
+
+    async def _close(self, code: int, reason: str, cancel_reason: str | None) -> None:
+        if cancel_reason is not None:
+            self.session.cancel_active(cancel_reason)
+        await self._pump()  # what the session produced before the close goes out before it
+        self._outbox.close()
+        if self._writer is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._writer), self._config.shutdown_grace_s)
+            except TimeoutError:
+                self._writer.cancel()  # the client is not reading; stop waiting for it
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            await asyncio.wait_for(self._ws.close(code=code, message=reason.encode()), CLOSE_TIMEOUT_S)
 
     async def _teardown(self) -> None:
         self._closing = True
+        if self._close_task is not None:
+            # A server-side close is flushing the queue: let it finish (it is bounded) before
+            # the queue is discarded, or the client would miss what came before the close frame.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._close_task)
         # Whatever ended the connection, no generation outlives it.
         self.session.cancel_active("client_disconnected")
         self._outbox.discard()
@@ -183,6 +221,8 @@ class RealtimeConnection:
                 return
             if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                 return  # CLOSE, CLOSING, CLOSED or ERROR (aiohttp already sent the close code, e.g. 1009)
+            if self._closing:
+                return  # the server is closing: this frame came too late to be taken
             self._on_frame(msg.type, msg.data)
             deadline = loop.time() + idle
             await self._pump()
@@ -214,6 +254,7 @@ class RealtimeConnection:
         async with self._pump_lock:
             while await self._pump_once():
                 pass
+        self._close_if_drained()  # a draining session closes right after its response.done
 
     async def _pump_once(self) -> bool:
         commands = self.session.commands()
