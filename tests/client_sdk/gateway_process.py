@@ -22,7 +22,7 @@ from typing import IO, Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 180.0
-STOP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 120.0  # SIGTERM drains: a turn in progress may finish first, slowly on a busy machine
 
 
 def free_port() -> int:
@@ -69,7 +69,9 @@ def write_config(directory: Path, *, api_keys: tuple[str, ...] = (), routing: st
 
 
 class GatewayProcess:
-    """``start()`` / ``stop()`` / ``restart()`` a gateway on one port; ``url`` and ``ws_url``."""
+    """``start()`` / ``stop()`` / ``restart()`` a gateway on one port; ``url`` and ``ws_url``.
+    ``stop`` sends SIGTERM, so the gateway drains its sessions (each closed with a reconnect hint)
+    before it exits."""
 
     def __init__(self, config: Path, log: Path, port: int | None = None) -> None:
         self.config = config
@@ -100,6 +102,11 @@ class GatewayProcess:
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"the gateway was not ready within {READY_TIMEOUT_S:.0f} s; log: {self.log_tail()}")
+
+    def terminate(self) -> None:
+        """Send SIGTERM and return at once: the gateway drains, then exits (``stop`` waits for that)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None

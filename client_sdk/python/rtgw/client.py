@@ -12,11 +12,16 @@ re-create it on a server without that extension), so the next turn's context hol
 
 When the connection drops, the active turn ends ``failed`` (reason ``connection_lost``) and the
 next operation reconnects with jittered exponential backoff, then restores the conversation on
-the new session by re-sending its items with their ids. When the gateway cannot be reached at
-all (refused, DNS, timeout, TLS, a 5xx at the handshake) and an ``OfflineConfig`` is given, turns
-are served by the on-device model from the same conversation, marked ``offline`` with
-``metadata["x_tier"] == "device"``; every ``retry_online_s`` a turn first tries the gateway
-again and, once it answers, carries the offline turns over to it.
+the new session by re-sending its items with their ids. A gateway replica that is going away
+(drained) closes with 1001 and a reconnect hint once no response is in progress: the client
+then reconnects by itself after the time it names, restores the conversation the same way, and
+starts there a turn that the old session had not begun, so the application sees no error.
+
+When the gateway cannot be reached at all (refused, DNS, timeout, TLS, a 5xx at the handshake)
+and an ``OfflineConfig`` is given, turns are served by the on-device model from the same
+conversation, marked ``offline`` with ``metadata["x_tier"] == "device"``; every
+``retry_online_s`` a turn first tries the gateway again and, once it answers, carries the
+offline turns over to it.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from rtgw.protocol import (
     SessionInfo,
     TextDelta,
     TurnResult,
+    reconnect_hint,
 )
 
 log = logging.getLogger(__name__)
@@ -104,6 +110,7 @@ class Turn:
         self._result: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None  # the offline generation, when offline
+        self._response: dict[str, Any] = {}  # its response.create options, to start it again on a new session
 
     @property
     def done(self) -> bool:
@@ -195,6 +202,12 @@ class RealtimeClient:
         self._lock = asyncio.Lock()  # one connect / send at a time
         self.reconnects = 0  # sessions opened after the first
         self._sessions = 0
+        self._closed = False
+        # A drained session (1001 with a reconnect hint): when to come back, the task that does,
+        # and a turn the old session never started (no response.created), started on the new one.
+        self._reconnect_at: float | None = None
+        self._reconnect_task: asyncio.Task[None] | None = None
+        self._resume: Turn | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -220,12 +233,26 @@ class RealtimeClient:
             await self._ensure_session(required=self._offline is None)
 
     async def close(self) -> None:
+        self._closed = True
         if self._turn is not None and not self._turn.done:
             with contextlib.suppress(GatewayError, ConnectionError):
                 await self.cancel()
+        task, self._reconnect_task = self._reconnect_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self._drop_connection()
         if self._offline is not None:
             await self._offline.close()
+
+    async def wait_reconnected(self) -> bool:
+        """Wait for a reconnect the gateway asked for (a drained session) to end; True when the
+        client is online again. Returns at once when none is under way."""
+        task = self._reconnect_task
+        if task is not None:
+            await asyncio.shield(task)
+        return self.online
 
     async def update_session(self, **fields: Any) -> None:
         """``session.update`` now and on every session after (instructions, temperature, model...)."""
@@ -250,12 +277,14 @@ class RealtimeClient:
             if not online:
                 return self._offline_turn(text, response)
             turn = self._turn = Turn()
+            turn._response = response
             events = self.protocol.user_turn(text, **response)
             try:
                 for event in events:
                     await self._send(event)
             except GatewayUnreachable:
-                turn._finish(self.protocol.connection_lost() or _lost(turn))
+                if turn is not self._resume:  # a drained session: the turn starts on the next one
+                    turn._finish(self.protocol.connection_lost() or _lost(turn))
             return turn
 
     async def ask(self, text: str, **options: Any) -> str:
@@ -271,6 +300,10 @@ class RealtimeClient:
         if turn.offline:
             assert turn._task is not None
             turn._task.cancel()
+            return await turn.result()
+        if turn is self._resume:  # waiting for a new session: it never started
+            self._resume = None
+            turn._finish(TurnResult(turn.response_id or "", "cancelled", "", reason="client_cancelled"))
             return await turn.result()
         # Sent even before response.created arrived: the server takes events in order, so the
         # response is active by the time it reads the cancel.
@@ -324,6 +357,8 @@ class RealtimeClient:
         """True once a session is open; False when it cannot be and ``required`` is False."""
         if self._ws is not None:
             return True
+        if self._reconnect_at is not None:
+            return await self._reconnect_as_asked(required=required)
         now = time.monotonic()
         if not required and now - self._last_online_try < self.retry_online_s:
             return False  # offline, and the gateway was tried a moment ago
@@ -336,6 +371,32 @@ class RealtimeClient:
             log.info("the gateway is unreachable: serving turns on the device")
             return False
         return True
+
+    async def _reconnect_as_asked(self, *, required: bool) -> bool:
+        """A drained session: wait until the time the gateway named, then reconnect with the
+        whole backoff (another replica is there to take us, so the fallback is not tried first)."""
+        assert self._reconnect_at is not None
+        await asyncio.sleep(max(0.0, self._reconnect_at - time.monotonic()))
+        self._reconnect_at = None
+        self._last_online_try = time.monotonic()
+        try:
+            await self._open_with_backoff(attempts=self.backoff.attempts)
+        except GatewayUnreachable:
+            if required:
+                raise
+            log.info("the gateway is unreachable after a drain: serving turns on the device")
+            return False
+        return True
+
+    async def _reconnect_after_drain(self) -> None:
+        async with self._lock:
+            try:
+                await self._ensure_session(required=True)
+            except GatewayError as e:
+                log.warning("could not reconnect after the gateway closed this session for a drain: %s", e)
+        turn, self._resume = self._resume, None  # still here: no session could start it
+        if turn is not None and not turn.done:
+            turn._finish(self.protocol.connection_lost() or _lost(turn))
 
     async def _open_with_backoff(self, attempts: int) -> None:
         delays = self.backoff.delays(self._rng)
@@ -367,6 +428,7 @@ class RealtimeClient:
             await ws.close()
             raise GatewayRefused(400, "the gateway does not speak msgpack framing")
         self._ws = ws
+        self._closed = False  # open again after close(): drain hints count again
         created = self._expect(("session", "created"))
         self._reader = asyncio.create_task(self._read_loop(ws), name="rtgw-reader")
         try:
@@ -384,6 +446,11 @@ class RealtimeClient:
             await self._send(event)
         if restore:
             log.info("restored %d conversation items on the new session", len(restore))
+        turn, self._resume = self._resume, None
+        if turn is not None and not turn.done:
+            log.info("starting on the new session the turn the drained one had not begun")
+            await self._send(self.protocol.event("response.create", **({"response": turn._response}
+                                                                         if turn._response else {})))
 
     async def _drop_connection(self) -> None:
         ws, self._ws = self._ws, None
@@ -439,18 +506,38 @@ class RealtimeClient:
         finally:
             if self._ws is ws:
                 self._ws = None
+                self._after_close(ws)
                 asyncio.get_running_loop().create_task(_close_quietly(ws, self.request_timeout))
             self._fail_pending(ws)
 
     async def _lost(self, ws: Any) -> None:
         if self._ws is ws:
             self._ws = None
+            self._after_close(ws)
             await _close_quietly(ws, self.request_timeout)
         self._fail_pending(ws)
 
+    def _after_close(self, ws: Any) -> None:
+        """The session on ``ws`` is over. A gateway replica going away says so with 1001 and a
+        reconnect hint, sent only once no response is in progress: come back after the time it
+        names (to the same URL: the load balancer routes to a replica that stays), and keep a
+        turn whose request the old session never took to start it on the new one."""
+        rcvd = getattr(getattr(ws, "protocol", None), "close_rcvd", None)  # the server's close frame
+        after_ms = reconnect_hint(rcvd.code, rcvd.reason) if rcvd is not None else None
+        if after_ms is None or self._closed:
+            return
+        log.info("the gateway is draining this session: reconnecting in %d ms", after_ms)
+        self._reconnect_at = time.monotonic() + after_ms / 1000
+        turn = self._turn
+        if turn is not None and not turn.done and not turn.offline and self.protocol.active_response_id is None:
+            self._resume = turn
+        if self._reconnect_task is None or self._reconnect_task.done():
+            self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect_after_drain(),
+                                                                          name="rtgw-reconnect")
+
     def _fail_pending(self, ws: Any) -> None:
         turn = self._turn
-        if turn is not None and not turn.done and not turn.offline:
+        if turn is not None and not turn.done and not turn.offline and turn is not self._resume:
             turn._finish(self.protocol.connection_lost() or _lost(turn))
         for future in self._waiters.values():
             if not future.done():

@@ -12,12 +12,34 @@ the server for assistant items, so the same ids survive a reconnect.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Role = Literal["system", "user", "assistant"]
+
+GOING_AWAY = 1001
+MAX_RECONNECT_AFTER_MS = 60_000  # a hint asking for a longer wait is held to this
+
+
+def reconnect_hint(code: int | None, reason: str | None) -> int | None:
+    """The gateway's drain hint: a close with 1001 whose reason is ``{"reconnect":true,
+    "after_ms":N}`` asks the client to reconnect after N ms (the load balancer then picks a
+    replica that is not going away). The delay in ms, or None for any other close."""
+    if code != GOING_AWAY or not reason:
+        return None
+    try:
+        hint = json.loads(reason)
+    except ValueError:
+        return None
+    if not isinstance(hint, dict) or hint.get("reconnect") is not True:
+        return None
+    after = hint.get("after_ms", 0)
+    if isinstance(after, bool) or not isinstance(after, (int, float)) or not after >= 0:
+        after = 0
+    return int(min(after, MAX_RECONNECT_AFTER_MS))
 
 
 def new_id(prefix: str) -> str:
