@@ -155,12 +155,19 @@ export class RealtimeClient {
   on(type: "turn", fn: (turn: Turn) => void): Unsubscribe;
   on(type: "error", fn: (error: ServerErrorBody) => void): Unsubscribe;
   on(type: "connected", fn: (info: { session: Record<string, unknown>; restored: number }) => void): Unsubscribe;
-  on(type: "disconnected", fn: (info: { code: number; reason: string }) => void): Unsubscribe;
+  /** `reconnectInMs`: the gateway drained the session (1001 with a reconnect hint) and the client
+   * reconnects by itself after that long; null for any other close. */
+  on(type: "disconnected", fn: (info: { code: number; reason: string; reconnectInMs: number | null }) => void): Unsubscribe;
   on(type: "reconnecting", fn: (info: { attempt: number; delayMs: number; error: GatewayError }) => void): Unsubscribe;
+  /** The reconnect after a drain gave up (every attempt failed); the next operation tries again. */
+  on(type: "reconnect_failed", fn: (info: { error: GatewayError }) => void): Unsubscribe;
   once(type: string): Promise<any>;
 }
 
 export function realtimeUrl(url: string, model?: string | null): string;
+/** The gateway's drain hint: for a close with 1001 and the reason `{"reconnect":true,"after_ms":N}`,
+ * N (ms, at most 60000); null for any other close. */
+export function reconnectHint(code: number, reason: string): number | null;
 export function backoffDelays(backoff?: Backoff, random?: () => number): Generator<number>;
 export function newId(prefix: string): string;
 /** Length in Unicode code points, the unit of `heardChars` and the gateway's x_text_end. */

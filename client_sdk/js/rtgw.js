@@ -11,11 +11,16 @@
 // roles and text, from the server's events), so that barge-in (`interrupt`) and the restore
 // after a reconnect need no round trip to read it. A dropped connection fails the active turn
 // (`connection_lost`); the next operation reconnects with jittered exponential backoff and
-// re-creates every item, with its id, on the new session.
+// re-creates every item, with its id, on the new session. A gateway replica that is going away
+// (drained) closes with 1001 and a reconnect hint once no response is in progress: the client
+// then reconnects by itself after the time it names and restores the conversation the same way,
+// with no error for the application.
 
 export const MSGPACK_SUBPROTOCOL = "x-openai-realtime-msgpack";
 const KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key.";
 const SILENCE_CLOSE_CODE = 4000; // ours: the client gave up on a silent server
+const GOING_AWAY = 1001;
+const MAX_RECONNECT_AFTER_MS = 60000; // a hint asking for a longer wait is held to this
 
 // --- errors -----------------------------------------------------------------------------------
 
@@ -99,6 +104,18 @@ export function* backoffDelays({ initialMs = 250, factor = 2, maxMs = 8000, jitt
 }
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+/** The gateway's drain hint: a close with 1001 whose reason is `{"reconnect":true,"after_ms":N}`
+ * asks the client to reconnect after N ms (the load balancer then picks a replica that is not
+ * going away). The delay in ms, or null for any other close. */
+export function reconnectHint(code, reason) {
+  if (code !== GOING_AWAY || !reason) return null;
+  let hint;
+  try { hint = JSON.parse(reason); } catch { return null; }
+  if (hint === null || typeof hint !== "object" || hint.reconnect !== true) return null;
+  const after = typeof hint.after_ms === "number" && hint.after_ms >= 0 ? hint.after_ms : 0;
+  return Math.floor(Math.min(after, MAX_RECONNECT_AFTER_MS));
+}
 
 function textOf(item) {
   return (item?.content ?? []).map((part) => part?.text ?? part?.transcript ?? "").join("");
@@ -240,6 +257,11 @@ export class RealtimeClient extends Emitter {
     this._silenceTimer = null;
     this._closed = false;
     this._ignoredErrors = new Set(); // event ids of cancels that may race with the end of a turn
+    // A drained session (1001 with a reconnect hint): when to come back, the timer that does, and
+    // a turn whose request the old session never took (no response.created), started on the new one.
+    this._reconnectAt = null;
+    this._reconnectTimer = null;
+    this._resume = null;
   }
 
   get connected() { return this._ws !== null && this.session !== null; }
@@ -251,12 +273,17 @@ export class RealtimeClient extends Emitter {
   connect() {
     if (this._closed) return Promise.reject(new GatewayError("the client is closed", "client_closed"));
     if (this.connected) return Promise.resolve();
-    this._connecting ??= this._connectWithRetry().finally(() => { this._connecting = null; });
+    this._connecting ??= this._connectWithRetry()
+      .catch((error) => { this._failResume(error); throw error; })
+      .finally(() => { this._connecting = null; });
     return this._connecting;
   }
 
   close() {
     this._closed = true;
+    clearTimeout(this._reconnectTimer);
+    this._reconnectTimer = null;
+    this._resume = null; // it fails with the rest, just below
     const ws = this._ws;
     if (ws) ws.close(1000, "client closed");
     this._lost(ws, 1000, "client closed");
@@ -264,6 +291,9 @@ export class RealtimeClient extends Emitter {
   }
 
   async _connectWithRetry() {
+    const waitMs = this._reconnectAt === null ? 0 : this._reconnectAt - now();
+    this._reconnectAt = null;
+    if (waitMs > 0) await sleep(waitMs); // the drained gateway said when to come back
     const delays = backoffDelays(this.backoff, this._random);
     for (let attempt = 1; ; attempt++) {
       try {
@@ -277,6 +307,12 @@ export class RealtimeClient extends Emitter {
       }
     }
     const restored = this.sessions > 1 ? await this._restore() : 0;
+    const resume = this._resume;
+    this._resume = null;
+    if (resume && this._turn === resume) {
+      this._armSilenceTimer();
+      this._sendEvent({ type: "response.create", event_id: resume.createEventId, ...resume._request });
+    }
     this.emit("connected", { session: this.session, restored });
     this._push({ type: "client.connected", session: this.session, restored });
   }
@@ -375,9 +411,14 @@ export class RealtimeClient extends Emitter {
     this._ws = null;
     this.session = null;
     this._stopSilenceTimer();
+    // A drained gateway closes only once no response is in progress: a turn still here then has
+    // not started (its request came too late), so it starts on the next session instead.
+    const reconnectInMs = this._closed ? null : reconnectHint(code, reason);
     const turn = this._turn;
-    this._turn = null;
-    if (turn) {
+    if (turn && reconnectInMs !== null && !turn.responseId) {
+      this._resume = turn;
+    } else if (turn) {
+      this._turn = null;
       this._keepPartial(turn);
       const silent = code === SILENCE_CLOSE_CODE;
       turn._finish({ status: "failed", error: silent ? turn._silenceError : {
@@ -386,9 +427,32 @@ export class RealtimeClient extends Emitter {
     }
     for (const waiter of [...this._waiters]) waiter.reject(new GatewayError("the connection was lost", "connection_lost"));
     if (wasOpen) {
-      this.emit("disconnected", { code, reason });
-      this._push({ type: "client.disconnected", code, reason });
+      this.emit("disconnected", { code, reason, reconnectInMs });
+      this._push({ type: "client.disconnected", code, reason, reconnectInMs });
     }
+    if (reconnectInMs !== null) this._scheduleReconnect(reconnectInMs);
+  }
+
+  /** Reconnect by itself after `ms` (a drain hint): to the same URL, where the load balancer now
+   * routes to a replica that stays; the conversation is restored as after any reconnect. */
+  _scheduleReconnect(ms) {
+    this._reconnectAt = now() + ms;
+    clearTimeout(this._reconnectTimer);
+    this._reconnectTimer = setTimeout(() => {
+      this._reconnectTimer = null;
+      this.connect().catch((error) => this.emit("reconnect_failed", { error }));
+    }, ms);
+  }
+
+  _failResume(error) {
+    const turn = this._resume;
+    if (!turn) return;
+    this._resume = null;
+    if (this._turn === turn) this._turn = null;
+    this._stopSilenceTimer();
+    turn._finish({ status: "failed", error: { type: "connection_error", code: error.code ?? "connection_lost",
+      message: error.message } });
+    this.emit("turn", turn);
   }
 
   // --- frames ---
@@ -593,6 +657,7 @@ export class RealtimeClient extends Emitter {
     turn._startedAt = now(); // time to first token counts from the request, not the reconnect
     this.conversation.push(item);
     const response = wireFields(options, RESPONSE_FIELDS);
+    turn._request = Object.keys(response).length ? { response } : {};
     this._armSilenceTimer();
     this._request({ type: "conversation.item.create", item: wireItem(item) },
       (e) => (e.type === "conversation.item.added" || e.type === "conversation.item.created") && e.item?.id === item.id)
@@ -600,8 +665,12 @@ export class RealtimeClient extends Emitter {
         if (!(error instanceof ServerError)) return; // lost: the turn fails through _lost
         this.conversation = this.conversation.filter((i) => i.id !== item.id);
       });
-    this._sendEvent({ type: "response.create", event_id: turn.createEventId,
-      ...(Object.keys(response).length ? { response } : {}) });
+    try {
+      this._sendEvent({ type: "response.create", event_id: turn.createEventId, ...turn._request });
+    } catch {
+      // The socket is closing: its close decides (a drain starts the turn on the next session;
+      // any other close fails it with connection_lost).
+    }
     return turn;
   }
 
@@ -614,6 +683,14 @@ export class RealtimeClient extends Emitter {
   async cancel() {
     const turn = this._turn;
     if (!turn) return null;
+    if (turn === this._resume) { // waiting for the next session: it never started
+      this._resume = null;
+      this._turn = null;
+      this._stopSilenceTimer();
+      turn._finish({ status: "cancelled", reason: "client_cancelled" });
+      this.emit("turn", turn);
+      return turn.result;
+    }
     if (this.connected) {
       const eventId = newId("evt");
       this._ignoredErrors.add(eventId);

@@ -197,7 +197,12 @@ function newClient() {
     hideBanner();
     setStatus("connected", restored ? `reconnected, ${restored} messages restored` : "connected");
   });
-  c.on("disconnected", () => { if (client === c) setStatus("idle", "disconnected: the next message reconnects"); });
+  c.on("disconnected", ({ reconnectInMs }) => {
+    if (client !== c) return;
+    // reconnectInMs: the server is going away (drained) and the client reconnects by itself
+    setStatus("idle", reconnectInMs === null ? "disconnected: the next message reconnects" : "the server is restarting: reconnecting…");
+  });
+  c.on("reconnect_failed", () => { if (client === c) setStatus("idle", "disconnected: the next message reconnects"); });
   c.on("reconnecting", ({ attempt }) => { if (client === c) setStatus("connecting", `connecting (try ${attempt + 1})…`); });
   c.on("error", (e) => { if (client === c) showBanner(`Server error: ${e.message}`); });
   client = c;

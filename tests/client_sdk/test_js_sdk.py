@@ -1,8 +1,8 @@
 """The JS SDK (client_sdk/js) under Node's own test runner.
 
 ``test_js_sdk_against_gateway`` starts a real gateway process (edge tier, one API key) and a
-small control server beside it (``POST /restart`` restarts the gateway on the same port and
-answers once it is ready again), then runs ``node --test`` on the SDK's tests with
+small control server beside it (``POST /restart`` restarts the gateway on the same port, with
+SIGTERM, so the gateway drains first, and answers once it is ready again), then runs ``node --test`` on the SDK's tests with
 ``RTGW_URL``, ``RTGW_KEY`` and ``RTGW_CONTROL_URL`` set. The codec and client-logic tests need
 no gateway and run in the default (fast) selection.
 """
@@ -86,7 +86,10 @@ def test_js_sdk_pure_parts() -> None:
 @pytest.mark.model
 @needs_node
 def test_js_sdk_against_gateway(tmp_path: Path) -> None:
-    gateway = GatewayProcess(write_config(tmp_path, api_keys=(KEY,)), tmp_path / "gateway.log")
+    # The restart test drains the gateway mid-answer: a short reconnect spread, and no drain timeout
+    # that a slow machine could reach before the answer ends.
+    drain = {"drain_reconnect_spread_ms": 500, "drain_timeout_s": 600}
+    gateway = GatewayProcess(write_config(tmp_path, api_keys=(KEY,), server=drain), tmp_path / "gateway.log")
     gateway.start()
     try:
         with control_server(gateway) as control:

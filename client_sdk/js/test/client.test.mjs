@@ -5,12 +5,14 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import * as msgpack from "../msgpack.js";
-import { backoffDelays, GatewayUnreachable, RealtimeClient, realtimeUrl } from "../rtgw.js";
+import { backoffDelays, GatewayUnreachable, RealtimeClient, realtimeUrl, reconnectHint } from "../rtgw.js";
 
 /** A fake gateway: answers the client's events the way the real one does, unless told otherwise. */
 class FakeServer {
-  constructor({ truncate = true, silent = false, refuse = 0, neverOpen = false, binary = false } = {}) {
-    Object.assign(this, { truncate, silent, refuse, neverOpen, binary });
+  constructor({ truncate = true, silent = false, refuse = 0, neverOpen = false, binary = false, drainOnCreate = null } = {}) {
+    // drainOnCreate: a close reason; the next response.create is not taken, the socket is closed
+    // with 1001 and that reason instead (a replica draining just as the request arrives).
+    Object.assign(this, { truncate, silent, refuse, neverOpen, binary, drainOnCreate });
     this.sockets = [];
     this.received = []; // every client event, per socket index: [index, event]
     this.items = [];
@@ -77,6 +79,12 @@ class FakeServer {
         break;
       }
       case "response.create":
+        if (this.drainOnCreate !== null) {
+          const reason = this.drainOnCreate;
+          this.drainOnCreate = null;
+          this.drop(ws, 1001, reason);
+          break;
+        }
         this.responses += 1;
         reply({ type: "response.created", response: { id: `resp_${this.responses}` } });
         break;
@@ -222,7 +230,7 @@ test("a lost connection fails the turn; the next send reconnects and restores th
   server.answer_(["Once"], { finish: false });
   const disconnected = c.once("disconnected");
   server.drop(server.last);
-  assert.deepEqual(await disconnected, { code: 1001, reason: "server shutting down" });
+  assert.deepEqual(await disconnected, { code: 1001, reason: "server shutting down", reconnectInMs: null });
   const lost = await second.result;
   assert.equal(lost.status, "failed");
   assert.equal(lost.error.code, "connection_lost");
@@ -277,4 +285,105 @@ test("a refused response.create fails the turn with the server's error", async (
   assert.equal(result.error.code, "rate_limit_exceeded");
   assert.equal(c.activeTurn, null);
   c.close();
+});
+
+const hint = (afterMs) => JSON.stringify({ reconnect: true, after_ms: afterMs });
+
+test("reconnectHint reads the gateway's drain close and nothing else", () => {
+  assert.equal(reconnectHint(1001, '{"reconnect":true,"after_ms":1234}'), 1234);
+  assert.equal(reconnectHint(1001, '{"reconnect":true}'), 0);
+  assert.equal(reconnectHint(1001, '{"reconnect":true,"after_ms":9e9}'), 60000);
+  assert.equal(reconnectHint(1001, '{"reconnect":true,"after_ms":-5}'), 0);
+  assert.equal(reconnectHint(1001, "server shutting down"), null);
+  assert.equal(reconnectHint(1001, '{"reconnect":false,"after_ms":5}'), null);
+  assert.equal(reconnectHint(1001, "[1]"), null);
+  assert.equal(reconnectHint(1001, ""), null);
+  assert.equal(reconnectHint(1000, '{"reconnect":true,"after_ms":5}'), null);
+});
+
+test("a drained session reconnects by itself after after_ms and restores every item, with no error", async () => {
+  const server = new FakeServer();
+  const c = client(server);
+  const errors = [];
+  c.on("error", (e) => errors.push(e));
+  for (const [text, answer] of [["My name is Ada.", "Hello Ada."], ["I like tea.", "Noted."]]) {
+    const turn = await c.send(text);
+    await responseCreated(c);
+    server.answer_([answer]);
+    assert.equal((await turn.result).status, "completed");
+  }
+  const before = c.conversation.map((i) => ({ ...i }));
+  const disconnected = c.once("disconnected");
+  const connected = c.once("connected");
+  const closedAt = performance.now();
+  server.drop(server.last, 1001, hint(40));
+  assert.deepEqual(await disconnected, { code: 1001, reason: hint(40), reconnectInMs: 40 });
+  const { restored } = await connected; // no send() needed: the client came back by itself
+  assert.ok(performance.now() - closedAt >= 35, "reconnected before after_ms");
+  assert.equal(restored, 4);
+  assert.equal(server.sockets.length, 2);
+  assert.equal(c.sessions, 2);
+  const onNew = server.received.filter(([i]) => i === 1).map(([, e]) => e);
+  assert.deepEqual(onNew.map((e) => [e.type, e.item.id, e.item.role, e.item.content[0].text]),
+    before.map((i) => ["conversation.item.create", i.id, i.role, i.text]));
+
+  const third = await c.send("What is my name?");
+  await responseCreated(c);
+  server.answer_(["Ada."]);
+  const result = await third.result;
+  assert.equal(result.status, "completed");
+  assert.equal(result.text, "Ada.");
+  assert.deepEqual(errors, []);
+  c.close();
+});
+
+test("a 1001 without the hint keeps today's behaviour: no reconnect until the next operation", async () => {
+  const server = new FakeServer();
+  const c = client(server);
+  await c.connect();
+  const disconnected = c.once("disconnected");
+  server.drop(server.last, 1001, "server shutting down");
+  assert.deepEqual(await disconnected, { code: 1001, reason: "server shutting down", reconnectInMs: null });
+  assert.equal(c._reconnectTimer, null);
+  assert.equal(server.sockets.length, 1);
+  c.close();
+});
+
+test("a turn sent just as the session was drained starts on the next session", async () => {
+  const server = new FakeServer({ drainOnCreate: hint(5) });
+  const c = client(server);
+  const errors = [];
+  c.on("error", (e) => errors.push(e));
+  const first = await c.send("Hi", { maxOutputTokens: 9 });
+  const connected = await c.once("connected"); // the old session never took the request
+  assert.equal(connected.restored, 1);
+  await responseCreated(c);
+  assert.equal(server.sockets.length, 2);
+  const onNew = server.received.filter(([i]) => i === 1).map(([, e]) => e);
+  assert.deepEqual(onNew.map((e) => e.type), ["conversation.item.create", "response.create"]);
+  assert.equal(onNew[0].item.id, first.userItemId);
+  assert.deepEqual(onNew[1].response, { max_output_tokens: 9 });
+  assert.equal(onNew[1].event_id, first.createEventId);
+  server.answer_(["Hello!"]);
+  const result = await first.result;
+  assert.equal(result.status, "completed");
+  assert.equal(result.text, "Hello!");
+  assert.deepEqual(c.conversation.map((i) => [i.role, i.text]), [["user", "Hi"], ["assistant", "Hello!"]]);
+  assert.deepEqual(errors, []);
+  c.close();
+});
+
+test("cancel() while a drained turn waits for the next session ends it cancelled, and close() stops the reconnect", async () => {
+  const server = new FakeServer({ drainOnCreate: hint(60000) });
+  const c = client(server);
+  const disconnected = c.once("disconnected");
+  const turn = await c.send("Hi");
+  assert.equal((await disconnected).reconnectInMs, 60000);
+  assert.equal(c.activeTurn, turn);
+  const result = await c.cancel();
+  assert.equal(result.status, "cancelled");
+  assert.equal(c.activeTurn, null);
+  c.close(); // clears the 60 s timer: the test process would otherwise wait for it
+  assert.equal(c._reconnectTimer, null);
+  assert.equal(server.sockets.length, 1);
 });

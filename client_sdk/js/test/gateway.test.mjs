@@ -126,30 +126,45 @@ test("a refused key is a clear GatewayRefused error, not retried", { skip: skip 
   assert.equal(c.activeTurn, null);
 });
 
-// Last: it restarts the gateway.
-test("after a server restart the next turn reconnects and still knows the conversation",
-  { skip: skip || (CONTROL ? false : "RTGW_CONTROL_URL is not set"), timeout: 2 * TIMEOUT }, async () => {
-    const c = client({ backoff: { initialMs: 200, maxMs: 2000, attempts: 12 } });
+// Last: it restarts the gateway. The restart is a SIGTERM, so the gateway drains: it lets the
+// answer in progress finish, then closes the session with 1001 and a reconnect hint, and the
+// client comes back by itself to the fresh process on the same port.
+test("a drained gateway: the turn in progress finishes, the client reconnects by itself and keeps the conversation",
+  { skip: skip || (CONTROL ? false : "RTGW_CONTROL_URL is not set"), timeout: 3 * TIMEOUT }, async () => {
+    const c = client({ backoff: { initialMs: 200, maxMs: 2000, attempts: 150 } });
+    const errors = [];
+    c.on("error", (e) => errors.push(e));
+    c.on("reconnect_failed", (e) => errors.push(e));
     const first = await c.ask("My name is Zorblax and my favourite colour is teal.", { maxOutputTokens: 24 });
     assert.ok(first.text.length > 0);
-    const itemsBefore = c.conversation.map((i) => [i.id, i.text]);
 
     const disconnected = c.once("disconnected");
-    const restart = await fetch(`${CONTROL}/restart`, { method: "POST" });
-    assert.equal(restart.status, 200, await restart.text());
-    await disconnected;
-    assert.equal(c.connected, false);
-
     const reconnected = c.once("connected");
+    const turn = await c.send("Tell me about the colour teal.", { maxOutputTokens: 48 });
+    await streamed(turn, 1);
+    const restart = fetch(`${CONTROL}/restart`, { method: "POST" }); // not awaited: the answer streams on
+    const during = await turn.result;
+    assert.ok(["completed", "incomplete"].includes(during.status), JSON.stringify(during)); // not cancelled, not lost
+    const closed = await disconnected;
+    assert.equal(closed.code, 1001);
+    assert.ok(Number.isInteger(closed.reconnectInMs) && closed.reconnectInMs >= 0, JSON.stringify(closed));
+    const itemsBefore = c.conversation.map((i) => [i.id, i.text]);
+    assert.equal(itemsBefore.length, 4);
+    assert.deepEqual(itemsBefore[3], [during.itemId, during.text]);
+
+    const restarted = await restart;
+    assert.equal(restarted.status, 200, await restarted.text());
+    const { restored } = await reconnected; // no operation asked for it
+    assert.equal(restored, 4);
+    assert.equal(c.sessions, 2);
+
     const message = "What is my name?";
     const next = await c.ask(message, { maxOutputTokens: 12 });
-    const { restored } = await reconnected;
-    assert.equal(restored, 2);
-    assert.equal(c.sessions, 2);
     assert.ok(["completed", "incomplete"].includes(next.status), JSON.stringify(next));
-    assert.deepEqual(c.conversation.slice(0, 2).map((i) => [i.id, i.text]), itemsBefore);
+    assert.deepEqual(c.conversation.slice(0, 4).map((i) => [i.id, i.text]), itemsBefore);
+    assert.deepEqual(errors, []);
 
-    // the same message alone on a fresh session: the restored turn must make the prompt longer
+    // the same message alone on a fresh session: the restored turns must make the prompt longer
     const fresh = client();
     const alone = await fresh.ask(message, { maxOutputTokens: 1 });
     assert.ok(next.usage.input_tokens > alone.usage.input_tokens + 10,
