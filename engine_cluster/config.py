@@ -76,7 +76,7 @@ class ClusterConfig:
         require(self.affinity_blocks >= 1, "cluster.affinity_blocks must be >= 1")
 
     def policy_kwargs(self) -> dict[str, float]:
-        """What the autoscaling policy reads (JSON-serialisable, as Serve requires)."""
+        """The autoscaling policy's constructor arguments (JSON-serialisable, as Serve requires);
+        the delays are Serve's own ``autoscaling_config`` fields, applied around the policy."""
         return {"target_queue_per_replica": self.target_queue_per_replica, "target_kv_use": self.target_kv_use,
-                "scale_down_headroom": self.scale_down_headroom, "upscale_delay_s": self.upscale_delay_s,
-                "downscale_delay_s": self.downscale_delay_s}
+                "scale_down_headroom": self.scale_down_headroom}

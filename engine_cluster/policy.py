@@ -40,7 +40,7 @@ class QueueKvPolicy:
     it every tick; it returns (desired replicas, state to show in Serve's status)."""
 
     def __init__(self, target_queue_per_replica: float = 4.0, target_kv_use: float = 0.75,
-                 scale_down_headroom: float = 0.5, **_ignored: float) -> None:
+                 scale_down_headroom: float = 0.5) -> None:
         self.target_queue = float(target_queue_per_replica)
         self.target_kv = float(target_kv_use)
         self.headroom = float(scale_down_headroom)

@@ -32,6 +32,7 @@ import ray
 from ray import serve
 
 from engine_cluster.config import ClusterConfig
+from engine_cluster.directory import Directory
 from engine_cluster.policy import KV_USE, QUEUE, RUNNING, SLOTS
 from engine_gpu.client import EngineClient
 from engine_gpu.config import check_engine_models, parse_engine_table
@@ -42,53 +43,20 @@ from llm_shared.models import parse_models
 log = logging.getLogger("engine_cluster.replica")
 
 DIRECTORY_PREFIX = "engine-directory-"  # one directory per Serve application
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node offers it
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class EngineDirectory:
-    """Replica id -> address, stats and last heartbeat. Detached and restartable: a restarted
-    directory is empty until the next heartbeats, which re-register (``heartbeat`` -> False)."""
-
-    def __init__(self) -> None:
-        self._members: dict[str, dict[str, Any]] = {}
-        self._cpus: dict[str, int] = {}
-
-    def register(self, replica_id: str, address: str, node_ip: str) -> None:
-        self._members[replica_id] = {"address": address, "node_ip": node_ip, "seen": time.monotonic(), "stats": {}}
-
-    def heartbeat(self, replica_id: str, stats: dict[str, float]) -> bool:
-        member = self._members.get(replica_id)
-        if member is None:
-            return False
-        member["seen"] = time.monotonic()
-        member["stats"] = stats
-        return True
-
-    def leave(self, replica_id: str) -> None:
-        self._members.pop(replica_id, None)
-        self._cpus.pop(replica_id, None)
-
-    def members(self, ttl_s: float) -> dict[str, dict[str, Any]]:
-        now = time.monotonic()
-        for replica_id in [r for r, m in self._members.items() if now - m["seen"] > ttl_s]:
-            self.leave(replica_id)
-        return {r: {"address": m["address"], "node_ip": m["node_ip"], "stats": m["stats"]}
-                for r, m in self._members.items()}
-
-    def claim_cpu(self, replica_id: str, node_ip: str, cpu_count: int) -> int:
-        """The lowest CPU index no live replica on this node holds (pinning for benchmarks)."""
-        taken = {cpu for r, cpu in self._cpus.items()
-                 if r in self._members and self._members[r]["node_ip"] == node_ip}
-        cpu = next((i for i in range(cpu_count) if i not in taken), replica_id.__hash__() % cpu_count)
-        self._cpus[replica_id] = cpu
-        return cpu
+# Detached and restartable: a restarted directory is empty until the next heartbeats, which
+# re-register (``heartbeat`` -> False).
+EngineDirectory = ray.remote(num_cpus=0, max_restarts=-1)(Directory)
 
 
 def directory_handle(namespace: str, app_name: str) -> Any:
     """The application's directory actor, created on first use (replicas and gateways may start in
-    any order)."""
+    any order). It lives on the head node (Ray's built-in head resource): a gateway pod that joins
+    the cluster as a 0-CPU node must not take the directory with it when it goes."""
     return EngineDirectory.options(name=DIRECTORY_PREFIX + app_name, namespace=namespace, lifetime="detached",
-                                   get_if_exists=True).remote()
+                                   get_if_exists=True, resources={HEAD_NODE_RESOURCE: 0.001}).remote()
 
 
 def load_replica_configs(config_path: str) -> tuple[ClusterConfig, Any, Any, Any]:

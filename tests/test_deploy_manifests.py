@@ -229,7 +229,7 @@ def test_policy_function_is_queue_kv_policy(replica_deployment: Doc) -> None:
 
 def test_policy_kwargs_are_the_policy_constructor_arguments(replica_deployment: Doc, config: Config) -> None:
     """Serve instantiates the class with these: each of its parameters given, with the config's
-    values, and nothing it does not take but the delays it accepts and leaves to Serve."""
+    values, and nothing it does not take (a stray key would fail the policy's construction)."""
     from engine_cluster.policy import QueueKvPolicy
 
     kwargs = replica_deployment["autoscaling_config"]["policy"]["policy_kwargs"]
@@ -237,8 +237,7 @@ def test_policy_kwargs_are_the_policy_constructor_arguments(replica_deployment: 
     json.dumps(kwargs)  # Serve requires JSON-serialisable kwargs
     parameters = inspect.signature(QueueKvPolicy.__init__).parameters.values()
     named = {p.name for p in parameters if p.name != "self" and p.kind is not p.VAR_KEYWORD}
-    assert named <= set(kwargs), f"the policy would fall back to its defaults for {named - set(kwargs)}"
-    assert set(kwargs) - named == {"upscale_delay_s", "downscale_delay_s"}
+    assert named == set(kwargs), f"the policy would fall back to its defaults for {named - set(kwargs)}"
     policy = QueueKvPolicy(**kwargs)
     assert (policy.target_queue, policy.target_kv, policy.headroom) == (
         kwargs["target_queue_per_replica"], kwargs["target_kv_use"], kwargs["scale_down_headroom"])

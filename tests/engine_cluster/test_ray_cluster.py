@@ -15,6 +15,8 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the cluster extra is not installed (make test-cluster installs it)")
 
+from pool_turns import run_turn  # noqa: E402
+
 from engine_cluster.config import ClusterConfig  # noqa: E402 - after the importorskip
 from engine_cluster.local import (  # noqa: E402
     delete_app,
@@ -69,17 +71,7 @@ async def open_pool(config_path: str) -> tuple[ReplicaPool, ClusterConfig]:
 
 async def turn(pool: ReplicaPool, rid: str, prompt: list[int], params: SamplingParams = SHORT,
                ) -> tuple[list[int], FinishEvent, str]:
-    tokens: list[int] = []
-    replica = ""
-    async for event in pool.generate(rid, prompt, params, Priority.REALTIME):
-        stream = pool._streams.get(rid)
-        if stream is not None and stream._replica is not None:
-            replica = stream._replica.replica_id
-        if isinstance(event, TokenEvent):
-            tokens.append(event.token_id)
-        else:
-            return tokens, event, replica
-    raise AssertionError("no FinishEvent")
+    return await run_turn(pool, rid, prompt, params)
 
 
 def prompt_of(pool: ReplicaPool, text: str) -> list[int]:

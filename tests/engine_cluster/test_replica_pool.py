@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
+from pool_turns import run_turn
 from tiny_engine import write_tiny_model
 
 from engine_cluster.config import ClusterConfig
@@ -73,19 +74,7 @@ async def make_pool(owners: list[EngineClient], cfg: ClusterConfig = CLUSTER) ->
 
 async def run(pool: ReplicaPool, rid: str, prompt: list[int], params: SamplingParams = GREEDY,
               ) -> tuple[list[int], FinishEvent, str]:
-    """Tokens, the finish and the replica that served the request."""
-    tokens: list[int] = []
-    served_by = ""
-    async for event in pool.generate(rid, prompt, params, Priority.REALTIME):
-        stream = pool._streams.get(rid)
-        if stream is not None and stream._replica is not None:
-            served_by = stream._replica.replica_id
-        if isinstance(event, TokenEvent):
-            tokens.append(event.token_id)
-        else:
-            assert isinstance(event, FinishEvent)
-            return tokens, event, served_by
-    raise AssertionError("the stream ended without a FinishEvent")
+    return await run_turn(pool, rid, prompt, params)
 
 
 def words(seed: int, n: int) -> list[int]:
