@@ -32,6 +32,7 @@ from llm_shared.contract import (
     check_cache_salt,
 )
 from llm_shared.errors import DuplicateRequestError, EngineUnavailableError, OverloadedError
+from llm_shared.load_cache import LoadCache
 from llm_shared.modelfile import check_gguf
 from llm_shared.textstream import TextStream
 from llm_shared.tokenizer import Tokenizer
@@ -54,7 +55,7 @@ class _Stream:
 class SyntheticBackend(EdgeBackend):
     def __init__(self, model_path: Path, config: EdgeConfig) -> None:
         self.config = config
-        self._tokenizer = Tokenizer.from_gguf(check_gguf(Path(model_path)))
+        self._tokenizer = Tokenizer.from_gguf(check_gguf(Path(model_path)), cache=LoadCache.from_env())
         self._answer = self._tokenizer.encode(ANSWER)
         self._interval = 1.0 / config.synthetic_tokens_per_s
         self._max_streams = config.synthetic_max_streams
@@ -75,6 +76,11 @@ class SyntheticBackend(EdgeBackend):
     @property
     def max_prompt_tokens(self) -> int:
         return CONTEXT_TOKENS - 1
+
+    def saturated(self) -> bool:
+        """Would a request be refused for overload now? The gateway asks before it encodes the
+        prompt, so a refusal under overload costs no tokenizing (generate still decides)."""
+        return len(self._streams) >= self._max_streams
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                        priority: Priority = Priority.INTERACTIVE, session_id: str = "",

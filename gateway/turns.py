@@ -23,8 +23,16 @@ from gateway.cascade.route import RouteInfo
 from gateway.cascade.router import Router, prompt_token_limit
 from gateway.engines import encode_chat
 from gateway.metrics import GatewayMetrics
-from llm_shared.contract import Engine, FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
-from llm_shared.errors import EngineError
+from llm_shared.contract import (
+    Engine,
+    FinishEvent,
+    Priority,
+    SamplingParams,
+    StreamEvent,
+    TokenEvent,
+    engine_saturated,
+)
+from llm_shared.errors import EngineError, OverloadedError
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +108,10 @@ class Turn:
         that certainly exceeds every context that could serve it is refused before tokenizing."""
         route = self._router.choose(self._model, self._messages, self._params)
         self._engine, self._route = route.engine, route.info
+        if engine_saturated(self._engine):
+            # Refused before the chat template and the tokenizer run: under overload every refusal
+            # is paid on the event loop, and the admitted streams wait behind them.
+            raise OverloadedError(f"the {self._engine.tier} tier is at capacity; retry shortly")
         self._prompt_ids = await encode_chat(self._engine, self._messages,
                                              prompt_token_limit(self._engine, self._params.max_tokens))
         # The output budget is taken now, before any token: a burst cannot overspend the key.

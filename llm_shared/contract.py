@@ -211,3 +211,12 @@ class Engine(Protocol):
 
     @abstractmethod
     async def close(self) -> None: ...
+
+
+def engine_saturated(engine: object) -> bool:
+    """Whether ``engine`` says it would refuse a new request for overload right now. Optional
+    for a tier (``saturated() -> bool``, cheap, no I/O): the gateway asks before it encodes a
+    prompt, so under overload a refusal costs no tokenizing. A tier without it is asked by
+    generating; either way ``generate`` has the last word."""
+    saturated = getattr(engine, "saturated", None)
+    return bool(saturated()) if callable(saturated) else False

@@ -28,7 +28,15 @@ from gateway.cascade.config import CascadeConfig
 from gateway.cascade.health import HealthMonitor
 from gateway.cascade.route import RouteInfo
 from gateway.metrics import GatewayMetrics
-from llm_shared.contract import Engine, FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
+from llm_shared.contract import (
+    Engine,
+    FinishEvent,
+    Priority,
+    SamplingParams,
+    StreamEvent,
+    TokenEvent,
+    engine_saturated,
+)
 from llm_shared.errors import DuplicateRequestError, EngineError, EngineUnavailableError, OverloadedError
 from llm_shared.tokenizer import Tokenizer
 
@@ -77,6 +85,10 @@ class CascadeEngine:
     @property
     def ready(self) -> bool:
         return self.health.up("edge") or self.health.up("gpu")
+
+    def saturated(self) -> bool:
+        """Both tiers would refuse a new turn for overload (one with room takes it)."""
+        return engine_saturated(self.edge) and engine_saturated(self.gpu)
 
     @property
     def edge_max_prompt_tokens(self) -> int:
