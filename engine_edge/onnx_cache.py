@@ -9,36 +9,23 @@ The manifest is written last: a crash mid-export leaves no manifest and hence no
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llm_shared.errors import ModelFileError
+from llm_shared.load_cache import cache_home, file_sha256
 
 # Bump whenever the graph's inputs/outputs, the traced model code or the export settings
 # change in a way that makes older files wrong for the current backend.
 EXPORTER_VERSION = "1"
 MANIFEST_SUFFIX = ".manifest.json"
-_HASH_CHUNK = 8 << 20
 
 
 def default_cache_root() -> Path:
-    """``$XDG_CACHE_HOME/rt-llm-gateway/onnx`` (``~/.cache/...`` when unset)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "rt-llm-gateway" / "onnx"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    try:
-        with path.open("rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                digest.update(chunk)
-    except OSError as e:
-        raise ModelFileError(f"cannot read {str(path)!r}: {e.strerror}") from e
-    return digest.hexdigest()
+    """``onnx/`` in our cache folder: ``$RTGW_CACHE_DIR``, else ``$XDG_CACHE_HOME/rt-llm-gateway``
+    (``~/.cache/...`` when unset); ``llm_shared.load_cache.cache_home``."""
+    return cache_home() / "onnx"
 
 
 def default_onnx_path(source_sha256: str, root: Path | None = None) -> Path:

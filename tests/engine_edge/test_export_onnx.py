@@ -21,6 +21,7 @@ from engine_edge.onnx_cache import (
 )
 from engine_edge.onnx_decoder import OnnxDecoder
 from llm_shared.errors import ModelFileError
+from llm_shared.load_cache import CACHE_DIR_ENV
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,9 @@ def test_default_location_is_keyed_by_the_gguf_hash(
     exported: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gguf, onnx_path = exported
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "ours"))  # our cache folder, when set, wins
+    assert default_onnx_path(file_sha256(gguf)).parent.parent == tmp_path / "ours" / "onnx"
+    monkeypatch.delenv(CACHE_DIR_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     expected = tmp_path / "cache" / "rt-llm-gateway" / "onnx" / f"{file_sha256(gguf)}-v{EXPORTER_VERSION}" / "model.onnx"
     assert default_onnx_path(file_sha256(gguf)) == expected
