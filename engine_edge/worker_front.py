@@ -44,6 +44,7 @@ from llm_shared.errors import (
     InvalidSamplingError,
     OverloadedError,
 )
+from llm_shared.load_cache import LoadCache
 from llm_shared.modelfile import check_gguf
 from llm_shared.tokenizer import Tokenizer
 
@@ -56,9 +57,12 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 def open_gguf(model_path: Path, tokenizer: Tokenizer | None) -> tuple[Path, Tokenizer]:
-    """The checked GGUF path and the tokenizer to serve it with (its own unless one is given)."""
+    """The checked GGUF path and the tokenizer to serve it with (its own, through the load cache
+    the environment names, unless one is given)."""
     model_path = check_gguf(Path(model_path))
-    return model_path, tokenizer if tokenizer is not None else Tokenizer.from_gguf(model_path)
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_gguf(model_path, cache=LoadCache.from_env())
+    return model_path, tokenizer
 
 
 def require_same_vocab(tokenizer: Tokenizer, n_vocab: int, runtime: str) -> None:

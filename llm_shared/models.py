@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from llm_shared.configtools import build, require
 from llm_shared.errors import ConfigError, ModelFileError
+from llm_shared.load_cache import LoadCache
 from llm_shared.modelfile import resolve_source
 from llm_shared.tokenizer import Tokenizer
 
@@ -61,10 +62,12 @@ def require_model(models: Mapping[str, ModelConfig], model_id: str, key: str) ->
     return models[model_id]
 
 
-def tokenizer_for(model_cfg: ModelConfig) -> Tokenizer:
-    """The tokenizer inside a GGUF file, or the tokenizer.json of a safetensors checkpoint."""
+def tokenizer_for(model_cfg: ModelConfig, *, cache: LoadCache | None = None) -> Tokenizer:
+    """The tokenizer inside a GGUF file (through ``cache``, default ``LoadCache.from_env()``), or
+    the tokenizer.json of a safetensors checkpoint."""
     if model_cfg.format == "gguf":
-        return Tokenizer.from_gguf(resolve_source(model_cfg.source))
+        cache = cache if cache is not None else LoadCache.from_env()
+        return Tokenizer.from_gguf(resolve_source(model_cfg.source), cache=cache)
     path = Path(model_cfg.tokenizer) if model_cfg.tokenizer else resolve_source(model_cfg.source) / "tokenizer.json"
     if not path.is_file():
         raise ModelFileError(f"tokenizer file {str(path)!r} not found; set models.{model_cfg.id}.tokenizer")

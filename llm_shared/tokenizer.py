@@ -17,6 +17,7 @@ import tokenizers
 
 from llm_shared.chat_template import ChatTemplate, validate_messages
 from llm_shared.errors import ConfigError, InvalidRequestError
+from llm_shared.load_cache import LoadCache
 from llm_shared.tokenizer_load import TokenizerParts, load_gguf, load_hf
 
 # Private-use delimiters around a per-call random nonce: content cannot forge a sentinel.
@@ -49,9 +50,10 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """The tokenizer stored in a GGUF model file (tokenizer.ggml.* metadata)."""
-        return cls(load_gguf(path))
+    def from_gguf(cls, path: str | Path, *, cache: LoadCache | None = None) -> Tokenizer:
+        """The tokenizer stored in a GGUF model file (tokenizer.ggml.* metadata); through the
+        load cache when given one (the first load stores it, later ones skip the GGUF parse)."""
+        return cls(load_gguf(path, cache=cache))
 
     @classmethod
     def from_hf(cls, tokenizer_json: str | Path, tokenizer_config_json: str | Path | None = None) -> Tokenizer:

@@ -2,7 +2,9 @@
 
 Only byte-level BPE vocabularies (GPT-2 style, as SmolLM2 uses) are supported; anything
 else is refused at load time with a message saying what was found, rather than tokenizing
-subtly differently from llama.cpp.
+subtly differently from llama.cpp. Building from a GGUF takes seconds (gguf's Python reader
+walks every token); with a ``LoadCache`` the parts are saved as a ``tokenizer.json`` and a small
+JSON file, which load in a fraction of that the next time.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from llm_shared.errors import ModelFileError
+from llm_shared.load_cache import CorruptEntry, LoadCache
 from llm_shared.modelfile import check_gguf
 
 # llama.cpp token types (llama_token_type in llama.h).
@@ -28,6 +31,9 @@ TOKEN_TYPE_USER_DEFINED = 4
 # ("\p{N}"), then the GPT-2 regex. SmolLM2 ships as 'smollm'.
 DIGIT_SPLIT_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
 GPT2_PRES = frozenset({"gpt-2"})
+
+# Bump when what load_gguf builds from the same file changes, so older cache entries miss.
+CACHE_VERSION = "1"
 
 
 @dataclass(frozen=True)
@@ -95,12 +101,58 @@ def _field_str_list(reader: Any, key: str) -> list[str] | None:
     return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
 
 
-def load_gguf(path: str | Path) -> TokenizerParts:
-    """Read the tokenizer.ggml.* metadata of a GGUF file and build the equivalent backend."""
-    # Imported here: gguf pulls in numpy and is only needed when loading.
+def load_gguf(path: str | Path, *, cache: LoadCache | None = None) -> TokenizerParts:
+    """Read the tokenizer.ggml.* metadata of a GGUF file and build the equivalent backend;
+    through ``cache`` when given (keyed by the file's SHA-256, ``CACHE_VERSION`` and the
+    ``tokenizers`` version), storing what was built on a miss."""
+    path = check_gguf(Path(path))
+    if cache is None or not cache.enabled:
+        return _read_gguf(path)
+    key = {"kind": "tokenizer", "source_sha256": cache.source_sha256(path), "version": CACHE_VERSION,
+           "tokenizers": tokenizers.__version__}
+    parts = cache.load(key, read_parts)
+    if parts is None:
+        parts = _read_gguf(path)
+        cache.store(key, lambda folder: write_parts(parts, folder))
+    return parts
+
+
+def write_parts(parts: TokenizerParts, folder: Path) -> None:
+    """``tokenizer.json`` (the backend, special tokens included) and ``parts.json`` (the rest)."""
+    (folder / "tokenizer.json").write_text(parts.backend.to_str(), encoding="utf-8")
+    rest = {
+        "token_bytes": [b.decode("latin-1") for b in parts.token_bytes],  # one character per byte
+        "special_ids": sorted(parts.special_ids),
+        "bos_id": parts.bos_id,
+        "eos_id": parts.eos_id,
+        "chat_template": parts.chat_template,
+    }
+    (folder / "parts.json").write_text(json.dumps(rest, ensure_ascii=False), encoding="utf-8")
+
+
+def read_parts(folder: Path) -> TokenizerParts:
+    """What ``write_parts`` wrote; ``CorruptEntry`` if it is not that."""
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as e:  # the Rust side raises a bare Exception on a malformed file
+        raise CorruptEntry(f"tokenizer.json does not load: {e}") from e
+    try:
+        rest = json.loads((folder / "parts.json").read_text(encoding="utf-8"))
+        token_bytes = tuple(t.encode("latin-1") for t in rest["token_bytes"])
+        special_ids = frozenset(rest["special_ids"])
+        bos_id, eos_id, chat_template = rest["bos_id"], rest["eos_id"], rest["chat_template"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # UnicodeError is a ValueError
+        raise CorruptEntry(f"parts.json is not what write_parts writes: {e}") from e
+    ids = (*special_ids, eos_id) if bos_id is None else (*special_ids, eos_id, bos_id)
+    if not all(isinstance(i, int) and 0 <= i < len(token_bytes) for i in ids) or not isinstance(chat_template, str):
+        raise CorruptEntry("parts.json holds ids outside the vocabulary or values of the wrong type")
+    return TokenizerParts(backend, token_bytes, special_ids, bos_id, eos_id, chat_template)
+
+
+def _read_gguf(path: Path) -> TokenizerParts:
+    # Imported here: gguf pulls in numpy and is only needed when parsing.
     from gguf import GGUFReader
 
-    path = check_gguf(Path(path))
     try:
         reader = GGUFReader(path)
         model = _field_str(reader, "tokenizer.ggml.model")
