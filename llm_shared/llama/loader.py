@@ -4,6 +4,8 @@ Two formats: a GGUF file (tensors dequantized to float32 with the ``gguf`` packa
 Q/K row permutation undone) or a Hugging Face directory (config.json + *.safetensors, sharded or
 not). Every problem with the files is a ModelFileError naming the file, key or tensor at fault.
 Names and shapes are all checked before any tensor is read, so a bad file fails in seconds.
+Parsing and dequantizing a GGUF takes seconds; given a ``LoadCache``, ``load_gguf`` keeps the
+result (``weight_cache``) and maps it from there the next time.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 from llm_shared.errors import ModelFileError
 from llm_shared.llama.model import LlamaModel, ModelArgs
 from llm_shared.llama.rope import parse_rope_scaling
+from llm_shared.llama.weight_cache import read_model, weights_key, write_model
+from llm_shared.load_cache import LoadCache
 from llm_shared.modelfile import check_gguf, check_hf_checkpoint
 
 log = logging.getLogger(__name__)
@@ -115,18 +119,16 @@ def _assemble(args: ModelArgs, t: dict[str, torch.Tensor], device: torch.device 
         state[p + "mlp_norm.weight"] = t.pop(f"{i}.mlp_norm")
         state[p + "w_gate_up.weight"] = torch.cat([t.pop(f"{i}.gate"), t.pop(f"{i}.up")])
         state[p + "w_down.weight"] = t.pop(f"{i}.down")
-    with torch.device("meta"):  # no throwaway random init of the weights
-        model = LlamaModel(args)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.reset_rope(device)
-    return model.eval()
+    return LlamaModel.from_state_dict(args, state, device)
 
 
 def load_model(
-    path: Path, fmt: Literal["gguf", "safetensors"], *, dtype: torch.dtype, device: torch.device | str = "cpu"
+    path: Path, fmt: Literal["gguf", "safetensors"], *, dtype: torch.dtype, device: torch.device | str = "cpu",
+    cache: LoadCache | None = None,
 ) -> LlamaModel:
+    """Load a checkpoint; a GGUF through ``cache`` when given (safetensors load mapped anyway)."""
     if fmt == "gguf":
-        return load_gguf(path, dtype=dtype, device=device)
+        return load_gguf(path, dtype=dtype, device=device, cache=cache)
     if fmt == "safetensors":
         return load_safetensors(path, dtype=dtype, device=device)
     raise ModelFileError(f"unknown model format {fmt!r}; expected 'gguf' or 'safetensors'")
@@ -142,10 +144,26 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, head_dim // 2, 2, in_features).swapaxes(1, 2).reshape(out_features, in_features)
 
 
-def load_gguf(path: Path, *, dtype: torch.dtype, device: torch.device | str = "cpu") -> LlamaModel:
+def load_gguf(path: Path, *, dtype: torch.dtype, device: torch.device | str = "cpu",
+              cache: LoadCache | None = None) -> LlamaModel:
+    """The model in a GGUF file; through ``cache`` when given (keyed by the file's SHA-256, the
+    dtype and ``weight_cache.CACHE_VERSION``), storing the loaded weights on a miss."""
+    check_gguf(path)
+    if cache is None or not cache.enabled:
+        return _parse_gguf(path, dtype=dtype, device=device)
+    key = weights_key(cache.source_sha256(path), dtype)
+    model = cache.load(key, lambda folder: read_model(folder, dtype=dtype, device=device))
+    if model is not None:
+        log.info("loading %s: %d tensors mapped from the load cache", path, len(model.state_dict()))
+        return model
+    model = _parse_gguf(path, dtype=dtype, device=device)
+    cache.store(key, lambda folder: write_model(model, folder))
+    return model
+
+
+def _parse_gguf(path: Path, *, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
     import gguf
 
-    check_gguf(path)
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, KeyError, IndexError) as e:  # the reader's ways of rejecting a corrupt file

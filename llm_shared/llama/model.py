@@ -152,18 +152,35 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, *, init_weights: bool = True) -> None:
         super().__init__()
         self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        if init_weights:
+            self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        else:  # an explicit weight skips the normal_ init, which on the meta device imports torch._dynamo too
+            self.embed = nn.Embedding(args.vocab_size, args.hidden_size,
+                                      _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
+    @classmethod
+    def from_state_dict(cls, args: ModelArgs, state: dict[str, torch.Tensor], device: torch.device | str) -> LlamaModel:
+        """A model holding exactly these tensors (adopted, not copied); RuntimeError if a name or
+        shape is not what ``args`` needs."""
+        with torch.device("meta"):  # no throwaway random init of the weights
+            model = cls(args, init_weights=False)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.reset_rope(device)
+        return model.eval()
+
     def _inv_freq(self) -> torch.Tensor:
         a = self.args
-        return inv_frequencies(a.head_dim, a.rope_theta, a.rope_scaling, a.rope_freq_factors)
+        # On the CPU even while the model is built on the meta device: arithmetic on meta
+        # tensors runs torch's Python reference kernels, whose first use imports torch._dynamo (~2 s).
+        with torch.device("cpu"):
+            return inv_frequencies(a.head_dim, a.rope_theta, a.rope_scaling, a.rope_freq_factors)
 
     def reset_rope(self, device: torch.device | str) -> None:
         """Recompute the RoPE buffer (after building on the meta device and assigning weights)."""
