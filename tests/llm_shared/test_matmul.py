@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from llm_shared.llama import matmul
+from llm_shared.load_cache import LoadCache
 
 
 @pytest.fixture(autouse=True)
@@ -33,3 +36,22 @@ def test_tune_records_only_shapes_it_timed() -> None:
     ratios = matmul.tune(weights)
     assert set(ratios) == {"64x32", "16x32"} and all(r > 0 for r in ratios.values())
     assert {(o, i) for o, i, _, _ in matmul._TRANSPOSED} <= {(64, 32), (16, 32)}
+
+
+def test_tuning_decisions_are_reused_from_the_load_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    weights = [torch.randn(64, 32), torch.randn(16, 32)]
+    cache = LoadCache(tmp_path)
+    ratios = matmul.tune(weights, cache=cache)
+    decided = set(matmul._TRANSPOSED)
+    assert cache.outcomes == {"matmul": "miss"}
+    matmul.reset()
+
+    def no_timing(fn: object, repeats: int = 3) -> float:
+        raise AssertionError("timed again on a cache hit")
+
+    monkeypatch.setattr(matmul, "_median_seconds", no_timing)
+    again = LoadCache(tmp_path)
+    assert matmul.tune(weights, cache=again) == ratios
+    assert matmul._TRANSPOSED == decided and again.outcomes == {"matmul": "hit"}
+    with pytest.raises(AssertionError, match="timed again"):  # other shapes: another entry
+        matmul.tune([torch.randn(48, 32)], cache=again)
