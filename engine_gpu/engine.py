@@ -19,6 +19,7 @@ from engine_gpu.sched_output import RequestUpdate, SchedulerOutput
 from engine_gpu.scheduler import Scheduler
 from engine_gpu.speculative.speculator import Speculator, build_speculator
 from llm_shared.contract import FinishEvent, FinishReason, Priority, SamplingParams, TokenEvent
+from llm_shared.load_cache import LoadCache
 from llm_shared.models import ModelConfig, tokenizer_for
 from llm_shared.textstream import TextStream
 from llm_shared.tokenizer import Tokenizer
@@ -61,17 +62,20 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                    draft_model_cfg: ModelConfig | None = None) -> LLMEngine:
+                    draft_model_cfg: ModelConfig | None = None, *, cache: LoadCache | None = None) -> LLMEngine:
         """Load the model (and the drafter ``engine_cfg.speculative`` names; an edge drafter needs
-        ``draft_model_cfg``, which ``config.check_engine_models`` resolves)."""
+        ``draft_model_cfg``, which ``config.check_engine_models`` resolves), through the load
+        cache (default ``LoadCache.from_env()``)."""
         started = time.perf_counter()
+        cache = cache if cache is not None else LoadCache.from_env()
         log.info("loading tokenizer of %s", model_cfg.id)
-        tokenizer = tokenizer_for(model_cfg)
+        tokenizer = tokenizer_for(model_cfg, cache=cache)
         log.info("loading model %s (%s, %s on %s)", model_cfg.id, model_cfg.format, engine_cfg.dtype, engine_cfg.device)
-        runner = ModelRunner.from_config(model_cfg, engine_cfg)
-        log.info("model loaded in %.1f s: %d KV blocks of %d tokens", time.perf_counter() - started,
-                 runner.num_blocks, runner.block_size)
-        speculator = build_speculator(engine_cfg.speculative, draft_model_cfg, tokenizer, engine_cfg.max_num_seqs)
+        runner = ModelRunner.from_config(model_cfg, engine_cfg, cache=cache)
+        log.info("model loaded in %.1f s (%s): %d KV blocks of %d tokens", time.perf_counter() - started,
+                 cache.describe(), runner.num_blocks, runner.block_size)
+        speculator = build_speculator(engine_cfg.speculative, draft_model_cfg, tokenizer, engine_cfg.max_num_seqs,
+                                      cache=cache)
         return cls(runner, tokenizer, engine_cfg, model_cfg=model_cfg, speculator=speculator)
 
     # --- requests ---------------------------------------------------------------------------

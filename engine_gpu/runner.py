@@ -24,6 +24,7 @@ from llm_shared.errors import ConfigError
 from llm_shared.llama import matmul
 from llm_shared.llama.loader import load_model
 from llm_shared.llama.model import LlamaModel
+from llm_shared.load_cache import LoadCache
 from llm_shared.modelfile import resolve_source
 
 if TYPE_CHECKING:
@@ -95,8 +96,11 @@ class ModelRunner:
         self.max_position = args.max_position_embeddings
 
     @classmethod
-    def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> ModelRunner:
-        """Load the weights of ``model_cfg`` and size the KV pool from ``engine_cfg``."""
+    def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
+                    cache: LoadCache | None = None) -> ModelRunner:
+        """Load the weights of ``model_cfg`` (through ``cache``, default ``LoadCache.from_env()``:
+        a GGUF's weights and the matmul tuning) and size the KV pool from ``engine_cfg``."""
+        cache = cache if cache is not None else LoadCache.from_env()
         if engine_cfg.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("engine.device = 'cuda' but torch sees no CUDA device")
         if engine_cfg.threads > 0:
@@ -106,9 +110,9 @@ class ModelRunner:
         dtype = DTYPES[dtype_name]
         device = torch.device(engine_cfg.device)
         path = resolve_source(model_cfg.source)
-        model = load_model(path, model_cfg.format, dtype=dtype, device=device)
+        model = load_model(path, model_cfg.format, dtype=dtype, device=device, cache=cache)
         if device.type == "cpu":  # which of two equal matmul forms this CPU computes faster, per shape
-            matmul.tune(model.projection_weights())
+            matmul.tune(model.projection_weights(), cache=cache)
         args = model.args
         backend = get_attention_backend(
             engine_cfg.attention, device=device, block_size=engine_cfg.block_size,

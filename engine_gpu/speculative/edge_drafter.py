@@ -39,6 +39,7 @@ from engine_gpu.speculative.drafter import MAX_DRAFT_TOKENS, Draft, DraftRequest
 from engine_gpu.speculative.verify import draw
 from llm_shared.errors import EngineError
 from llm_shared.llamacpp_runtime import KV_PAD, ContextShape, LlamaContext, LlamaModel, TokenBatch
+from llm_shared.load_cache import LoadCache
 from llm_shared.modelfile import check_gguf
 from llm_shared.tokenizer import Tokenizer, check_same_tokenizer
 
@@ -90,11 +91,13 @@ class EdgeDrafter:
         kv_mib: float = 0.0,
         n_threads: int = 0,
         target_tokenizer: Tokenizer | None = None,
+        tokenizer_cache: LoadCache | None = None,
     ) -> None:
         """``max_seqs`` requests hold KV at once and share one pool of ``kv_cells`` cells, or of
         what ``kv_mib`` MiB hold at the model's cost per cell (one of the two; rounded up to a
         multiple of 256); ``n_threads`` 0 = all usable cores. With ``target_tokenizer`` the
-        GGUF's own tokenizer must match it id for id (``ConfigError`` otherwise)."""
+        GGUF's own tokenizer (read through ``tokenizer_cache`` when given) must match it id for
+        id (``ConfigError`` otherwise)."""
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
         if (kv_cells >= 1) == (kv_mib > 0):
@@ -103,7 +106,8 @@ class EdgeDrafter:
             raise ValueError(f"n_threads must be >= 0 (0 = all usable cores), got {n_threads}")
         path = check_gguf(Path(model_path))
         if target_tokenizer is not None:
-            check_same_tokenizer(target_tokenizer, Tokenizer.from_gguf(path), f"{self.name} ({path.name})")
+            drafter_tokenizer = Tokenizer.from_gguf(path, cache=tokenizer_cache)
+            check_same_tokenizer(target_tokenizer, drafter_tokenizer, f"{self.name} ({path.name})")
         self._model = LlamaModel(path)
         try:
             if kv_mib > 0:

@@ -22,6 +22,7 @@ from engine_gpu.scheduler import Scheduler
 from engine_gpu.speculative.controller import SpecController
 from engine_gpu.speculative.drafter import Drafter, DraftRequest
 from engine_gpu.speculative.ngram import NgramDrafter
+from llm_shared.load_cache import LoadCache
 from llm_shared.modelfile import resolve_source
 from llm_shared.models import ModelConfig
 from llm_shared.tokenizer import Tokenizer
@@ -124,8 +125,9 @@ class Speculator:
 
 
 def build_speculator(config: SpeculativeConfig, draft_model: ModelConfig | None, target_tokenizer: Tokenizer,
-                     max_num_seqs: int) -> Speculator | None:
-    """The speculator ``config`` asks for (None when off); an edge drafter loads its GGUF here."""
+                     max_num_seqs: int, *, cache: LoadCache | None = None) -> Speculator | None:
+    """The speculator ``config`` asks for (None when off); an edge drafter loads its GGUF here
+    (its tokenizer, for the check against the target's, through ``cache`` when given)."""
     if config.method == "off":
         return None
     if config.method == "ngram":
@@ -137,7 +139,8 @@ def build_speculator(config: SpeculativeConfig, draft_model: ModelConfig | None,
         path = Path(resolve_source(draft_model.source))
         log.info("loading drafter %s (%s) through llama.cpp", draft_model.id, path.name)
         drafter = EdgeDrafter(path, max_seqs=max_num_seqs, kv_mib=config.draft_kv_mib,
-                              n_threads=config.draft_threads, target_tokenizer=target_tokenizer)
+                              n_threads=config.draft_threads, target_tokenizer=target_tokenizer,
+                              tokenizer_cache=cache)
     log.info("speculative decoding: %s drafter, up to %d drafts, off above %d decoding sequences%s",
              drafter.name, config.num_draft_tokens, config.max_batch,
              ", adaptive" if config.adaptive else "")
