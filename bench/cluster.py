@@ -6,11 +6,14 @@ replica's engine core pinned to its own CPU with one torch thread; the load come
 process through the gateway's ``ReplicaPool`` (membership from Ray, tokens over the engine-core
 protocol), so what is measured is the cluster, not the HTTP front:
 
-1. **Throughput**: ``--clients`` closed-loop streams of ``--tokens`` tokens each for
-   ``--seconds`` against 1 replica, then against 2 (fixed counts); output tokens per second.
-2. **Prefix affinity**: 2 replicas; ``--conversations`` multi-turn conversations, each with its
-   own long system prompt (~300 tokens), ``--turns`` turns of a ~70-token user paragraph and a
-   32-token answer, two conversations at a time; TTFT of the turns after the first,
+1. **Throughput**: ``--clients`` closed-loop streams per replica (twice a replica's 4 slots, so
+   each runs saturated) of ``--tokens`` tokens each for ``--seconds`` against 1 replica, then
+   against 2 (fixed counts); output tokens per second that arrived inside the window.
+2. **Prefix affinity**: 2 replicas; ``--conversations`` (7) multi-turn conversations, each with
+   its own long system prompt (~300 tokens), ``--turns`` (4) turns of a ~70-token user paragraph
+   and a 32-token answer, interleaved one turn at a time across conversations (more live
+   conversations than one replica's KV pool of 2,912 tokens holds twice over); TTFT of the turns
+   after the first,
    routed by prefix affinity and then round-robin (fresh conversations for each policy, so
    neither finds the other's cache). Then, still on 2 replicas, four long streams on each, all
    past their first token, and one replica's actor killed (as a lost node would be): the seconds
@@ -24,7 +27,9 @@ protocol), so what is measured is the cluster, not the HTTP front:
 
 The last stdout line is one JSON object with ``scale_2_over_1`` (goal >= 1.7),
 ``affinity_ttft_gain`` (round-robin TTFT p50 / affine TTFT p50; goal >= 1.5) and ``scale_up_s``,
-plus ``kill_max_end_s`` and ``cpu``. Full results: bench/out/cluster.json. Run: ``.venv/bin/python bench/cluster.py``
+plus ``kill_max_end_s``, ``machine_2_over_1`` (what two pinned CPUs give over one on a
+decode-like load with no engine at all: the ceiling of ``scale_2_over_1`` on this machine) and
+``cpu``. Full results: bench/out/cluster.json. Run: ``.venv/bin/python bench/cluster.py``
 (about 8 minutes on a quiet 2-core machine; needs `pip install -e '.[cluster]'`).
 """
 
@@ -95,6 +100,42 @@ def chat(pool: ReplicaPool, system: str, user: str) -> list[int]:
     return pool.tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": user}])
 
 
+# A decode step's memory traffic without the engine: one torch thread streaming ~540 MB of float32
+# weights (SmolLM2-135M's size) through (4 x 576) @ (576 x 1536) products, for a fixed time.
+CEILING_CODE = """
+import sys, time, torch
+torch.set_num_threads(1)
+ws = [torch.randn(576, 1536) for _ in range(150)]
+x = torch.randn(4, 576)
+end = time.perf_counter() + float(sys.argv[1])
+passes = 0
+while time.perf_counter() < end:
+    for w in ws:
+        x[:, :] = (x @ w)[:, :576] * 1e-3
+    passes += 1
+print(passes)
+"""
+
+
+def hardware_ceiling(seconds: float = 10.0) -> dict[str, float]:
+    """What two CPUs give over one on this machine for a decode-like load, measured the same
+    way as the replicas run (one pinned thread each): the most ``scale_2_over_1`` can be here.
+    On a VM two vCPUs may share a physical core or its memory bandwidth."""
+    import subprocess
+
+    def run(cpus: list[int]) -> list[int]:
+        procs = [subprocess.Popen([sys.executable, "-c", CEILING_CODE, str(seconds)], stdout=subprocess.PIPE,
+                                  text=True, preexec_fn=lambda c=cpu: os.sched_setaffinity(0, {c}))
+                 for cpu in cpus]
+        return [int(p.communicate()[0].strip()) for p in procs]
+
+    solo = run([0])[0]
+    pair = run([0, 1])
+    result = {"solo_passes": solo, "pair_passes": pair, "ceiling_2_over_1": sum(pair) / solo}
+    progress(f"hardware ceiling: two pinned CPUs give {result['ceiling_2_over_1']:.2f}x one on a decode-like load")
+    return result
+
+
 async def throughput(path: str, replicas: int, args: argparse.Namespace) -> dict[str, float]:
     await asyncio.to_thread(deploy, path, replicas)
     pool = await open_pool(path, "least_loaded")
@@ -117,7 +158,9 @@ async def throughput(path: str, replicas: int, args: argparse.Namespace) -> dict
                 i += 1
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(client(c) for c in range(args.clients)))
+        # The same offered load per replica (twice its slots), so each runs saturated with a queue
+        # that refills its batch the moment a request finishes.
+        await asyncio.gather(*(client(c) for c in range(args.clients * replicas)))
         elapsed = min(time.perf_counter(), stop_at) - t0
         result = {"replicas": replicas, "tokens_per_s": counted["tokens"] / elapsed, **counted}
         progress(f"throughput, {replicas} replica(s): {result['tokens_per_s']:.1f} tokens/s "
@@ -129,32 +172,31 @@ async def throughput(path: str, replicas: int, args: argparse.Namespace) -> dict
 
 
 async def conversations(path: str, route: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Multi-turn conversations, two at a time, routed by ``route``; later turns' TTFT."""
+    """``--conversations`` multi-turn conversations routed by ``route``, their turns interleaved
+    one at a time (every conversation's turn t before any turn t+1), as many users chatting at
+    once do; TTFT of the turns after the first."""
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     pool = await open_pool(path, route)
     ttfts: list[float] = []
     cached: list[int] = []
-
-    async def conversation(c: int) -> None:
-        system = (f"You are assistant number {c} for the {route} run. "
-                  + " ".join(f"Rule {k}: answer about topic {c}-{k} in one line." for k in range(24)))
-        history = chat(pool, system, "Hello.")
-        for t in range(args.turns):
-            r = await turn(pool, f"{route}-{c}-{t}", history, params)
-            if t:
-                ttfts.append(r["ttft"])
-                cached.append(r["cached"])
-            # The next user message: a paragraph of its own (~70 tokens), as a chat user types.
-            history = history + r["tokens"] + pool.tokenizer.encode(
-                f" Question {t} of conversation {c}: " + " ".join(
-                    f"consider case {c}.{t}.{k} and say whether it holds;" for k in range(8)))
-
+    histories = {c: chat(pool, f"You are assistant number {c} for the {route} run. "
+                         + " ".join(f"Rule {k}: answer about topic {c}-{k} in one line." for k in range(24)), "Hello.")
+                 for c in range(args.conversations)}
     try:
         await _until(lambda: len(pool.live()) == 2, START_S)
-        for start in range(0, args.conversations, 2):
-            await asyncio.gather(*(conversation(c) for c in range(start, min(start + 2, args.conversations))))
+        for t in range(args.turns):
+            for c, history in histories.items():
+                r = await turn(pool, f"{route}-{c}-{t}", history, params)
+                if t:
+                    ttfts.append(r["ttft"])
+                    cached.append(r["cached"])
+                # The next user message: a paragraph of its own (~70 tokens), as a chat user types.
+                histories[c] = history + r["tokens"] + pool.tokenizer.encode(
+                    f" Question {t} of conversation {c}: " + " ".join(
+                        f"consider case {c}.{t}.{k} and say whether it holds;" for k in range(8)))
         result = {"ttft_p50_s": median(ttfts), "ttft_p90_s": percentile(ttfts, 90),
-                  "cached_tokens_mean": sum(cached) / len(cached), "turns": len(ttfts), "routed": dict(pool.routed)}
+                  "cached_tokens_mean": sum(cached) / len(cached), "turns": len(ttfts), "routed": dict(pool.routed),
+                  "prompt_tokens_last": max(len(h) for h in histories.values())}
     finally:
         await pool.close()
     progress(f"{route}: later-turn TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms, "
@@ -310,6 +352,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     start_local(fixed, num_cpus=os.cpu_count())
     try:
         progress("phase 1/3: throughput with one replica, then two")
+        ceiling = hardware_ceiling()
         one = await throughput(fixed, 1, args)
         two = await throughput(fixed, 2, args)
         progress("phase 2/3: prefix-affine against round-robin routing on multi-turn conversations; a replica killed")
@@ -319,18 +362,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stop_local()
     plot(scale, IMG_DIR / "cluster_scale.png")
-    return {"throughput": {"one": one, "two": two}, "affinity": aff, "scale": scale,
+    return {"throughput": {"one": one, "two": two, "hardware": ceiling}, "affinity": aff, "scale": scale,
             "figures": {"scale_2_over_1": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
                         "affinity_ttft_gain": round(aff["gain"], 3), "scale_up_s": round(scale["scale_up_s"], 2),
-                        "kill_max_end_s": round(aff["kill"]["max_end_s"], 3)}}
+                        "kill_max_end_s": round(aff["kill"]["max_end_s"], 3),
+                        "machine_2_over_1": round(ceiling["ceiling_2_over_1"], 3)}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=8, help="closed-loop clients per replica")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--seconds", type=float, default=40.0)
-    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--conversations", type=int, default=7)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--step-clients", type=int, default=12)
     args = parser.parse_args()
