@@ -42,6 +42,7 @@ log = logging.getLogger("engine_cluster.pool")
 
 CONNECT_TIMEOUT_S = 10.0
 PROBE_TIMEOUT_S = 5.0
+MAX_MEMBER_CHARS = 256  # replica ids and core addresses read from the directory
 SUMMED_STATS = ("waiting", "running", "kv_blocks_in_use", "kv_blocks_cached", "kv_blocks_free", "kv_blocks_total",
                 "prefix_cache_queries", "prefix_cache_hits", "preemptions", "generated_tokens")
 
@@ -127,7 +128,10 @@ class ReplicaPool:
     async def _sync_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.membership_poll_s)
-            await self.sync()
+            try:
+                await self.sync()
+            except Exception:  # one bad poll must not end membership for good
+                log.exception("applying replica membership failed")
 
     async def sync(self) -> None:
         """Apply the current membership: connect new replicas, retire the ones gone."""
@@ -152,7 +156,7 @@ class ReplicaPool:
         try:
             client = await self._connect(address, secret=self._secret, tokenizer=self._tokenizer,
                                          timeout=CONNECT_TIMEOUT_S)
-        except errors.EngineUnavailableError as e:
+        except (errors.EngineUnavailableError, errors.ConfigError) as e:  # unreachable, or not an address
             if address not in self._failed_addresses:
                 self._failed_addresses.add(address)
                 log.warning("replica %s at %s: %s", replica_id, address, e)
@@ -381,10 +385,27 @@ class RayMembership:
         if self._directory is None:
             self._directory = directory_handle(self.cfg.namespace, self.cfg.app_name)
         members = ray.get(self._directory.members.remote(self.cfg.membership_ttl_s), timeout=10.0)
-        return {replica_id: str(m["address"]) for replica_id, m in members.items()}
+        return valid_members(members)
 
     async def members(self) -> dict[str, str]:
         return await asyncio.to_thread(self._read)
+
+
+def valid_members(members: object) -> dict[str, str]:
+    """Replica id -> address from the directory's answer; entries that are not a short id with a
+    ``tcp:``/``unix:`` address are left out (and logged) rather than trusted."""
+    out: dict[str, str] = {}
+    if not isinstance(members, dict):
+        log.warning("the replica directory answered %s, not a mapping", type(members).__name__)
+        return out
+    for replica_id, member in members.items():
+        address = member.get("address") if isinstance(member, dict) else None
+        if (isinstance(replica_id, str) and 0 < len(replica_id) <= MAX_MEMBER_CHARS and isinstance(address, str)
+                and len(address) <= MAX_MEMBER_CHARS and address.startswith(("tcp:", "unix:"))):
+            out[replica_id] = address
+        else:
+            log.warning("ignoring a malformed replica directory entry %.100r", (replica_id, member))
+    return out
 
 
 def cluster_secret(secret_env: str) -> str:

@@ -6,9 +6,10 @@ mid-stream. Marked ``ray`` (minutes; `make test-cluster`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tomllib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,23 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     stop_local()
 
 
+@contextlib.asynccontextmanager
+async def deployed(tmp: Path, app_name: str, replicas: int | None = None,
+                   **cluster: object) -> AsyncIterator[tuple[ReplicaPool, ClusterConfig]]:
+    """The engine replicas deployed as ``app_name`` (a fixed count, or autoscaling) and a pool
+    following them (with every fixed replica serving); both gone afterwards."""
+    path = cluster_toml(tmp, app_name=app_name, **cluster)
+    await asyncio.to_thread(deploy, path, replicas)
+    pool, config = await open_pool(path)
+    try:
+        if replicas is not None:
+            await asyncio.wait_for(_until(lambda: len(pool.live()) == replicas), START_S)
+        yield pool, config
+    finally:
+        await pool.close()
+        await asyncio.to_thread(delete_app, config.app_name)
+
+
 async def open_pool(config_path: str) -> tuple[ReplicaPool, ClusterConfig]:
     config = load_config(config_path)
     tokenizer = await asyncio.to_thread(tokenizer_for, config.model(config.engine.model))
@@ -80,10 +98,12 @@ def prompt_of(pool: ReplicaPool, text: str) -> list[int]:
 
 
 async def test_replicas_scale_up_under_load_and_back_down_without_a_failure(ray_cluster: Path) -> None:
-    path = cluster_toml(ray_cluster, app_name="autoscale", upscale_delay_s=1.0, downscale_delay_s=4.0,
-                        look_back_period_s=1.0, metrics_interval_s=0.5)
-    await asyncio.to_thread(deploy, path)
-    pool, cluster = await open_pool(path)
+    async with deployed(ray_cluster, "autoscale", upscale_delay_s=1.0, downscale_delay_s=4.0,
+                        look_back_period_s=1.0, metrics_interval_s=0.5) as (pool, cluster):
+        await _autoscale(pool, cluster)
+
+
+async def _autoscale(pool: ReplicaPool, cluster: ClusterConfig) -> None:
     finishes: list[str] = []
     served: set[str] = set()
     stop = asyncio.Event()
@@ -113,16 +133,10 @@ async def test_replicas_scale_up_under_load_and_back_down_without_a_failure(ray_
         assert finishes and set(finishes) == {"length"}, f"failed requests: {[f for f in finishes if f != 'length']}"
     finally:
         stop.set()
-        await pool.close()
-        await asyncio.to_thread(delete_app, cluster.app_name)
 
 
 async def test_affinity_on_two_replicas_and_a_move_when_one_is_removed(ray_cluster: Path) -> None:
-    path = cluster_toml(ray_cluster, app_name="affinity")
-    await asyncio.to_thread(deploy, path, 2)
-    pool, cluster = await open_pool(path)
-    try:
-        await asyncio.wait_for(_until(lambda: len(pool.live()) == 2), START_S)
+    async with deployed(ray_cluster, "affinity", 2) as (pool, cluster):
         history = prompt_of(pool, "Tell me about the planets of the solar system, one by one, briefly.")
         homes = []
         for t in range(3):
@@ -138,17 +152,10 @@ async def test_affinity_on_two_replicas_and_a_move_when_one_is_removed(ray_clust
         assert replica != homes[0] and finish.reason == "length" and finish.cached_tokens == 0
         # Ray replaces the killed replica; the gateway picks it up from membership.
         await asyncio.wait_for(_until(lambda: len(pool.live()) == 2), START_S)
-    finally:
-        await pool.close()
-        await asyncio.to_thread(delete_app, cluster.app_name)
 
 
 async def test_a_replica_killed_mid_stream_under_load(ray_cluster: Path) -> None:
-    path = cluster_toml(ray_cluster, app_name="kill")
-    await asyncio.to_thread(deploy, path, 2)
-    pool, cluster = await open_pool(path)
-    try:
-        await asyncio.wait_for(_until(lambda: len(pool.live()) == 2), START_S)
+    async with deployed(ray_cluster, "kill", 2) as (pool, cluster):
         # Four streams per replica, all running (4 slots each) and all past their first token.
         streams = [pool.generate(f"k{i}", prompt_of(pool, f"Story {i}."), LONG, Priority.REALTIME)
                    for i in range(8)]
@@ -172,9 +179,6 @@ async def test_a_replica_killed_mid_stream_under_load(ray_cluster: Path) -> None
         assert finish.reason == "length" and replica != victim
         # Serve replaces the killed replica; the gateway picks the new one up from membership.
         await asyncio.wait_for(_until(lambda: len(pool.live()) == 2), START_S)
-    finally:
-        await pool.close()
-        await asyncio.to_thread(delete_app, cluster.app_name)
 
 
 async def _collect(stream: object) -> tuple[list, float]:

@@ -15,7 +15,7 @@ from pool_turns import run_turn
 from tiny_engine import write_tiny_model
 
 from engine_cluster.config import ClusterConfig
-from engine_cluster.pool import ReplicaPool
+from engine_cluster.pool import ReplicaPool, valid_members
 from engine_gpu.block_manager import block_hashes
 from engine_gpu.client import EngineClient
 from engine_gpu.config import EngineConfig
@@ -242,3 +242,19 @@ async def _drain(stream: object) -> list:
 async def _until(predicate: object, interval: float = 0.02) -> None:
     while not predicate():  # type: ignore[operator]
         await asyncio.sleep(interval)
+
+
+async def test_malformed_membership_is_ignored_not_trusted(cores: list[EngineClient]) -> None:
+    assert valid_members({"r0": {"address": "tcp:10.0.0.1:5"}, "r1": {"address": "http://x"}, "r2": "tcp:a:1",
+                          7: {"address": "tcp:b:1"}, "r3": {"address": "tcp:" + "9" * 300}}) == {"r0": "tcp:10.0.0.1:5"}
+    assert valid_members(["not", "a", "mapping"]) == {}
+    members = Members({"r0": cores[0].address, "bad": "unix:/nonexistent/core.sock", "worse": "tcp:no-port"})
+    pool = await ReplicaPool(CLUSTER, cores[0].tokenizer, members, secret=SECRET).start(wait_s=TIMEOUT_S)
+    try:
+        assert [r.replica_id for r in pool.live()] == ["r0"]
+        await pool.sync()  # the unreachable and unparsable entries fail alone, every poll
+        _, finish, replica = await asyncio.wait_for(run(pool, "ok", words(50, 20)), TIMEOUT_S)
+        assert finish.reason == "length" and replica == "r0"
+    finally:
+        await pool.close()
+
