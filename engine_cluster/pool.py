@@ -105,7 +105,7 @@ class ReplicaPool:
         self.replicas: dict[str, Replica] = {}
         self._streams: dict[str, _PoolStream] = {}
         self._rr = itertools.count()
-        self._changed = asyncio.Event()
+        self._drops: set[asyncio.Task[None]] = set()  # closing connections of replicas that left
         self._sync_task: asyncio.Task[None] | None = None
         self._closed = False
         self._failed_addresses: set[str] = set()  # logged once each
@@ -149,8 +149,6 @@ class ReplicaPool:
         new = {r: a for r, a in members.items() if r not in self.replicas}
         if new:
             await asyncio.gather(*(self._add(r, a) for r, a in new.items()))
-        self._changed.set()
-        self._changed = asyncio.Event()
 
     async def _add(self, replica_id: str, address: str) -> None:
         try:
@@ -209,7 +207,9 @@ class ReplicaPool:
         replica.in_flight -= 1
         replica.remember(block_hashes(token_ids, replica.block_size, cache_salt), self.cfg.affinity_blocks)
         if replica.leaving and replica.in_flight == 0:
-            asyncio.get_running_loop().create_task(self._drop(replica))
+            task = asyncio.get_running_loop().create_task(self._drop(replica))
+            self._drops.add(task)
+            task.add_done_callback(self._drops.discard)
 
     # --- Engine protocol ----------------------------------------------------------------------
 
