@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine_cluster.config import ClusterConfig
-from engine_gpu.block_manager import block_hashes
+from engine_gpu.block_manager import block_hashes, extend_block_hashes, salt_seed
 from engine_gpu.client import EngineClient
 from llm_shared import errors
 from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
@@ -72,9 +72,7 @@ class Replica:
         return busy, self.kv_use()
 
     def kv_use(self) -> float:
-        stats = self.client.stats()
-        total = stats.get("kv_blocks_total", 0.0)
-        return stats.get("kv_blocks_in_use", 0.0) / total if total > 0 else 0.0
+        return self.client.kv_use()
 
     def matched_blocks(self, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -174,10 +172,15 @@ class ReplicaPool:
 
     # --- routing ------------------------------------------------------------------------------
 
-    def choose(self, prompt_ids: Sequence[int], exclude: frozenset[str] = frozenset(),
-               cache_salt: str = "") -> tuple[Replica, str] | None:
-        """The replica for this prompt, and why ("affine", "least_loaded", "round_robin",
-        "overloaded": the affine replica was skipped)."""
+    @property
+    def block_size(self) -> int:
+        """The replicas' KV block size (one engine config serves them all; 16 before any joined)."""
+        return next((r.block_size for r in self.replicas.values()), 16)
+
+    def choose(self, hashes: Sequence[bytes], exclude: frozenset[str] = frozenset()) -> tuple[Replica, str] | None:
+        """The replica for a prompt with these block hashes (``block_hashes`` at ``block_size``),
+        and why ("affine", "least_loaded", "round_robin", "overloaded": the affine replica was
+        skipped)."""
         candidates = [r for r in self.live() if r.replica_id not in exclude]
         if not candidates:
             return None
@@ -186,7 +189,6 @@ class ReplicaPool:
         least = min(candidates, key=lambda r: (r.load(), r.routed))
         if self.cfg.route == "least_loaded":
             return least, "least_loaded"
-        hashes = block_hashes(prompt_ids, candidates[0].block_size, cache_salt)
         best = max(candidates, key=lambda r: (r.matched_blocks(hashes), tuple(-x for x in r.load())))
         if best.matched_blocks(hashes) == 0:
             return least, "least_loaded"
@@ -198,14 +200,15 @@ class ReplicaPool:
         return (replica.client.stats().get("waiting", 0.0) >= self.cfg.overload_queue
                 or replica.kv_use() >= self.cfg.overload_kv_use)
 
-    def _dispatched(self, replica: Replica, prompt_ids: Sequence[int], cache_salt: str) -> None:
+    def _dispatched(self, replica: Replica, hashes: Sequence[bytes]) -> None:
         replica.in_flight += 1
         replica.routed += 1
-        replica.remember(block_hashes(prompt_ids, replica.block_size, cache_salt), self.cfg.affinity_blocks)
+        replica.remember(hashes, self.cfg.affinity_blocks)
 
-    def _finished(self, replica: Replica, token_ids: Sequence[int], cache_salt: str = "") -> None:
+    def _finished(self, replica: Replica, hashes: Sequence[bytes] = ()) -> None:
+        """``hashes``: the blocks the replica now caches for the request (prompt and output)."""
         replica.in_flight -= 1
-        replica.remember(block_hashes(token_ids, replica.block_size, cache_salt), self.cfg.affinity_blocks)
+        replica.remember(hashes, self.cfg.affinity_blocks)
         if replica.leaving and replica.in_flight == 0:
             task = asyncio.get_running_loop().create_task(self._drop(replica))
             self._drops.add(task)
@@ -285,6 +288,7 @@ class _PoolStream:
         self._priority = priority
         self._draft_ids = draft_ids
         self._cache_salt = cache_salt
+        self._hashes: list[bytes] | None = None  # the prompt's block chain, computed once
         self._replica: Replica | None = None
         self._inner: Any = None
         self._tried: set[str] = set()
@@ -322,7 +326,9 @@ class _PoolStream:
 
     def _open(self) -> None:
         pool = self._pool
-        choice = pool.choose(self._prompt_ids, frozenset(self._tried), self._cache_salt)
+        if self._hashes is None:
+            self._hashes = block_hashes(self._prompt_ids, pool.block_size, self._cache_salt)
+        choice = pool.choose(self._hashes, frozenset(self._tried))
         if choice is None:
             raise errors.EngineUnavailableError("no engine replica is available")
         replica, why = choice
@@ -330,7 +336,7 @@ class _PoolStream:
         self._replica = replica
         self._tried.add(replica.replica_id)
         pool._streams[self._request_id] = self
-        pool._dispatched(replica, self._prompt_ids, self._cache_salt)
+        pool._dispatched(replica, self._hashes)
         self._inner = replica.client.generate(self._request_id, self._prompt_ids, self._params, self._priority,
                                               draft_ids=self._draft_ids, cache_salt=self._cache_salt)
 
@@ -339,7 +345,7 @@ class _PoolStream:
         pool = self._pool
         if self._replica is None:
             return False  # no replica could take it at all
-        pool._finished(self._replica, ())
+        pool._finished(self._replica)
         self._replica = None
         self._inner = None
         if self._aborted or len(self._tried) > pool.cfg.retries:
@@ -350,8 +356,13 @@ class _PoolStream:
 
     def _finish(self) -> None:
         self._done = True
-        if self._replica is not None:
-            self._pool._finished(self._replica, self._prompt_ids + self._tokens, self._cache_salt)
+        if self._replica is not None and self._hashes is not None:
+            # The output's full blocks continue the prompt's chain (no rehashing of the prompt).
+            hashes = list(self._hashes)
+            extend_block_hashes(hashes, self._prompt_ids + self._tokens, self._pool.block_size,
+                                (len(self._prompt_ids) + len(self._tokens)) // self._pool.block_size,
+                                salt_seed(self._cache_salt))
+            self._pool._finished(self._replica, hashes)
             self._replica = None
         if self._pool._streams.get(self._request_id) is self:
             del self._pool._streams[self._request_id]
