@@ -34,7 +34,7 @@ from ray import serve
 from engine_cluster.config import ClusterConfig
 from engine_cluster.directory import Directory
 from engine_cluster.policy import KV_USE, QUEUE, RUNNING, SLOTS
-from engine_gpu.client import EngineClient
+from engine_gpu.client import EngineClient, kv_use
 from engine_gpu.config import check_engine_models, parse_engine_table
 from llm_shared.configtools import build, read_toml
 from llm_shared.errors import ConfigError
@@ -98,9 +98,8 @@ class EngineReplica:
         log.info("replica %s serving on %s", self.replica_id, self.client.address)
 
     def _autoscaling_stats(self, stats: dict[str, float]) -> dict[str, float]:
-        total = stats.get("kv_blocks_total", 0.0)
         return {QUEUE: float(stats.get("waiting", 0.0)), RUNNING: float(stats.get("running", 0.0)),
-                KV_USE: stats.get("kv_blocks_in_use", 0.0) / total if total > 0 else 0.0, SLOTS: self.slots}
+                KV_USE: kv_use(stats), SLOTS: self.slots}
 
     async def _heartbeat_loop(self) -> None:
         interval = min(self.cluster.metrics_interval_s, self.cluster.membership_ttl_s / 4)

@@ -18,7 +18,7 @@ import shutil
 import socket
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -218,6 +218,10 @@ class EngineClient:
         """The latest stats the core pushed (with every step's outputs, on abort and on request)."""
         return dict(self._stats)
 
+    def kv_use(self) -> float:
+        """Share of the core's KV blocks in use, from its latest stats."""
+        return kv_use(self._stats)
+
     async def wait_lost(self) -> None:
         """Return once the connection to the core is over (the core died, or ``close``)."""
         await asyncio.shield(self._read_task)
@@ -413,6 +417,12 @@ class _Stream:
         if self._live is not None and not self._done:
             self._done = True
             await self._client.abort(self._args[0])
+
+
+def kv_use(stats: Mapping[str, float]) -> float:
+    """Share of a torch engine's KV blocks in use (0 before it reported any), from ``stats()``."""
+    total = stats.get("kv_blocks_total", 0.0)
+    return stats.get("kv_blocks_in_use", 0.0) / total if total > 0 else 0.0
 
 
 async def _ready_address(process: asyncio.subprocess.Process) -> str:

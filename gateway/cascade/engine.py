@@ -23,6 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from engine_gpu.client import kv_use
 from gateway.cascade.confidence import ConfidenceScorer
 from gateway.cascade.config import CascadeConfig
 from gateway.cascade.health import HealthMonitor
@@ -102,8 +103,7 @@ class CascadeEngine:
             return cfg.threshold
         stats = self.gpu.stats()
         queue = min(1.0, stats.get("waiting", 0.0) / cfg.queue_full)
-        total = stats.get("kv_blocks_total", 0.0)
-        kv = stats.get("kv_blocks_in_use", 0.0) / total if total > 0 else 0.0
+        kv = kv_use(stats)
         kv_load = min(1.0, max(0.0, (kv - cfg.kv_relax_from) / (1.0 - cfg.kv_relax_from)))
         return cfg.threshold - max(queue, kv_load) * (cfg.threshold - cfg.min_threshold)
 
