@@ -90,16 +90,22 @@ def deploy(config_path: str, replicas: int | None = None) -> None:
     raise TimeoutError(f"{cluster.app_name} did not start within {DEPLOY_TIMEOUT_S:.0f} s")
 
 
+def replica_states(app_name: str) -> tuple[str, dict[str, int]]:
+    """The application's status and its replicas counted by state, as Serve reports them."""
+    app = serve.status().applications.get(app_name)
+    deployment = app.deployments.get(DEPLOYMENT_NAME) if app is not None else None
+    states = ({str(getattr(k, "value", k)): int(v) for k, v in deployment.replica_states.items()}
+              if deployment is not None else {})
+    return (app.status if app is not None else "NOT_DEPLOYED"), states
+
+
 def status(config_path: str) -> dict[str, Any]:
     cluster, *_ = load_replica_configs(config_path)
     connect(cluster)
-    app = serve.status().applications.get(cluster.app_name)
+    app_status, states = replica_states(cluster.app_name)
     members = ray.get(directory_handle(cluster.namespace, cluster.app_name).members.remote(
-        cluster.membership_ttl_s)) if app is not None else {}
-    deployment = app.deployments.get(DEPLOYMENT_NAME) if app is not None else None
-    return {"app": app.status if app is not None else "NOT_DEPLOYED",
-            "replica_states": dict(deployment.replica_states) if deployment is not None else {},
-            "members": members}
+        cluster.membership_ttl_s)) if app_status != "NOT_DEPLOYED" else {}
+    return {"app": app_status, "replica_states": states, "members": members}
 
 
 def shutdown(config_path: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from engine_cluster.app import DEPLOYMENT_NAME, deploy
+from engine_cluster.app import DEPLOYMENT_NAME, deploy, replica_states
 from engine_cluster.replica import directory_handle, load_replica_configs
 
 
@@ -37,9 +37,7 @@ def stop_local() -> None:
 
 
 def running_replicas(app_name: str) -> int:
-    app = serve.status().applications.get(app_name)
-    deployment = app.deployments.get(DEPLOYMENT_NAME) if app is not None else None
-    return int(deployment.replica_states.get("RUNNING", 0)) if deployment is not None else 0
+    return replica_states(app_name)[1].get("RUNNING", 0)
 
 
 def members(namespace: str, app_name: str, ttl_s: float) -> dict[str, dict[str, Any]]:
