@@ -62,6 +62,21 @@ def tiny_chat_model(directory: Path) -> ModelConfig:
 
 
 @asynccontextmanager
+async def serving(config: Config) -> AsyncIterator[tuple[RunningServer, GatewayState]]:
+    """A gateway on ``config`` with its real engines built as ``serve`` builds them (the server
+    answers while they load); stopped, engines closed, afterwards."""
+    from gateway.engines import load_engines
+
+    app = create_app(config)
+    server = await start_server(app)
+    try:
+        app[STATE].set_engines(await load_engines(config), owned=True)
+        yield server, app[STATE]
+    finally:
+        await server.stop()
+
+
+@asynccontextmanager
 async def tiny_gpu_gateway(model: ModelConfig, **server: Any) -> AsyncIterator[tuple[RunningServer, Config]]:
     """A gateway routing every turn to a real torch-tier core serving ``model`` (``tiny_chat_model``)."""
     from engine_gpu.client import EngineClient

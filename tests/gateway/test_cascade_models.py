@@ -13,12 +13,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from gateway_harness import serving
 from openai import AsyncOpenAI
 
 from gateway.config import DEFAULT_CONFIG, load_config
-from gateway.engines import load_engines
-from gateway.server import create_app, start_server
-from gateway.state import STATE
 
 pytestmark = pytest.mark.model
 
@@ -61,11 +59,7 @@ def check_consistent(response: Any) -> str:
 async def test_the_default_configuration_serves_each_turn_on_the_tier_its_confidence_picks() -> None:
     config = load_config(DEFAULT_CONFIG).with_server(host="127.0.0.1", port=0, api_keys_env="")
     assert config.routing.default == "cascade"
-    app = create_app(config)
-    server = await start_server(app)
-    state = app[STATE]
-    try:
-        state.set_engines(await load_engines(config), owned=True)
+    async with serving(config) as (server, state):
         client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
         model = config.routing.default_model
         turns = await session_turns(client, model, [CONFIDENT, "And for silver?"])
@@ -95,5 +89,3 @@ async def test_the_default_configuration_serves_each_turn_on_the_tier_its_confid
         stats = await state.engines["gpu"].refresh_stats()
         assert stats["kv_blocks_in_use"] == 0 and stats["running"] == 0
         assert state.engines["edge"].stats()["open_streams"] == 0
-    finally:
-        await server.stop()

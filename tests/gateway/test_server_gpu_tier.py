@@ -4,12 +4,8 @@
 
 import aiohttp
 import pytest
-from gateway_harness import gpu_tier_config, sdk_turn
+from gateway_harness import gpu_tier_config, sdk_turn, serving
 from openai import AsyncOpenAI
-
-from gateway.engines import load_engines
-from gateway.server import create_app, start_server
-from gateway.state import STATE
 
 pytestmark = pytest.mark.model
 
@@ -17,11 +13,7 @@ pytestmark = pytest.mark.model
 @pytest.mark.parametrize("method", ["edge", "ngram", "off"])
 async def test_gpu_tier_serves_a_turn_and_frees_its_blocks(method: str) -> None:
     config = gpu_tier_config(method)
-    app = create_app(config)
-    server = await start_server(app)
-    state = app[STATE]
-    try:
-        state.set_engines(await load_engines(config), owned=True)
+    async with serving(config) as (server, state):
         engine = state.engines["gpu"]
         assert engine.tier == "gpu"
         model = config.routing.gpu_model
@@ -48,6 +40,4 @@ async def test_gpu_tier_serves_a_turn_and_frees_its_blocks(method: str) -> None:
             assert stats["spec_draft_tokens"] >= 0 and 'engine_spec_acceptance_rate{tier="gpu"}' in metrics
         if method == "edge":
             assert stats["drafter_kv_cells_total"] > 0 and stats["drafter_slots_in_use"] == 0
-    finally:
-        await server.stop()
     assert not engine.ready

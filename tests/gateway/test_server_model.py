@@ -5,12 +5,19 @@ import asyncio
 import pytest
 import websockets
 from fake_engine import FakeEngine
-from gateway_harness import MODEL, make_config, recv_json, recv_until, running_gateway, sdk_turn, send, user_item
+from gateway_harness import (
+    MODEL,
+    make_config,
+    recv_json,
+    recv_until,
+    running_gateway,
+    sdk_turn,
+    send,
+    serving,
+    user_item,
+)
 from openai import AsyncOpenAI
 
-from gateway.engines import load_engines
-from gateway.server import create_app, start_server
-from gateway.state import STATE
 from llm_shared.modelfile import default_gguf_path
 from llm_shared.tokenizer import Tokenizer
 
@@ -19,11 +26,7 @@ pytestmark = pytest.mark.model
 
 async def test_real_edge_engine_serves_realtime_and_chat() -> None:
     config = load_config_small()
-    app = create_app(config)
-    server = await start_server(app)
-    state = app[STATE]
-    try:
-        state.set_engines(await load_engines(config), owned=True)
+    async with serving(config) as (server, state):
         engine = state.engines["edge"]
         text, response = await sdk_turn(server.url, "What is 2+2?", max_output_tokens=12,
                                         instructions="Answer in one short sentence.")
@@ -51,8 +54,6 @@ async def test_real_edge_engine_serves_realtime_and_chat() -> None:
                 break
             await asyncio.sleep(0.02)
         assert engine.stats()["kv_cells_used"] == 0
-    finally:
-        await server.stop()
     assert not engine.ready  # the app owned the engine and closed it
 
 

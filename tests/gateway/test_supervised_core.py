@@ -11,11 +11,8 @@ import time
 import aiohttp
 import pytest
 import websockets
-from gateway_harness import gpu_tier_config, recv_json, recv_until, send, user_item
+from gateway_harness import gpu_tier_config, recv_json, recv_until, send, serving, user_item
 
-from gateway.engines import load_engines
-from gateway.server import create_app, start_server
-from gateway.state import STATE
 from gateway.supervisor import SupervisedEngine
 
 pytestmark = pytest.mark.model
@@ -23,11 +20,7 @@ pytestmark = pytest.mark.model
 
 async def test_a_killed_core_fails_its_turns_fast_and_is_restarted() -> None:
     config = gpu_tier_config("off", num_blocks=128, max_model_len=1024)
-    app = create_app(config)
-    server = await start_server(app)
-    state = app[STATE]
-    try:
-        state.set_engines(await load_engines(config), owned=True)
+    async with serving(config) as (server, state):
         engine = state.engines["gpu"]
         assert isinstance(engine, SupervisedEngine)
         url = f"ws://127.0.0.1:{server.port}/v1/realtime?model={config.routing.gpu_model}"
@@ -56,5 +49,3 @@ async def test_a_killed_core_fails_its_turns_fast_and_is_restarted() -> None:
             await send(ws, {"type": "response.create", "response": {"max_output_tokens": 8}})
             after = (await recv_until(ws, "response.done", timeout=60))[-1]["response"]
             assert after["status"] in ("completed", "incomplete") and after["metadata"]["x_tier"] == "gpu"
-    finally:
-        await server.stop()

@@ -22,6 +22,7 @@ from gateway_harness import (
     recv_until,
     running_gateway,
     send,
+    serving,
     tiny_chat_model,
     tiny_gpu_gateway,
     user_item,
@@ -30,9 +31,6 @@ from openai import AsyncOpenAI
 
 from gateway.auth import cache_salt, cache_salts, key_fingerprint
 from gateway.config import DEFAULT_CONFIG, Config, ServerConfig, parse_config
-from gateway.engines import load_engines
-from gateway.server import create_app, start_server
-from gateway.state import STATE
 from llm_shared.configtools import read_toml
 from llm_shared.contract import MAX_CACHE_SALT_CHARS
 from llm_shared.errors import ConfigError
@@ -160,10 +158,7 @@ def edge_config(**server: Any) -> Config:
 @pytest.mark.parametrize("isolate", ["auto", False])
 async def test_the_edge_tier_keeps_each_keys_slots_to_itself(isolate: object) -> None:
     config = edge_config(api_keys=(KEY_A, KEY_B), isolate_prefix_cache=isolate)
-    app = create_app(config)
-    server = await start_server(app)
-    try:
-        app[STATE].set_engines(await load_engines(config), owned=True)
+    async with serving(config) as (server, _state):
         model = config.routing.edge_model
         assert await chat_cached(server.url, KEY_A, model) == 0
         b = await chat_cached(server.url, KEY_B, model)
@@ -172,5 +167,3 @@ async def test_the_edge_tier_keeps_each_keys_slots_to_itself(isolate: object) ->
             assert b == 0 and a > 20  # B computes it all; A's slot still holds A's prompt
         else:
             assert b > 20 and a > 20  # shared, as before
-    finally:
-        await server.stop()
