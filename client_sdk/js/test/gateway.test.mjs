@@ -130,7 +130,7 @@ test("a refused key is a clear GatewayRefused error, not retried", { skip: skip 
 // answer in progress finish, then closes the session with 1001 and a reconnect hint, and the
 // client comes back by itself to the fresh process on the same port.
 test("a drained gateway: the turn in progress finishes, the client reconnects by itself and keeps the conversation",
-  { skip: skip || (CONTROL ? false : "RTGW_CONTROL_URL is not set"), timeout: 3 * TIMEOUT }, async () => {
+  { skip: skip || (CONTROL ? false : "RTGW_CONTROL_URL is not set"), timeout: TIMEOUT }, async () => {
     const c = client({ backoff: { initialMs: 200, maxMs: 2000, attempts: 150 } });
     const errors = [];
     c.on("error", (e) => errors.push(e));
