@@ -142,6 +142,8 @@ export class RealtimeClient {
   readonly activeTurn: Turn | null;
 
   connect(): Promise<void>;
+  /** Ends the session and any reconnect under way (a connect in progress rejects with
+   * `client_closed`, and no session opens after it); the client cannot be opened again. */
   close(): void;
   configure(settings: SessionSettings): Promise<void>;
   send(text: string, options?: ResponseOptions): Promise<Turn>;
@@ -159,7 +161,8 @@ export class RealtimeClient {
    * reconnects by itself after that long; null for any other close. */
   on(type: "disconnected", fn: (info: { code: number; reason: string; reconnectInMs: number | null }) => void): Unsubscribe;
   on(type: "reconnecting", fn: (info: { attempt: number; delayMs: number; error: GatewayError }) => void): Unsubscribe;
-  /** The reconnect after a drain gave up (every attempt failed); the next operation tries again. */
+  /** The reconnect after a drain gave up (every attempt failed); the next operation tries again.
+   * Not emitted once the client is closed. */
   on(type: "reconnect_failed", fn: (info: { error: GatewayError }) => void): Unsubscribe;
   once(type: string): Promise<any>;
 }

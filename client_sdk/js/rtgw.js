@@ -103,8 +103,6 @@ export function* backoffDelays({ initialMs = 250, factor = 2, maxMs = 8000, jitt
   }
 }
 
-const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-
 /** The gateway's drain hint: a close with 1001 whose reason is `{"reconnect":true,"after_ms":N}`
  * asks the client to reconnect after N ms (the load balancer then picks a replica that is not
  * going away). The delay in ms, or null for any other close. */
@@ -165,6 +163,7 @@ export class Turn extends Emitter {
     this._firstDeltaAt = null;
     this._pending = [];
     this._wake = null;
+    this._request = null; // response.create's fields, once send() has a session: before, its connect decides
     this.result = new Promise((resolve) => { this._resolve = resolve; });
   }
 
@@ -262,6 +261,7 @@ export class RealtimeClient extends Emitter {
     this._reconnectAt = null;
     this._reconnectTimer = null;
     this._resume = null;
+    this._wakeups = new Set(); // the waits of a connect in progress, which close() cuts short
   }
 
   get connected() { return this._ws !== null && this.session !== null; }
@@ -279,6 +279,8 @@ export class RealtimeClient extends Emitter {
     return this._connecting;
   }
 
+  /** Ends the session and any reconnect under way (a connect in progress rejects with
+   * `client_closed`); the client cannot be opened again. */
   close() {
     this._closed = true;
     clearTimeout(this._reconnectTimer);
@@ -287,26 +289,45 @@ export class RealtimeClient extends Emitter {
     const ws = this._ws;
     if (ws) ws.close(1000, "client closed");
     this._lost(ws, 1000, "client closed");
+    for (const wake of [...this._wakeups]) wake();
     for (const it of this._iterators) it.end();
   }
 
+  /** Resolves after `ms`, or at once on close(): a closed client must not open a session later. */
+  _pause(ms) {
+    return new Promise((resolve) => {
+      const wake = () => { clearTimeout(timer); this._wakeups.delete(wake); resolve(); };
+      const timer = setTimeout(wake, ms);
+      this._wakeups.add(wake);
+    });
+  }
+
   async _connectWithRetry() {
-    const waitMs = this._reconnectAt === null ? 0 : this._reconnectAt - now();
-    this._reconnectAt = null;
-    if (waitMs > 0) await sleep(waitMs); // the drained gateway said when to come back
+    const closed = () => new GatewayError("the client is closed", "client_closed");
+    const hinted = () => { // a drained gateway said when to come back
+      const waitMs = this._reconnectAt === null ? 0 : this._reconnectAt - now();
+      this._reconnectAt = null;
+      return Math.max(0, waitMs);
+    };
+    const waitMs = hinted();
+    if (waitMs > 0) await this._pause(waitMs);
     const delays = backoffDelays(this.backoff, this._random);
+    let restored = 0;
     for (let attempt = 1; ; attempt++) {
+      if (this._closed) throw closed();
       try {
-        await this._open();
+        restored = await this._open();
         break;
       } catch (error) {
+        if (this._closed) throw closed();
         const next = delays.next();
-        if (error instanceof GatewayRefused || next.done || this._closed) throw error;
-        this.emit("reconnecting", { attempt, delayMs: next.value, error });
-        await sleep(next.value);
+        // Refused (a key, a model, a restored item): the same request would be refused again.
+        if (error instanceof GatewayRefused || error instanceof ServerError || next.done) throw error;
+        const delayMs = Math.max(next.value, hinted()); // a session drained as it opened names its own
+        this.emit("reconnecting", { attempt, delayMs, error });
+        await this._pause(delayMs);
       }
     }
-    const restored = this.sessions > 1 ? await this._restore() : 0;
     const resume = this._resume;
     this._resume = null;
     if (resume && this._turn === resume) {
@@ -317,6 +338,9 @@ export class RealtimeClient extends Emitter {
     this._push({ type: "client.connected", session: this.session, restored });
   }
 
+  /** One attempt: a session with our settings and, after the first, the conversation restored
+   * on it; resolves with the number of items restored. A session that fails half-way is closed,
+   * so that the client is never left on one that lacks the conversation. */
   _open() {
     return new Promise((resolve, reject) => {
       const protocols = [...(this.framing === "msgpack" ? [MSGPACK_SUBPROTOCOL] : []), "realtime",
@@ -352,17 +376,22 @@ export class RealtimeClient extends Emitter {
         if (event === null) return;
         this._handle(event);
         if (!settled && event.type === "session.created") {
+          if (this._closed) {
+            fail(new GatewayError("the client is closed", "client_closed"));
+            return;
+          }
           settled = true;
           clearTimeout(timer);
           this.sessions += 1;
-          this._afterOpen().then(resolve, (e) => { ws.close(); reject(e); });
+          this._afterOpen().then(resolve, (e) => { this._drop(ws); reject(e); });
         }
       };
       const refused = (event) => {
         settled = true;
         clearTimeout(timer);
         this._ws = null;
-        this._diagnose(event).then(reject, reject);
+        if (this._closed) reject(new GatewayError("the client is closed", "client_closed"));
+        else this._diagnose(event).then(reject, reject);
       };
       // Browsers follow an error with a close; Node 20's WebSocket, after a non-101 answer, does not.
       ws.onerror = (event) => { if (!settled) refused(event); };
@@ -375,6 +404,18 @@ export class RealtimeClient extends Emitter {
 
   async _afterOpen() {
     if (Object.keys(this.sessionSettings).length) await this._updateSession(this.sessionSettings);
+    return this.sessions > 1 ? this._restore() : 0;
+  }
+
+  /** Closes a session that opened but cannot be used (its settings or items did not get onto
+   * it). It never carried a turn nor said `connected`, so the turn is left to the next attempt. */
+  _drop(ws) {
+    if (ws === this._ws) {
+      this._ws = null;
+      this.session = null;
+    }
+    for (const waiter of [...this._waiters]) waiter.reject(new GatewayError("the session was dropped", "connection_lost"));
+    try { ws.close(1000, "session not usable"); } catch { /* closing anyway */ }
   }
 
   /** Why a handshake failed: WebSockets do not expose the HTTP status, so ask the HTTP API. */
@@ -415,9 +456,11 @@ export class RealtimeClient extends Emitter {
     // not started (its request came too late), so it starts on the next session instead.
     const reconnectInMs = this._closed ? null : reconnectHint(code, reason);
     const turn = this._turn;
-    if (turn && reconnectInMs !== null && !turn.responseId) {
+    if (!turn || turn._request === null) {
+      // none, or send() is still connecting: its connect tries again or fails the turn
+    } else if (reconnectInMs !== null && !turn.responseId) {
       this._resume = turn;
-    } else if (turn) {
+    } else {
       this._turn = null;
       this._keepPartial(turn);
       const silent = code === SILENCE_CLOSE_CODE;
@@ -440,7 +483,7 @@ export class RealtimeClient extends Emitter {
     clearTimeout(this._reconnectTimer);
     this._reconnectTimer = setTimeout(() => {
       this._reconnectTimer = null;
-      this.connect().catch((error) => this.emit("reconnect_failed", { error }));
+      this.connect().catch((error) => { if (!this._closed) this.emit("reconnect_failed", { error }); });
     }, ms);
   }
 
@@ -648,6 +691,8 @@ export class RealtimeClient extends Emitter {
     this._turn = turn;
     try {
       await this.connect();
+      // a session lost between the connect and here: nothing was sent, say so now
+      if (!this.connected) throw new GatewayError("the connection was lost", "connection_lost");
     } catch (e) {
       if (this._turn === turn) this._turn = null;
       this._stopSilenceTimer();

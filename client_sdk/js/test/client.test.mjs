@@ -9,10 +9,13 @@ import { backoffDelays, GatewayUnreachable, RealtimeClient, realtimeUrl, reconne
 
 /** A fake gateway: answers the client's events the way the real one does, unless told otherwise. */
 class FakeServer {
-  constructor({ truncate = true, silent = false, refuse = 0, neverOpen = false, binary = false, drainOnCreate = null } = {}) {
+  constructor({ truncate = true, silent = false, refuse = 0, neverOpen = false, binary = false, drainOnCreate = null,
+    stall = 0 } = {}) {
     // drainOnCreate: a close reason; the next response.create is not taken, the socket is closed
     // with 1001 and that reason instead (a replica draining just as the request arrives).
-    Object.assign(this, { truncate, silent, refuse, neverOpen, binary, drainOnCreate });
+    // stall: how many conversation.item.create events go unanswered (a replica that took the
+    // session and then hung).
+    Object.assign(this, { truncate, silent, refuse, neverOpen, binary, drainOnCreate, stall });
     this.sockets = [];
     this.received = []; // every client event, per socket index: [index, event]
     this.items = [];
@@ -73,6 +76,10 @@ class FakeServer {
         reply({ type: "session.updated", session: event.session });
         break;
       case "conversation.item.create": {
+        if (this.stall > 0) {
+          this.stall -= 1;
+          break;
+        }
         const previous = event.previous_item_id === "root" ? null : (event.previous_item_id ?? this.items.at(-1) ?? null);
         this.items.splice(previous === null ? 0 : this.items.indexOf(previous) + 1, 0, event.item.id);
         reply({ type: "conversation.item.added", item: event.item, previous_item_id: previous });
@@ -386,4 +393,91 @@ test("cancel() while a drained turn waits for the next session ends it cancelled
   c.close(); // clears the 60 s timer: the test process would otherwise wait for it
   assert.equal(c._reconnectTimer, null);
   assert.equal(server.sockets.length, 1);
+});
+
+test("close() while a drained client waits between reconnect attempts ends the reconnect: no session opens after it",
+  async (t) => {
+    t.mock.timers.enable({ apis: ["setTimeout"] });
+    const server = new FakeServer();
+    const c = client(server, { backoff: { initialMs: 1000, attempts: 3 }, random: () => 0 });
+    const failures = [];
+    c.on("reconnect_failed", (e) => failures.push(e));
+    await c.connect();
+    server.refuse = 1; // the first attempt after the drain fails: the next one is 1 s later
+    const disconnected = c.once("disconnected");
+    const retrying = c.once("reconnecting");
+    server.drop(server.last, 1001, hint(0));
+    await disconnected;
+    t.mock.timers.tick(0); // the hint's 0 ms
+    assert.equal((await retrying).delayMs, 1000);
+    c.close(); // as an application does when its user leaves, or node:test's after() hook
+    t.mock.timers.tick(1000);
+    await new Promise(setImmediate); // the fake server answers within microtasks
+    assert.equal(server.sockets.length, 2, "a socket was opened after close()");
+    assert.equal(c.connected, false);
+    assert.deepEqual(failures, []);
+  });
+
+test("a reconnect whose restore gets no answer drops that session and tries again", { timeout: 5000 }, async () => {
+  const server = new FakeServer();
+  const c = client(server, { requestTimeoutMs: 20 });
+  const failures = [];
+  c.on("reconnect_failed", (e) => failures.push(e));
+  const turn = await c.send("My name is Ada.");
+  await responseCreated(c);
+  server.answer_(["Hello Ada."]);
+  await turn.result;
+  const connected = c.once("connected");
+  server.stall = 1; // the next session takes the socket, then leaves the first restored item unanswered
+  server.drop(server.last, 1001, hint(0));
+  const { restored } = await connected;
+  assert.equal(restored, 2);
+  assert.equal(server.sockets.length, 3);
+  assert.equal(server.sockets[1].readyState, 3, "the half-restored session was left open");
+  assert.equal(c.sessions, 3);
+  assert.deepEqual(failures, []);
+  c.close();
+});
+
+test("a session lost while send() reconnects does not fail its turn: the next attempt carries it", async () => {
+  const server = new FakeServer();
+  const c = client(server);
+  const first = await c.send("My name is Ada.");
+  await responseCreated(c);
+  server.answer_(["Hello Ada."]);
+  await first.result;
+  const disconnected = c.once("disconnected");
+  server.drop(server.last, 1006, "");
+  await disconnected;
+  // the next session goes away while its items are being restored (the first one unanswered)
+  server.stall = 1;
+  const off = c.on("event", (e) => {
+    if (e.type === "session.created") { off(); queueMicrotask(() => server.drop(server.last, 1006, "")); }
+  });
+  const turn = await c.send("What is my name?");
+  await responseCreated(c);
+  server.answer_(["Ada."]);
+  const result = await turn.result;
+  assert.equal(result.status, "completed", JSON.stringify(result));
+  assert.equal(server.sockets.length, 3);
+  assert.equal(server.sent("response.create").length, 2);
+  assert.deepEqual(c.conversation.map((i) => i.text), ["My name is Ada.", "Hello Ada.", "What is my name?", "Ada."]);
+  c.close();
+});
+
+test("a session lost just as send()'s reconnect completes fails the turn at once", { timeout: 5000 }, async () => {
+  const server = new FakeServer();
+  const c = client(server);
+  await c.connect();
+  const disconnected = c.once("disconnected");
+  server.drop(server.last, 1006, "");
+  await disconnected;
+  c.on("connected", () => { // the close arrives before send() goes on
+    const ws = server.last;
+    ws.readyState = 3;
+    ws.onclose({ code: 1006, reason: "" });
+  });
+  await assert.rejects(c.send("Hi"), (e) => e.code === "connection_lost");
+  assert.equal(c.activeTurn, null);
+  c.close();
 });
