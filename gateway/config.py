@@ -47,6 +47,9 @@ class ServerConfig:
     send_queue_limit: int = 4096  # past this the response is cancelled (slow consumer)
     send_queue_max_bytes: int = 4 * 1024 * 1024  # same, in queued bytes (coalesced deltas grow); half pauses the reader
     slow_client_timeout_s: float = 30.0  # a client whose queue stays full this long is closed (1008)
+    # Frames written at once while a client keeps up (one write per pump, no writer-task hop);
+    # false sends every frame through the writer task (bench/load.py compares both).
+    direct_writes: bool = True
     engine_abort_timeout_s: float = 5.0  # an engine abort that takes longer is given up on (the response ends)
     sse_write_timeout_s: float = 30.0  # an SSE client that takes no data this long is dropped (its turn aborted)
     operator_endpoints_need_key: bool = False  # /readyz and /metrics require an API key (when keys are configured)

@@ -7,8 +7,11 @@ as they change: a custom collector calls ``Engine.stats()`` of each engine at sc
 
 from __future__ import annotations
 
+import gc
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -22,6 +25,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 CONFIDENCE_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+GC_PAUSE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 # The tiers name a few numbers differently; these become one series each. The edge tier counts
@@ -102,7 +106,43 @@ class GatewayMetrics:
         self.cascade_threshold = Gauge(
             "gateway_cascade_threshold", "The cascade's effective (load-aware) confidence threshold", registry=r)
         self.tier_up = Gauge("gateway_tier_up", "1 while the tier's health probes answer", ["tier"], registry=r)
+        self.gc_pause = Histogram(
+            "gateway_gc_pause_seconds", "Event-loop pauses of Python's cyclic garbage collector (every stream "
+            "waits them out)", ["generation"], buckets=GC_PAUSE_BUCKETS, registry=r)
         r.register(EngineStatsCollector(engines))
+        self._token_series: dict[str, tuple[Histogram, Counter]] = {}
+
+    def token_series(self, api: str) -> tuple[Histogram, Counter]:
+        """``itl`` and ``output_tokens`` of ``api``, touched once per token: ``labels()`` takes a
+        lock and checks its values each call, so the children are looked up once per process."""
+        series = self._token_series.get(api)
+        if series is None:
+            series = self._token_series[api] = (self.itl.labels(api), self.output_tokens.labels(api))
+        return series
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class GcPauses:
+    """While installed (``with``), every run of the cyclic garbage collector is timed into
+    ``gateway_gc_pause_seconds``: the collector stops the event loop, so a full collection over
+    many sessions shows up in every stream's inter-token latency. Process-wide: one per served app."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._histogram = metrics.gc_pause
+        self._started: float | None = None
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self._histogram.labels(str(info["generation"])).observe(time.perf_counter() - self._started)
+            self._started = None

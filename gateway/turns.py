@@ -77,6 +77,7 @@ class Turn:
         self._priority = priority
         self._api = api
         self._metrics = metrics
+        self._itl, self._output_tokens = metrics.token_series(api)
         self._limiter = limiter
         self._key_id = key_id
         self._engine: Engine | None = None
@@ -103,20 +104,28 @@ class Turn:
         assert self._route is not None, "Turn.prepare() picks the route"
         return self._route
 
-    async def prepare(self) -> Engine:
-        """Choose the route and encode the prompt; raises the EngineError that refused it. A prompt
-        that certainly exceeds every context that could serve it is refused before tokenizing."""
-        route = self._router.choose(self._model, self._messages, self._params)
-        self._engine, self._route = route.engine, route.info
+    def choose(self) -> Engine:
+        """Choose the route, without awaiting anything; raises the EngineError that refused it
+        (no engine ready, or the chosen one at capacity). Under overload every refusal is paid on
+        the event loop and the admitted streams wait behind them, so this runs before the chat
+        template and the tokenizer, and a caller can refuse in the same step that asked."""
+        if self._engine is None:
+            route = self._router.choose(self._model, self._messages, self._params)
+            self._engine, self._route = route.engine, route.info
         if engine_saturated(self._engine):
-            # Refused before the chat template and the tokenizer run: under overload every refusal
-            # is paid on the event loop, and the admitted streams wait behind them.
             raise OverloadedError(f"the {self._engine.tier} tier is at capacity; retry shortly")
-        self._prompt_ids = await encode_chat(self._engine, self._messages,
-                                             prompt_token_limit(self._engine, self._params.max_tokens))
+        return self._engine
+
+    async def prepare(self) -> Engine:
+        """``choose`` (unless done), then encode the prompt and reserve the output budget; raises
+        the EngineError that refused it. A prompt that certainly exceeds every context that could
+        serve it is refused before tokenizing."""
+        engine = self.choose()
+        self._prompt_ids = await encode_chat(engine, self._messages,
+                                             prompt_token_limit(engine, self._params.max_tokens))
         # The output budget is taken now, before any token: a burst cannot overspend the key.
         self._reservation = self._limiter.reserve(self._key_id, self._params.max_tokens)
-        return self._engine
+        return engine
 
     def __aiter__(self) -> Turn:
         return self
@@ -134,21 +143,21 @@ class Turn:
             if self._last is None:
                 self.finished = True  # refused: the engine never took the request
             raise
-        metrics, api = self._metrics, self._api
         if not self._route_counted:
             self._route_counted = True
             self._count_route()
         if isinstance(event, TokenEvent):
             now = asyncio.get_running_loop().time()
             if self._last is None:
-                metrics.ttft.labels(api).observe(now - self._started)
+                self._metrics.ttft.labels(self._api).observe(now - self._started)
             else:
-                metrics.itl.labels(api).observe(now - self._last)
+                self._itl.observe(now - self._last)
             self._last = now
             self._tokens += 1
-            metrics.output_tokens.labels(api).inc()
+            self._output_tokens.inc()
         elif isinstance(event, FinishEvent):
             self.finished = True
+            metrics, api = self._metrics, self._api
             metrics.prompt_tokens.labels(api).inc(event.prompt_tokens)
             metrics.cached_tokens.labels(api).inc(event.cached_tokens)
             self._settle(event.completion_tokens)

@@ -23,6 +23,9 @@ from llm_shared.tokenizer_load import TokenizerParts, load_gguf, load_hf
 # Private-use delimiters around a per-call random nonce: content cannot forge a sentinel.
 _SENTINEL_OPEN = "\ue000"
 _SENTINEL_CLOSE = "\ue001"
+# Any call's sentinels (their nonce is checked per match): compiling one pattern per call with the
+# nonce in it costs more than the rest of a short prompt's encoding.
+_SENTINEL = re.compile(re.escape(_SENTINEL_OPEN) + r"([0-9a-f]{16}):(\d+)" + re.escape(_SENTINEL_CLOSE))
 
 
 class Tokenizer:
@@ -143,14 +146,15 @@ class Tokenizer:
             for i, m in enumerate(checked)
         ]
         rendered = template.render(masked, add_generation_prompt=add_generation_prompt)
-        sentinel = re.compile(re.escape(_SENTINEL_OPEN + nonce + ":") + r"(\d+)" + re.escape(_SENTINEL_CLOSE))
 
         ids: list[int] = []
         run: list[str] = []  # ordinary text since the last special token
         pos = 0
-        for match in sentinel.finditer(rendered):
+        for match in _SENTINEL.finditer(rendered):
+            if match.group(1) != nonce:
+                continue  # not ours: template text that only looks like a sentinel
             self._add_template_text(rendered[pos:match.start()], run, ids)
-            run.append(checked[int(match.group(1))]["content"])
+            run.append(checked[int(match.group(2))]["content"])
             pos = match.end()
         self._add_template_text(rendered[pos:], run, ids)
         ids += self.encode("".join(run), special=False)

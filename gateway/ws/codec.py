@@ -11,11 +11,12 @@ msgpack decoder gets explicit limits on every length plus no ext types.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgpack
 
+from gateway.ws.server_events import ServerEvent, TextDelta
 from llm_shared.errors import APIError
 
 MSGPACK_SUBPROTOCOL = "x-openai-realtime-msgpack"
@@ -25,6 +26,9 @@ MAX_CONTAINER_LEN = 4096
 MAX_MAP_LEN = 256
 
 Encoding = Literal["json", "msgpack"]
+# One encoder for every event sent: ``json.dumps`` with options builds a new one per call.
+_JSON_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_json_string = json.encoder.encode_basestring  # what that encoder uses for str (C), for the delta's fast path
 
 
 class DecodeError(APIError):
@@ -77,6 +81,9 @@ class FrameCodec:
 
     encoding: Encoding
     max_frame_bytes: int
+    # msgpack's module-level packb builds a Packer per call; one per connection is reused.
+    _packer: msgpack.Packer = field(default_factory=lambda: msgpack.Packer(use_bin_type=True), init=False,
+                                    repr=False, compare=False)
 
     def decode_text(self, data: str) -> dict[str, Any]:
         if self.encoding != "json":
@@ -129,7 +136,17 @@ class FrameCodec:
             raise DecodeError("invalid_msgpack", "frame holds more than one msgpack object")
         return _as_event(value)
 
+    def encode_event(self, event: ServerEvent) -> str | bytes:
+        """The frame of one server event. A text delta (one per token) is written out directly in
+        JSON, byte for byte what ``encode(event.to_wire())`` gives, without the dict."""
+        if type(event) is TextDelta and self.encoding == "json":
+            return (f'{{"type":{_json_string(event.type)},"event_id":{_json_string(event.event_id)},'
+                    f'"response_id":{_json_string(event.response_id)},"item_id":{_json_string(event.item_id)},'
+                    f'"output_index":{event.output_index:d},"content_index":{event.content_index:d},'
+                    f'"delta":{_json_string(event.delta)}}}')
+        return self.encode(event.to_wire())
+
     def encode(self, event: dict[str, Any]) -> str | bytes:
         if self.encoding == "msgpack":
-            return msgpack.packb(event, use_bin_type=True)
-        return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+            return self._packer.pack(event)
+        return _JSON_ENCODER.encode(event)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 
 from aiohttp import WSMsgType, web
 
@@ -27,7 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.turns import Turn
 from gateway.ws.codec import DecodeError, FrameCodec
 from gateway.ws.outbox import Outbox
-from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent
+from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent, TextDelta
 from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
 from llm_shared.contract import Engine, FinishEvent, Priority
 from llm_shared.errors import EngineError
@@ -43,6 +44,40 @@ WS_CLOSE_OK = 1000
 WS_CLOSE_GOING_AWAY = 1001
 WS_CLOSE_POLICY = 1008
 WS_CLOSE_INTERNAL_ERROR = 1011
+
+
+def frame_bytes(frame: str | bytes) -> bytes:
+    """One unmasked, unfragmented server frame (RFC 6455 5.2): text for ``str``, binary for ``bytes``."""
+    if isinstance(frame, str):
+        payload, first = frame.encode(), 0x81  # FIN + text
+    else:
+        payload, first = frame, 0x82  # FIN + binary
+    n = len(payload)
+    if n < 126:
+        return bytes((first, n)) + payload
+    if n < 65536:
+        return struct.pack("!BBH", first, 126, n) + payload
+    return struct.pack("!BBQ", first, 127, n) + payload
+
+
+class TransportWriter:
+    """The outbox's fast lane onto one accepted WebSocket: frames written straight to its transport
+    while the kernel takes them at once. aiohttp writes its own control frames (pong, close) to
+    the same transport; each write is a whole frame, so they never interleave inside one. Nothing
+    is written once aiohttp began closing (no data frame may follow a close frame)."""
+
+    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.Transport) -> None:
+        self._ws = ws
+        self._transport = transport
+
+    def writable(self) -> bool:
+        transport = self._transport
+        return not self._ws.closed and not transport.is_closing() and transport.get_write_buffer_size() == 0
+
+    def write(self, frames: list[str | bytes]) -> None:
+        if self._ws.closed or self._transport.is_closing():
+            raise ConnectionResetError("the WebSocket is closing")
+        self._transport.write(b"".join(map(frame_bytes, frames)))
 
 
 class RealtimeConnection:
@@ -61,7 +96,10 @@ class RealtimeConnection:
         key_id: str,
         metrics: GatewayMetrics,
         config: ServerConfig,
+        transport: asyncio.Transport | None = None,
     ) -> None:
+        """``transport``: the request's, once the WebSocket is prepared; it gives the outbox its
+        fast lane (without it every frame goes through the writer task)."""
         self.session = session
         self.session_id = session_id
         self.key_id = key_id
@@ -71,8 +109,9 @@ class RealtimeConnection:
         self._limiter = limiter
         self._metrics = metrics
         self._config = config
-        self._outbox = Outbox(codec.encode, high=config.send_queue_high, limit=config.send_queue_limit,
-                              max_bytes=config.send_queue_max_bytes)
+        self._outbox = Outbox(codec.encode_event, high=config.send_queue_high, limit=config.send_queue_limit,
+                              max_bytes=config.send_queue_max_bytes,
+                              direct=TransportWriter(ws, transport) if transport is not None else None)
         self._tasks: dict[str, asyncio.Task[None]] = {}  # response id -> its generation task
         self._turns: dict[str, Turn] = {}  # response id -> its turn, once created
         self._engines_used: set[Engine] = set()  # told at teardown that this conversation is over
@@ -251,9 +290,14 @@ class RealtimeConnection:
     async def _pump(self) -> None:
         # One pump at a time: events drained before an awaited abort must be queued before
         # events another task drains meanwhile, or the client would see them out of order.
-        async with self._pump_lock:
-            while await self._pump_once():
-                pass
+        # The common case (a token's events, no command) needs no lock: with no pump holding it,
+        # nothing can run between draining the session and queueing what it gave.
+        if not self._pump_lock.locked() and not self.session.has_commands:
+            self._queue(self.session.events_to_send())
+        if self.session.has_commands or self.session.has_events:
+            async with self._pump_lock:
+                while await self._pump_once():
+                    pass
         self._close_if_drained()  # a draining session closes right after its response.done
 
     async def _pump_once(self) -> bool:
@@ -266,18 +310,26 @@ class RealtimeConnection:
                 self._start(command)
             elif isinstance(command, AbortGeneration):
                 await self._abort(command.response_id)
-        merged = self._outbox.coalesced
-        for event in events:
-            self._observe(event)
-            self._outbox.put(event)
-        if self._outbox.coalesced > merged:
-            self._metrics.coalesced.inc(self._outbox.coalesced - merged)
-        active = self.session.active_response_id
-        if self._outbox.over_limit and active is not None and active != self._too_slow_cancelled:
-            self._too_slow_cancelled = active
-            log.info("client too slow: cancelling %s with %d frames queued", active, len(self._outbox))
-            self.session.cancel_active("client_too_slow")  # its events are drained next round
+        events += self.session.events_to_send()  # what starting produced (an early refusal), in one write
+        self._queue(events)
         return True
+
+    def _queue(self, events: list[ServerEvent]) -> None:
+        if not events:
+            return
+        outbox = self._outbox
+        for event in events:
+            if not isinstance(event, TextDelta):
+                self._observe(event)
+        merged = outbox.coalesced
+        outbox.put_all(events)
+        if outbox.coalesced > merged:
+            self._metrics.coalesced.inc(outbox.coalesced - merged)
+        active = self.session.active_response_id
+        if outbox.over_limit and active is not None and active != self._too_slow_cancelled:
+            self._too_slow_cancelled = active
+            log.info("client too slow: cancelling %s with %d frames queued", active, len(outbox))
+            self.session.cancel_active("client_too_slow")  # its events are drained next round
 
     def _observe(self, event: ServerEvent) -> None:
         if isinstance(event, ErrorEvent):
@@ -289,9 +341,25 @@ class RealtimeConnection:
                 self._metrics.errors.labels("realtime", str(event.error_code)).inc()
 
     def _start(self, command: StartGeneration) -> None:
-        task = asyncio.create_task(self._generate(command), name=f"generate-{command.response_id}")
-        self._tasks[command.response_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(command.response_id, None))
+        rid = command.response_id
+        turn = Turn(router=self._router, model=command.model, messages=command.messages, params=command.params,
+                    priority=Priority.REALTIME, request_id=rid, api="realtime", metrics=self._metrics,
+                    limiter=self._limiter, key_id=self.key_id, session_id=self.session_id,
+                    abort_timeout_s=self._config.engine_abort_timeout_s)
+        try:
+            turn.choose()
+        except EngineError as e:
+            # Refused in the step that asked (overload, no tier ready): no task, no tokenizing, and
+            # its response.done leaves with its response.created.
+            self.session.engine_failed(rid, e)
+            return
+        except Exception:  # a bug in routing must end this response, not the connection
+            log.exception("routing %s failed", rid)
+            self.session.engine_failed(rid, EngineError("the gateway failed to route the response"))
+            return
+        task = asyncio.create_task(self._generate(turn), name=f"generate-{rid}")
+        self._tasks[rid] = task
+        task.add_done_callback(lambda _: self._tasks.pop(rid, None))
 
     async def _abort(self, response_id: str) -> None:
         if response_id in self._tasks:
@@ -302,15 +370,11 @@ class RealtimeConnection:
         if turn is not None:
             await turn.abort()
 
-    async def _generate(self, command: StartGeneration) -> None:
-        rid = command.response_id
+    async def _generate(self, turn: Turn) -> None:
+        rid = turn.request_id
         if rid in self._aborted:
             self._aborted.discard(rid)
             return
-        turn = Turn(router=self._router, model=command.model, messages=command.messages, params=command.params,
-                    priority=Priority.REALTIME, request_id=rid, api="realtime", metrics=self._metrics,
-                    limiter=self._limiter, key_id=self.key_id, session_id=self.session_id,
-                    abort_timeout_s=self._config.engine_abort_timeout_s)
         self._turns[rid] = turn
         try:
             try:

@@ -9,17 +9,24 @@ while the queue holds ``high`` frames or half of ``max_bytes`` (``wait_writable`
 produced them (a response, or replies to the client's own events such as retrieves), so a
 client that does not read cannot grow it by more than one event's reply.
 
-Events are encoded when queued (``to_wire``, then the codec), except text deltas, which stay
+Events are encoded when queued (by the codec), except text deltas, which stay
 typed until sent so that they can still be merged (their texts are joined once, at send time,
 not copied per merge).
+
+The fast lane (``put_all`` with a ``DirectWriter``): while nothing is queued and the socket
+takes data at once (its send buffer is empty), the events of one pump are encoded and written
+right away, in one write, instead of waking the writer task per event. This is the common
+case, one write per token of a client that keeps up; the queue, the merging and the bounds
+above take over the moment the client falls behind, and hand back once it caught up.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Protocol
 
 from gateway.ws.server_events import ServerEvent, TextDelta
 
@@ -38,15 +45,28 @@ class _PendingDelta:
         self.texts = [event.delta]
         self.chars = len(event.delta)
 
-    def wire(self) -> dict[str, Any]:
-        wire = self.event.to_wire()  # a new dict: the event itself stays as the session made it
-        wire["delta"] = "".join(self.texts)
-        return wire
+    def merged(self) -> TextDelta:
+        """The delta as sent: a new event, the one the session made stays as it was."""
+        return replace(self.event, delta="".join(self.texts)) if len(self.texts) > 1 else self.event
+
+
+class DirectWriter(Protocol):
+    """The socket behind an outbox, for its fast lane."""
+
+    def writable(self) -> bool:
+        """True when frames written now go straight to the socket (nothing is buffered)."""
+        ...
+
+    def write(self, frames: list[Frame]) -> None:
+        """Write ``frames`` in order, at once; raises ConnectionError when the peer is gone."""
+        ...
 
 
 class Outbox:
-    def __init__(self, encode: Callable[[dict[str, Any]], Frame], *, high: int, limit: int, max_bytes: int) -> None:
+    def __init__(self, encode: Callable[[ServerEvent], Frame], *, high: int, limit: int, max_bytes: int,
+                 direct: DirectWriter | None = None) -> None:
         self._encode = encode
+        self._direct = direct
         self._high = high
         self._limit = limit
         self._max_bytes = max_bytes
@@ -58,6 +78,7 @@ class Outbox:
         self._writable = asyncio.Event()
         self._writable.set()
         self.coalesced = 0  # deltas merged into an earlier one, for metrics and tests
+        self.written_directly = 0  # frames that took the fast lane, for tests
 
     def __len__(self) -> int:
         return len(self._items)
@@ -74,6 +95,27 @@ class Outbox:
     def closed(self) -> bool:
         return self._closed
 
+    def put_all(self, events: Iterable[ServerEvent]) -> None:
+        """Queue ``events`` in order, or write them at once when nothing is queued and the
+        socket takes them now (the fast lane; see the module's doc)."""
+        if self._closed:
+            return
+        direct = self._direct
+        if direct is not None and not self._items and direct.writable():
+            encode = self._encode
+            frames = [encode(event) for event in events]
+            if not frames:
+                return
+            try:
+                direct.write(frames)
+            except ConnectionError:
+                self.discard()  # the client is gone: the reader sees the close next
+                return
+            self.written_directly += len(frames)
+            return
+        for event in events:
+            self.put(event)
+
     def put(self, event: ServerEvent) -> None:
         """Queue one server event (dropped once the outbox is closed)."""
         if self._closed:
@@ -89,7 +131,7 @@ class Outbox:
             self._items.append(_PendingDelta(event))
             self._bytes += len(event.delta) + DELTA_OVERHEAD_BYTES
         else:
-            frame = self._encode(event.to_wire())
+            frame = self._encode(event)
             self._items.append(frame)
             self._bytes += len(frame)
         self._nonempty.set()
@@ -105,7 +147,7 @@ class Outbox:
         item = self._items.popleft()
         if isinstance(item, _PendingDelta):
             self._bytes -= item.chars + DELTA_OVERHEAD_BYTES
-            frame = self._encode(item.wire())
+            frame = self._encode(item.merged())
         else:
             self._bytes -= len(item)
             frame = item

@@ -105,6 +105,10 @@ class Emitter:
         self._beta = beta
         self._events: list[ServerEvent] = []
 
+    @property
+    def pending(self) -> bool:
+        return bool(self._events)
+
     def drain(self) -> list[ServerEvent]:
         events, self._events = self._events, []
         return events

@@ -70,8 +70,20 @@ class AbortGeneration:
 Command = StartGeneration | AbortGeneration
 
 
-def _default_ids(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_urlsafe(12)}"
+class SessionIds:
+    """The ids one session draws. What a client can name (items, responses, the conversation) is
+    random, so a client-created item can never take the id of one the server makes next; event
+    ids (one per token) only need to be unique, so they count up after a random per-session tag."""
+
+    def __init__(self) -> None:
+        self._tag = secrets.token_urlsafe(9)  # 12 characters
+        self._events = 0
+
+    def __call__(self, prefix: str) -> str:
+        if prefix == "event":
+            self._events += 1
+            return f"event_{self._tag}{self._events:x}"
+        return f"{prefix}_{secrets.token_urlsafe(12)}"
 
 
 class RealtimeSession:
@@ -92,7 +104,7 @@ class RealtimeSession:
         self._models = models | {model}
         self._limits = limits
         self._beta = beta
-        self._ids = id_factory or _default_ids
+        self._ids = id_factory or SessionIds()
         self._instructions = ""
         self._max_output_tokens: int | str = limits.default_max_output_tokens
         self._temperature = DEFAULT_TEMPERATURE
@@ -111,6 +123,16 @@ class RealtimeSession:
     @property
     def beta(self) -> bool:
         return self._beta
+
+    @property
+    def has_commands(self) -> bool:
+        """Commands are waiting for ``commands()``."""
+        return bool(self._commands)
+
+    @property
+    def has_events(self) -> bool:
+        """Events are waiting for ``events_to_send()``."""
+        return self._events.pending
 
     def start(self) -> None:
         """Queue ``session.created`` (and, for beta clients, ``conversation.created``)."""

@@ -4,8 +4,11 @@ import json
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.ws.codec import MAX_DEPTH, DecodeError, FrameCodec
+from gateway.ws.server_events import TextDelta
 
 JSON = FrameCodec("json", 64 * 1024)
 MSGPACK = FrameCodec("msgpack", 64 * 1024)
@@ -88,3 +91,16 @@ def test_frames_of_the_other_encoding_are_refused() -> None:
         JSON.decode_binary(msgpack.packb({"type": "x"}))
     with pytest.raises(DecodeError, match="binary frames"):
         MSGPACK.decode_text('{"type": "x"}')
+
+
+@given(delta=st.text(max_size=300), ids=st.text(min_size=1, max_size=40), index=st.integers(0, 1 << 40),
+       beta=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_a_delta_is_encoded_as_its_dict_would_be(delta: str, ids: str, index: int, beta: bool) -> None:
+    """Deltas skip the dict on the way out; what the client gets must not change, whatever the text
+    (quotes, backslashes, control characters, any Unicode) or the ids hold."""
+    event = TextDelta(type="response.text.delta" if beta else "response.output_text.delta", event_id=ids,
+                      response_id=ids[::-1], item_id=ids + "i", output_index=index, content_index=index // 3,
+                      delta=delta)
+    assert JSON.encode_event(event) == JSON.encode(event.to_wire())
+    assert msgpack.unpackb(MSGPACK.encode_event(event)) == event.to_wire()

@@ -117,8 +117,11 @@ async def slow_reader(url: str) -> websockets.ClientConnection:
 async def test_slow_reader_gets_coalesced_deltas_then_a_cancel() -> None:
     word = "x" * 200 + " "
     engine = FakeEngine(reply=lambda p, s: [word] * 4000)  # instant tokens: ~800 KB of text
+    # The cancelled message stays in the conversation (~200 KB of it); the chars limit is raised
+    # so that the turn after it is about the session going on, not about the conversation's size.
     async with running_gateway(engine, send_queue_high=8, send_queue_limit=1024,
-                               send_queue_max_bytes=64 * 1024, max_output_tokens=4096) as gw:
+                               send_queue_max_bytes=64 * 1024, max_output_tokens=4096,
+                               max_conversation_chars=2_000_000) as gw:
         ws = await slow_reader(gw.ws_url)
         await recv_json(ws)
         # A slow network path: without a small server send buffer, loopback TCP autotuning would

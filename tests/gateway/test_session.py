@@ -9,7 +9,7 @@ import pytest
 from realtime_sdk_check import check_server_event
 
 from gateway.ws.server_events import to_wire
-from gateway.ws.session import AbortGeneration, RealtimeSession, SessionLimits, StartGeneration
+from gateway.ws.session import AbortGeneration, RealtimeSession, SessionIds, SessionLimits, StartGeneration
 from llm_shared.contract import FinishEvent, TokenEvent
 from llm_shared.errors import OverloadedError
 
@@ -305,3 +305,15 @@ def test_truncate_errors() -> None:
     assert types(drain(session)) == ["conversation.item.truncated"]
     session.receive({"type": "conversation.item.retrieve", "item_id": "a1"})
     assert drain(session)[0]["item"]["content"][0]["text"] == "He"
+
+
+def test_event_ids_count_up_per_session_and_what_clients_can_name_stays_random() -> None:
+    """Event ids (one per token) are cheap but unique, also across sessions; item and response ids,
+    which a client could otherwise guess and take first with its own item, are random."""
+    first, second = SessionIds(), SessionIds()
+    events = [first("event") for _ in range(1000)] + [second("event") for _ in range(1000)]
+    assert len(set(events)) == 2000 and all(e.startswith("event_") for e in events)
+    items = [first("item") for _ in range(3)]
+    assert len(set(items)) == 3
+    tags = {e[len("event_"):len("event_") + 12] for e in events}
+    assert not any(tag in item for tag in tags for item in items)
