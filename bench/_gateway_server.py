@@ -107,14 +107,23 @@ class GatewayProcess:
         raise BenchError(f"the gateway was not ready after {READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
 
     def metric(self, name: str) -> float:
-        """The value of an unlabelled metric in ``/metrics``."""
+        """The value of a metric in ``/metrics``: ``name`` as it appears there, labels included
+        (``'x_count{generation="2"}'``)."""
         status, body = self._get("/metrics")
         if status != 200:
             raise BenchError(f"/metrics answered {status}")
         for line in body.decode().splitlines():
             if line.startswith(name + " "):
-                return float(line.split()[1])
+                return float(line.split()[-1])
         raise BenchError(f"/metrics has no {name}")
+
+    def gc_pauses(self) -> dict[str, float]:
+        """The gateway's full collections so far (``gateway_gc_pause_seconds``, generation 2):
+        how many, their total, and how many stopped the event loop for over 50 ms."""
+        series = 'gateway_gc_pause_seconds{}{{generation="2"{}}}'
+        count = self.metric(series.format("_count", ""))
+        return {"full_collections": count, "full_collection_s": self.metric(series.format("_sum", "")),
+                "over_50ms": count - self.metric(series.format("_bucket", ',le="0.05"'))}
 
     def rss(self) -> int:
         return int(self.process.memory_info().rss)
