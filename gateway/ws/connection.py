@@ -240,7 +240,13 @@ class RealtimeConnection:
             # Backpressure: while the client is behind on reading, stop taking its events; one
             # that stays behind is closed (its queue is bounded in bytes, not only in frames).
             try:
-                await asyncio.wait_for(self._outbox.wait_writable(), self._config.slow_client_timeout_s)
+                if self._outbox.writable:
+                    # One client frame per turn of the event loop: a client that sent many at once
+                    # must not hold the loop while other sessions' tokens wait. (A bare yield; a
+                    # wait_for here made a task per frame.)
+                    await asyncio.sleep(0)
+                else:
+                    await asyncio.wait_for(self._outbox.wait_writable(), self._config.slow_client_timeout_s)
             except TimeoutError:
                 queued = self._outbox.queued_bytes
                 log.info("session %s: client not reading (%d bytes queued); closing it", self.session_id, queued)

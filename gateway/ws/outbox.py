@@ -160,6 +160,11 @@ class Outbox:
         else:
             self._writable.clear()
 
+    @property
+    def writable(self) -> bool:
+        """Fewer than ``high`` frames and half of ``max_bytes`` are queued (or the outbox is closed)."""
+        return self._writable.is_set()
+
     async def wait_writable(self) -> None:
         """Return when fewer than ``high`` frames and half of ``max_bytes`` are queued (or the
         outbox is closed)."""
