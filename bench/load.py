@@ -17,6 +17,10 @@ delta, ITL the gap between consecutive deltas of one response.
 - ``lane``: 300 streams as above, once with the outbox's fast lane (``server.direct_writes``,
   the default) and once with every frame through the writer task: the gateway's CPU per delta,
   side by side (``writer_task_over_fast_lane_us``).
+- ``floor``: what 2,000 streams cost this machine before any gateway code: a bare uvloop process
+  writing a delta-sized frame to each of 2,000 connections every 50 ms, and this process reading
+  them raw (``floor_2000_writer_cores``): the kernel's share of a delta, which the gateway pays
+  on its one event-loop thread on top of its own Python.
 - ``overload``: the engine admits 100 streams (``synthetic_max_streams``); a response of 20
   tokens holds one for ~1 s, so it serves ~100 requests/s. Baseline: Poisson arrivals at 0.8x
   that for 8 s (TTFT p99). Overload: Poisson arrivals at 10x (1,000/s) for 8 s, each on a
@@ -51,6 +55,7 @@ sys.path.insert(0, str(_HERE.parent))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import socket  # noqa: E402
@@ -68,6 +73,7 @@ from bench._common import (  # noqa: E402
     REPO_ROOT,
     cpu_facts,
     dump_toml,
+    free_port,
     percentile,
     progress,
     raise_nofile_limit,
@@ -78,6 +84,7 @@ from bench._gateway_server import GatewayProcess  # noqa: E402
 from bench._ws_lean import LeanSession, Stream  # noqa: E402
 
 STEPS = (100, 200, 300, 400, 500, 600, 800, 1000, 1200, 1500, 2000)
+FLOOR_STREAMS = 2000  # the goal's stream count, for the machine's floor
 LANE_STREAMS = 300  # the fast lane against the writer task, side by side at this many streams
 TOKENS_PER_S = 20.0
 STREAM_TOKENS = 60
@@ -135,6 +142,26 @@ class CpuWatch:
     def share(before: tuple[float, float, float], after: tuple[float, float, float]) -> dict[str, float]:
         wall = after[0] - before[0]
         return {"server_cores": (after[1] - before[1]) / wall, "clients_cores": (after[2] - before[2]) / wall}
+
+
+async def arm_lane(directory: Path, pairs: int = 3) -> dict[str, Any]:
+    """The fast lane against the writer task at LANE_STREAMS streams, alternated ``pairs`` times
+    (one run of each differs from the next by ±20% on a shared machine): the median ratio of the
+    gateway's CPU per delta."""
+    runs: dict[str, list[dict[str, Any]]] = {"fast_lane": [], "writer_task": []}
+    for _ in range(pairs):
+        for name, direct in (("fast_lane", True), ("writer_task", False)):
+            arm = await arm_streams(directory, (LANE_STREAMS,), direct_writes=direct)
+            runs[name].append(arm["levels"][0])
+    ratios = sorted(task["server_us_per_delta"] / fast["server_us_per_delta"]
+                    for fast, task in zip(runs["fast_lane"], runs["writer_task"], strict=True))
+    ratio = ratios[len(ratios) // 2]
+    fast_us = sorted(lv["server_us_per_delta"] for lv in runs["fast_lane"])[pairs // 2]
+    task_us = sorted(lv["server_us_per_delta"] for lv in runs["writer_task"])[pairs // 2]
+    progress(f"at {LANE_STREAMS} streams, median of {pairs} alternated pairs: the fast lane {fast_us:.0f} µs of "
+             f"server CPU a delta, the writer task {task_us:.0f} µs (ratio {ratio:.2f}; pairs {[round(r, 2) for r in ratios]})")
+    return {"streams": LANE_STREAMS, "runs": runs, "ratios": ratios, "writer_task_over_fast_lane_us": ratio,
+            "fast_lane_us_per_delta": fast_us, "writer_task_us_per_delta": task_us}
 
 
 def gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -289,6 +316,85 @@ def overload_figures(streams: list[Stream], base_ttft: list[float]) -> dict[str,
             "accepted_ttft_p99_ratio": percentile(accepted_ttft, 99) / percentile(base_ttft, 99)}
 
 
+FLOOR_FRAME = 190  # bytes of a delta's JSON as the gateway sends it
+
+
+def _bare_writer(port: int, n: int, steps: int, ready: Any, report: Any) -> None:
+    """A server that does nothing but write: one unmasked text frame to each of ``n`` connections
+    every 50 ms, from one step loop (what the synthetic engine's step asks of the gateway)."""
+
+    async def main() -> None:
+        transports: list[asyncio.Transport] = []
+
+        class Sink(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                transports.append(transport)  # type: ignore[arg-type]
+
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Sink, "127.0.0.1", port, backlog=4096)
+        ready.set()
+        while len(transports) < n:
+            await asyncio.sleep(0.01)
+        frame = bytes((0x81, 126)) + FLOOR_FRAME.to_bytes(2, "big") + b"x" * FLOOR_FRAME
+        start, cpu = time.perf_counter(), time.process_time()
+        for step in range(steps):
+            for transport in transports:
+                transport.write(frame)
+            await asyncio.sleep(max(0.0, start + (step + 1) / TOKENS_PER_S - time.perf_counter()))
+        report.put((time.process_time() - cpu) / (time.perf_counter() - start))
+        await asyncio.sleep(1.0)
+        server.close()
+
+    uvloop.run(main())
+
+
+async def arm_floor(n: int, seconds: float = 5.0) -> dict[str, Any]:
+    """What ``n`` streams cost on this machine before any gateway code: a bare uvloop process
+    writing ``n`` frames per 50 ms step, and this process receiving them (raw reads, one timestamp
+    per read, no parsing). The gateway's per-delta work comes on top of this."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    ready, report = context.Event(), context.Queue()
+    port = free_port("127.0.0.1")
+    steps = int(seconds * TOKENS_PER_S)
+    writer = context.Process(target=_bare_writer, args=(port, n, steps, ready, report), daemon=True)
+    writer.start()
+    try:
+        await asyncio.to_thread(ready.wait, 30)
+        stamps: list[list[float]] = []
+
+        class Reader(asyncio.Protocol):
+            def __init__(self) -> None:
+                self.times: list[float] = []
+                stamps.append(self.times)
+
+            def data_received(self, data: bytes) -> None:
+                self.times.append(time.perf_counter())
+
+        loop = asyncio.get_running_loop()
+        transports = [(await loop.create_connection(Reader, "127.0.0.1", port))[0] for _ in range(n)]
+        me = psutil.Process()
+        before, wall = me.cpu_times(), time.perf_counter()
+        server_cores = await asyncio.to_thread(report.get, True, seconds + 60)
+        after, wall = me.cpu_times(), time.perf_counter() - wall
+        gaps = [b - a for times in stamps for a, b in itertools.pairwise(times)]
+        for transport in transports:
+            transport.close()
+        result = {"streams": n, "writer_cores": server_cores,
+                  "reader_cores": (after.user + after.system - before.user - before.system) / wall,
+                  "gap_p99_ms": percentile(gaps, 99) * 1e3,
+                  "writer_us_per_frame": server_cores / (n * TOKENS_PER_S) * 1e6}
+        progress(f"floor at {n} streams: a bare writer {result['writer_cores']:.2f} cores "
+                 f"({result['writer_us_per_frame']:.0f} µs a frame), a bare reader {result['reader_cores']:.2f} cores, "
+                 f"gap p99 {result['gap_p99_ms']:.0f} ms")
+        return result
+    finally:
+        writer.join(10)
+        if writer.is_alive():
+            writer.kill()
+
+
 async def slow_reader(url: str) -> Any:
     host, port = "127.0.0.1", int(url.split(":")[2].split("/")[0])
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -353,12 +459,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if "streams" in args.arms:
             result["streams"] = await arm_streams(directory, tuple(args.steps))
         if "lane" in args.arms:
-            arms = [await arm_streams(directory, (LANE_STREAMS,), direct_writes=d) for d in (True, False)]
-            fast, task = (a["levels"][0] for a in arms)
-            result["lane"] = {"streams": LANE_STREAMS, "fast_lane": fast, "writer_task": task,
-                              "writer_task_over_fast_lane_us": task["server_us_per_delta"] / fast["server_us_per_delta"]}
-            progress(f"fast lane at {LANE_STREAMS} streams: {fast['server_us_per_delta']:.0f} µs of server CPU a delta, "
-                     f"the writer task {task['server_us_per_delta']:.0f} µs")
+            result["lane"] = await arm_lane(directory)
+        if "floor" in args.arms:
+            result["floor"] = await arm_floor(FLOOR_STREAMS)
         if "overload" in args.arms:
             result["overload"] = await arm_overload(directory, args.capacity)
         if "slow_readers" in args.arms:
@@ -368,7 +471,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arms", nargs="+", default=["streams", "lane", "overload", "slow_readers"])
+    parser.add_argument("--arms", nargs="+", default=["streams", "lane", "floor", "overload", "slow_readers"])
     parser.add_argument("--steps", nargs="+", type=int, default=list(STEPS))
     parser.add_argument("--capacity", type=int, default=100)
     parser.add_argument("--slow-clients", type=int, default=100)
@@ -387,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         "burst_reject_p99_ms": overload.get("burst", {}).get("reject_p99_ms"),
         "burst_accepted_ttft_p99_ratio": overload.get("burst", {}).get("accepted_ttft_p99_ratio"),
         "writer_task_over_fast_lane_us": result.get("lane", {}).get("writer_task_over_fast_lane_us"),
+        "floor_2000_writer_cores": result.get("floor", {}).get("writer_cores"),
     }
     for level in streams.get("levels", []):
         print(f"{level['streams']:5d} streams: ITL p99 {level['itl_p99_ms']:.0f} ms, server "
