@@ -6,21 +6,18 @@ session never took), then against real gateway processes sent SIGTERM (the embed
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from gateway_process import GatewayProcess, write_config
 from rtgw import Backoff, OfflineConfig, RealtimeClient
 from rtgw.protocol import reconnect_hint
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
+from scripted_gateway import HINT, ScriptedGateway
+from websockets.asyncio.server import serve
 
 KEY = "sk-sdk-drain-key"
 WAIT_S = 30.0
-HINT = '{"reconnect":true,"after_ms":%d}'
 
 
 def test_the_hint_is_read_from_a_1001_close_and_nothing_else() -> None:
@@ -32,47 +29,6 @@ def test_the_hint_is_read_from_a_1001_close_and_nothing_else() -> None:
     for code, reason in ((1001, "server shutting down"), (1001, '{"reconnect":false}'), (1001, "[1]"),
                          (1001, ""), (1000, HINT % 5), (None, HINT % 5)):
         assert reconnect_hint(code, reason) is None, (code, reason)
-
-
-class ScriptedGateway:
-    """A Realtime server that answers as the gateway does; ``drain_on_create`` closes the first
-    session with 1001 and that reason when its first ``response.create`` arrives, untaken."""
-
-    def __init__(self, drain_on_create: str | None) -> None:
-        self.drain_on_create = drain_on_create
-        self.received: list[list[dict[str, Any]]] = []  # the client events, per session
-
-    async def handler(self, ws: ServerConnection) -> None:
-        events: list[dict[str, Any]] = []
-        self.received.append(events)
-        n = len(self.received)
-        await ws.send(json.dumps({"type": "session.created", "session": {"id": f"sess_{n}", "model": "m"}}))
-        try:
-            async for frame in ws:
-                event = json.loads(frame)
-                events.append(event)
-                if event["type"] == "conversation.item.create":
-                    await ws.send(json.dumps({"type": "conversation.item.added", "item": event["item"]}))
-                elif event["type"] == "response.create":
-                    if self.drain_on_create is not None:
-                        reason, self.drain_on_create = self.drain_on_create, None
-                        await ws.close(1001, reason)
-                        return
-                    await self.answer(ws, f"resp_{n}", "Hello!")
-        except ConnectionClosed:
-            pass
-
-    @staticmethod
-    async def answer(ws: ServerConnection, response_id: str, text: str) -> None:
-        item = {"id": f"item_{response_id}", "type": "message", "role": "assistant", "content": []}
-        for event in (
-            {"type": "response.created", "response": {"id": response_id}},
-            {"type": "conversation.item.added", "item": item},
-            {"type": "response.output_text.delta", "response_id": response_id, "item_id": item["id"], "delta": text},
-            {"type": "response.done", "response": {"id": response_id, "status": "completed", "metadata": {"x_tier": "edge"},
-                                                   "output": [{**item, "content": [{"type": "output_text", "text": text}]}]}},
-        ):
-            await ws.send(json.dumps(event))
 
 
 async def test_a_turn_the_drained_session_never_took_starts_on_the_next_one(caplog: pytest.LogCaptureFixture) -> None:

@@ -3,6 +3,7 @@ reconnect with conversation restore, JSON or msgpack frames, and an on-device fa
 
 from rtgw.client import (
     Backoff,
+    ClientClosed,
     GatewayError,
     GatewayRefused,
     GatewayUnreachable,
@@ -15,6 +16,6 @@ from rtgw.offline import OfflineConfig
 from rtgw.protocol import ClientProtocol, Item, TextDelta, TurnResult
 
 __all__ = [
-    "Backoff", "ClientProtocol", "GatewayError", "GatewayRefused", "GatewayUnreachable", "Item", "OfflineConfig",
-    "RealtimeClient", "TextDelta", "Turn", "TurnInProgress", "TurnResult", "realtime_url",
+    "Backoff", "ClientClosed", "ClientProtocol", "GatewayError", "GatewayRefused", "GatewayUnreachable", "Item",
+    "OfflineConfig", "RealtimeClient", "TextDelta", "Turn", "TurnInProgress", "TurnResult", "realtime_url",
 ]

@@ -81,6 +81,14 @@ class TurnInProgress(GatewayError):
     """A turn is still running: cancel it or wait for its result first."""
 
 
+class ClientClosed(GatewayError):
+    """``close()`` was called while this call was opening a session (the JS SDK's ``client_closed``):
+    what it had opened is closed again. A later ``connect()`` or ``send()`` opens the client anew."""
+
+    def __init__(self) -> None:
+        super().__init__("the client was closed while it connected to the gateway")
+
+
 @dataclass(frozen=True)
 class Backoff:
     """Reconnect delays: ``initial`` doubling up to ``max_delay``, each drawn uniformly from
@@ -228,16 +236,23 @@ class RealtimeClient:
 
     async def connect(self) -> None:
         """Open the session (with the reconnect policy). Without an offline model an unreachable
-        gateway raises ``GatewayUnreachable``; with one, the client starts offline."""
+        gateway raises ``GatewayUnreachable``; with one, the client starts offline. A ``close()``
+        before the session is open raises ``ClientClosed``; after ``close()``, this opens the
+        client again."""
+        self._closed = False  # before the lock: a close() while we wait for it still counts
         async with self._lock:
             await self._ensure_session(required=self._offline is None)
 
     async def close(self) -> None:
+        """Cancel the active turn, end any reconnect under way and close the session. A
+        ``connect()`` or ``send()`` still opening a session then fails with ``ClientClosed`` and
+        closes what it opened: no session outlives this call."""
         self._closed = True
         if self._turn is not None and not self._turn.done:
             with contextlib.suppress(GatewayError, ConnectionError):
                 await self.cancel()
         task, self._reconnect_task = self._reconnect_task, None
+        self._reconnect_at = None  # a later connect() need not wait for the drained gateway's time
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -248,10 +263,16 @@ class RealtimeClient:
 
     async def wait_reconnected(self) -> bool:
         """Wait for a reconnect the gateway asked for (a drained session) to end; True when the
-        client is online again. Returns at once when none is under way."""
+        client is online again, False when it is not (the reconnect failed, or ``close()`` ended
+        it). Returns at once when none is under way."""
         task = self._reconnect_task
         if task is not None:
-            await asyncio.shield(task)
+            # Not shield(): close() cancels the task, and that is an answer (False), not our cancel.
+            # wait() neither raises when the task is cancelled nor cancels it when we are.
+            await asyncio.wait({task})
+            if task.cancelled():
+                return False
+            task.result()  # a failure the reconnect did not expect surfaces here, as it did
         return self.online
 
     async def update_session(self, **fields: Any) -> None:
@@ -264,7 +285,9 @@ class RealtimeClient:
 
     async def send(self, text: str, *, max_output_tokens: int | None = None,
                    temperature: float | None = None) -> Turn:
-        """Start a turn with the user's ``text``; returns once it is on its way."""
+        """Start a turn with the user's ``text``; returns once it is on its way. Opens the session
+        first when there is none, as ``connect()`` does (``ClientClosed`` included)."""
+        self._closed = False  # before the lock, as in connect()
         async with self._lock:
             if self._turn is not None and not self._turn.done:
                 raise TurnInProgress("a turn is still running: cancel() it or await its result() first")
@@ -355,6 +378,7 @@ class RealtimeClient:
 
     async def _ensure_session(self, *, required: bool) -> bool:
         """True once a session is open; False when it cannot be and ``required`` is False."""
+        self._raise_if_closed()  # close() was called while this call waited for the lock
         if self._ws is not None:
             return True
         if self._reconnect_at is not None:
@@ -392,6 +416,8 @@ class RealtimeClient:
         async with self._lock:
             try:
                 await self._ensure_session(required=True)
+            except ClientClosed:
+                pass  # close() ended the reconnect: nothing to report
             except GatewayError as e:
                 log.warning("could not reconnect after the gateway closed this session for a drain: %s", e)
         turn, self._resume = self._resume, None  # still here: no session could start it
@@ -401,13 +427,19 @@ class RealtimeClient:
     async def _open_with_backoff(self, attempts: int) -> None:
         delays = self.backoff.delays(self._rng)
         for attempt in range(attempts):
+            self._raise_if_closed()  # close() during the wait before this attempt
             try:
                 await self._open()
                 return
             except GatewayUnreachable:
+                self._raise_if_closed()  # close() dropped the session this attempt was setting up
                 if attempt == attempts - 1:
                     raise
                 await asyncio.sleep(next(delays, self.backoff.max_delay))
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise ClientClosed()
 
     async def _open(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -424,11 +456,13 @@ class RealtimeClient:
             raise GatewayRefused(status, body) from e
         except (OSError, TimeoutError, ssl.SSLError, InvalidHandshake, InvalidURI) as e:
             raise GatewayUnreachable(f"cannot reach the gateway at {self.ws_url}: {e}") from e
+        if self._closed:  # close() returned while we connected: it could not close this one
+            await _close_quietly(ws, self.request_timeout)
+            raise ClientClosed()
         if self.framing == "msgpack" and ws.subprotocol != MSGPACK_SUBPROTOCOL:
             await ws.close()
             raise GatewayRefused(400, "the gateway does not speak msgpack framing")
         self._ws = ws
-        self._closed = False  # open again after close(): drain hints count again
         created = self._expect(("session", "created"))
         self._reader = asyncio.create_task(self._read_loop(ws), name="rtgw-reader")
         try:
@@ -451,6 +485,9 @@ class RealtimeClient:
             log.info("starting on the new session the turn the drained one had not begun")
             await self._send(self.protocol.event("response.create", **({"response": turn._response}
                                                                          if turn._response else {})))
+        if self._closed:  # close() began while the session was set up (it waits on an offline turn)
+            await self._drop_connection()
+            raise ClientClosed()
 
     async def _drop_connection(self) -> None:
         ws, self._ws = self._ws, None
