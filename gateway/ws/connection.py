@@ -49,7 +49,9 @@ WS_CLOSE_INTERNAL_ERROR = 1011
 def frame_bytes(frame: str | bytes) -> bytes:
     """One unmasked, unfragmented server frame (RFC 6455 5.2): text for ``str``, binary for ``bytes``."""
     if isinstance(frame, str):
-        payload, first = frame.encode(), 0x81  # FIN + text
+        # A text frame must be UTF-8: a lone surrogate (never expected: client strings are checked)
+        # is sent as "?" rather than raising in the middle of a pump.
+        payload, first = frame.encode("utf-8", "replace"), 0x81  # FIN + text
     else:
         payload, first = frame, 0x82  # FIN + binary
     n = len(payload)
