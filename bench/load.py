@@ -469,6 +469,40 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def plot(result: dict[str, Any], path: Path) -> None:
+    """ITL and both processes' CPU against the number of streams (the floor's cores at 2,000 beside)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = result["streams"]["levels"]
+    n = [lv["streams"] for lv in levels]
+    fig, (ax_itl, ax_cpu) = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax_itl.plot(n, [lv["itl_p50_ms"] for lv in levels], "o-", label="ITL p50")
+    ax_itl.plot(n, [lv["itl_p99_ms"] for lv in levels], "o-", label="ITL p99")
+    gc_levels = [lv for lv in levels if lv["gc"]["full_collections"] > 0]
+    ax_itl.plot([lv["streams"] for lv in gc_levels], [lv["itl_p99_ms"] for lv in gc_levels], "x", color="black",
+                markersize=10, label="a full GC in the window")
+    ax_itl.axhline(ITL_GOAL_S * 1e3, linestyle=":", color="black", label="goal: p99 under 100 ms")
+    ax_itl.set(title="One gateway process, 20 tokens/s per stream", xlabel="concurrent streams", ylabel="ms",
+               yscale="log")
+    ax_itl.legend(fontsize=8)
+    ax_cpu.plot(n, [lv["server_cores"] for lv in levels], "o-", label="gateway (one event loop)")
+    ax_cpu.plot(n, [lv["clients_cores"] for lv in levels], "o-", label="clients (lean, same machine)")
+    if floor := result.get("floor"):
+        ax_cpu.plot([floor["streams"]], [floor["writer_cores"]], "s", color="C2",
+                    label="a bare writer, no gateway code")
+        ax_cpu.plot([floor["streams"]], [floor["reader_cores"]], "s", color="C3", label="a bare reader")
+    ax_cpu.set(title=f"CPU ({result['cpu']['model']}, 2 cores)", xlabel="concurrent streams", ylabel="cores")
+    ax_cpu.set_ylim(0, 1.1)
+    ax_cpu.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arms", nargs="+", default=["streams", "lane", "floor", "overload", "slow_readers"])
@@ -477,10 +511,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-clients", type=int, default=100)
     parser.add_argument("--slow-seconds", type=float, default=20.0)
     parser.add_argument("--out", type=Path, default=OUT_DIR / "load.json")
+    parser.add_argument("--plot", type=Path, default=OUT_DIR / "load_streams.png")
     args = parser.parse_args(argv)
     result = uvloop.run(run(args))
     result["cpu"] = cpu_facts()
     write_json(args.out, result)
+    if "streams" in result:
+        plot(result, args.plot)
+        progress(f"plot: {args.plot}")
     streams, overload, slow = result.get("streams", {}), result.get("overload", {}), result.get("slow_readers", {})
     figures = {
         "max_streams_itl_p99_under_100ms": streams.get("max_streams_itl_p99_under_100ms"),
