@@ -101,10 +101,7 @@ class LeanSession(asyncio.Protocol):
         self._transport.write(self._request)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        error = ProtocolViolation(f"connection lost: {exc}")
-        for future in (self.created, self._done):
-            if future is not None and not future.done():
-                future.set_exception(error)
+        self._settle(ProtocolViolation(f"connection lost: {exc}"))
         if not self.closed.done():
             self.closed.set_result(None)
 
@@ -226,7 +223,11 @@ class LeanSession(asyncio.Protocol):
             self._fail(ProtocolViolation(f"error event: {event['error']}"))
 
     def _fail(self, error: Exception) -> None:
+        self._settle(error)
+        self.abort()
+
+    def _settle(self, error: Exception) -> None:
+        """Whoever waits for the session or its response learns ``error``."""
         for future in (self.created, self._done):
             if future is not None and not future.done():
                 future.set_exception(error)
-        self.abort()
