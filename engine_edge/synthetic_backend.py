@@ -16,22 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine_edge.base import Draft, EdgeBackend, check_prompt
 from engine_edge.config import EdgeConfig
+from llm_shared.channel import EventChannel
 from llm_shared.contract import (
     FinishEvent,
     FinishReason,
     Priority,
     SamplingParams,
-    StreamEvent,
     TokenEvent,
     check_cache_salt,
 )
-from llm_shared.errors import DuplicateRequestError, EngineUnavailableError, OverloadedError
+from llm_shared.errors import DuplicateRequestError, EngineError, EngineUnavailableError, OverloadedError
 from llm_shared.load_cache import LoadCache
 from llm_shared.modelfile import check_gguf
 from llm_shared.textstream import TextStream
@@ -47,7 +47,7 @@ class _Stream:
     prompt_tokens: int
     params: SamplingParams
     text: TextStream
-    events: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
+    events: EventChannel
     produced: int = 0
     finished: bool = False
 
@@ -82,28 +82,31 @@ class SyntheticBackend(EdgeBackend):
         prompt, so a refusal under overload costs no tokenizing (generate still decides)."""
         return len(self._streams) >= self._max_streams
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                       priority: Priority = Priority.INTERACTIVE, session_id: str = "",
-                       draft_ids: Sequence[int] = (), cache_salt: str = "") -> AsyncIterator[StreamEvent]:
+    def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                 priority: Priority = Priority.INTERACTIVE, session_id: str = "",
+                 draft_ids: Sequence[int] = (), cache_salt: str = "") -> EventChannel:
         """``cache_salt`` is checked and has nothing to separate: no KV outlives its turn here."""
-        if self._closed:
-            raise EngineUnavailableError("the synthetic engine is closed")
-        prompt = check_prompt(prompt_ids, self._tokenizer.vocab_size, self.max_prompt_tokens)
-        check_cache_salt(cache_salt)
-        if request_id in self._streams:
-            raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")
-        if len(self._streams) >= self._max_streams:
-            raise OverloadedError(f"the engine is at its {self._max_streams} streams; retry shortly")
-        stream = self._streams[request_id] = _Stream(len(prompt), params, TextStream(self._tokenizer, params.stop))
-        self._ensure_ticker()
         try:
-            while True:
-                event = await stream.events.get()
-                yield event
-                if isinstance(event, FinishEvent):
-                    return
-        finally:
-            self._streams.pop(request_id, None)  # a consumer that left early frees its cells now
+            if self._closed:
+                raise EngineUnavailableError("the synthetic engine is closed")
+            prompt = check_prompt(prompt_ids, self._tokenizer.vocab_size, self.max_prompt_tokens)
+            check_cache_salt(cache_salt)
+            if request_id in self._streams:
+                raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")
+            if len(self._streams) >= self._max_streams:
+                raise OverloadedError(f"the engine is at its {self._max_streams} streams; retry shortly")
+        except EngineError as e:
+            return EventChannel.refused(e)
+        # A consumer that left early frees its cells now.
+        events = EventChannel(on_close=lambda _finished: self._left(request_id, events))
+        self._streams[request_id] = _Stream(len(prompt), params, TextStream(self._tokenizer, params.stop), events)
+        self._ensure_ticker()
+        return events
+
+    def _left(self, request_id: str, events: EventChannel) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.events is events:
+            del self._streams[request_id]
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():
@@ -126,7 +129,7 @@ class SyntheticBackend(EdgeBackend):
         stream.produced += 1
         self._generated += 1
         text, stopped = stream.text.push(token_id)
-        stream.events.put_nowait(TokenEvent(token_id, text, -0.1))
+        stream.events.put(TokenEvent(token_id, text, -0.1))
         if stopped:
             self._finish(request_id, stream, "stop")
         elif stream.produced >= stream.params.max_tokens:
@@ -135,7 +138,7 @@ class SyntheticBackend(EdgeBackend):
     def _finish(self, request_id: str, stream: _Stream, reason: FinishReason) -> None:
         stream.finished = True
         text = stream.text.finish() if reason != "abort" else ""
-        stream.events.put_nowait(FinishEvent(reason, stream.prompt_tokens, stream.produced, text=text, tier="edge"))
+        stream.events.put(FinishEvent(reason, stream.prompt_tokens, stream.produced, text=text, tier="edge"))
         self._streams.pop(request_id, None)  # its cells are free as soon as it ends
 
     async def abort(self, request_id: str) -> None:

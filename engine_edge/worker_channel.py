@@ -15,20 +15,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_edge.base import Draft
+from llm_shared.channel import EventChannel
 from llm_shared.contract import Priority, SamplingParams, StreamEvent
 
 
 class EventSink:
     """Delivers one request's events from the worker thread to its consumer's event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[StreamEvent]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, channel: EventChannel) -> None:
         self._loop = loop
-        self._queue = queue
+        self.channel = channel
 
     def put(self, event: StreamEvent) -> bool:
         """False when the consumer's loop is closed: nobody will read, so the worker may drop the request."""
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            self._loop.call_soon_threadsafe(self.channel.put, event)
         except RuntimeError:  # "Event loop is closed"
             return False
         return True

@@ -2,7 +2,7 @@
 
 It validates requests, enforces admission limits and turns calls into ``worker_channel``
 commands; the worker (``engine_edge.llama_cpp_worker.LlamaWorker`` over any runtime with its
-model/context/batch surface) answers through futures and per-request event queues. A backend
+model/context/batch surface) answers through futures and per-request event channels. A backend
 builds its runtime, then calls ``_start_worker``; everything the ``Engine`` protocol asks for
 is here. The same behaviour as ``LlamaCppBackend``, written once for backends to share.
 """
@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -28,17 +28,18 @@ from engine_edge.worker_channel import (
     ProposeCmd,
     reject,
 )
+from llm_shared.channel import EventChannel
 from llm_shared.contract import (
     MAX_PREFIX_DRAFT_TOKENS,
     FinishEvent,
     Priority,
     SamplingParams,
-    StreamEvent,
     check_cache_salt,
 )
 from llm_shared.errors import (
     ConfigError,
     DuplicateRequestError,
+    EngineError,
     EngineUnavailableError,
     InvalidRequestError,
     InvalidSamplingError,
@@ -110,7 +111,7 @@ class WorkerFront(EdgeBackend):
     def max_prompt_tokens(self) -> int:
         return self.n_ctx_seq - 1
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_ids: Sequence[int],
@@ -119,9 +120,25 @@ class WorkerFront(EdgeBackend):
         session_id: str = "",
         draft_ids: Sequence[int] = (),
         cache_salt: str = "",
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> EventChannel:
         """``draft_ids`` are checked and ignored: this tier is the drafter, not a verifier. A slot's
         or snapshot's KV is reused only by a request with the ``cache_salt`` of the one that left it."""
+        try:
+            command = self._generate_cmd(request_id, prompt_ids, params, priority, session_id, draft_ids, cache_salt)
+        except EngineError as e:
+            return EventChannel.refused(e)
+        self._open.add(request_id)
+        self._commands.put(command)
+        return command.sink.channel
+
+    def _left(self, request_id: str, finished: bool) -> None:
+        self._open.discard(request_id)
+        if not finished and not self._closed:  # the consumer left early: free the sequence
+            self._commands.put(AbortCmd(request_id))
+
+    def _generate_cmd(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: Priority,
+                      session_id: str, draft_ids: Sequence[int], cache_salt: str) -> GenerateCmd:
+        """The validated request, or the EngineError that refuses it."""
         self._require_ready()
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(f"request_id must be a string of 1..{MAX_REQUEST_ID_CHARS} characters",
@@ -144,20 +161,9 @@ class WorkerFront(EdgeBackend):
             raise OverloadedError(
                 f"the edge engine is busy ({len(self._open)} requests running or queued); retry shortly"
             )
-        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        self._open.add(request_id)
-        self._commands.put(GenerateCmd(request_id, prompt, params, Priority(priority),
-                                       EventSink(asyncio.get_running_loop(), events), session_id, salt))
-        finished = False
-        try:
-            while not finished:
-                event = await events.get()
-                finished = isinstance(event, FinishEvent)
-                yield event
-        finally:
-            self._open.discard(request_id)
-            if not finished and not self._closed:  # the consumer left early: free the sequence
-                self._commands.put(AbortCmd(request_id))
+        channel = EventChannel(on_close=lambda finished: self._left(request_id, finished))
+        return GenerateCmd(request_id, prompt, params, Priority(priority),
+                           EventSink(asyncio.get_running_loop(), channel), session_id, salt)
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self._open or not self.ready:

@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
+from llm_shared.channel import EventChannel
 from llm_shared.contract import Engine, Priority, SamplingParams, StreamEvent
 from llm_shared.errors import EngineError, EngineUnavailableError
 from llm_shared.tokenizer import Tokenizer
@@ -68,20 +69,17 @@ class SupervisedEngine:
             raise EngineUnavailableError(f"the {self.tier} engine is restarting; retry shortly")
         return current
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                       priority: Priority = Priority.INTERACTIVE, session_id: str = "",
-                       draft_ids: Sequence[int] = (), cache_salt: str = "") -> AsyncIterator[StreamEvent]:
-        engine = self._engine()
-        stream = engine.generate(request_id, prompt_ids, params, priority, session_id=session_id,
-                                 draft_ids=draft_ids, cache_salt=cache_salt)
+    def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                 priority: Priority = Priority.INTERACTIVE, session_id: str = "",
+                 draft_ids: Sequence[int] = (), cache_salt: str = "") -> AsyncIterator[StreamEvent]:
+        """The current instance's own stream, handed through as it is (an ``EventChannel`` keeps
+        its push path); refused at the first event while no instance is ready."""
         try:
-            async for event in stream:
-                yield event
-        finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(EngineError, RuntimeError):
-                    await aclose()
+            engine = self._engine()
+        except EngineError as e:
+            return EventChannel.refused(e)
+        return engine.generate(request_id, prompt_ids, params, priority, session_id=session_id,
+                               draft_ids=draft_ids, cache_salt=cache_salt)
 
     async def abort(self, request_id: str) -> None:
         current = self._current

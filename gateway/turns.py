@@ -1,8 +1,9 @@
 """One generation turn, the same for a Realtime response and a chat completion.
 
 A ``Turn`` routes the chat to an engine tier or the cascade (``prepare``: the router, then the
-tokenizer), then streams the engine's events (``async for``; the cascade's ``RouteInfo`` is
-taken in as ``turn.route`` and not passed on), metering each one under its API label. The
+tokenizer), then streams the engine's events (``async for``, or ``run`` with a callback, which a tier's
+``EventChannel`` serves from the engine's own step; the cascade's ``RouteInfo`` is taken in as
+``turn.route`` and not passed on), metering each one under its API label. The
 caller's key reserves the turn's output budget at ``prepare`` and is refunded what the turn did
 not use when it finishes (or charged what it streamed, when it is left early). ``aclose`` aborts the engine request
 unless it finished, so a turn that its caller leaves early (a client gone, a cancel, a bug)
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Literal
 
 from gateway.auth import RateLimiter, Reservation
@@ -23,6 +24,7 @@ from gateway.cascade.route import RouteInfo
 from gateway.cascade.router import Router, prompt_token_limit
 from gateway.engines import encode_chat
 from gateway.metrics import GatewayMetrics
+from llm_shared.channel import EventChannel
 from llm_shared.contract import (
     Engine,
     FinishEvent,
@@ -143,6 +145,51 @@ class Turn:
             if self._last is None:
                 self.finished = True  # refused: the engine never took the request
             raise
+        self._meter(event)
+        return event
+
+    async def run(self, on_event: Callable[[StreamEvent], None]) -> None:
+        """Pass every event to ``on_event`` up to and with the ``FinishEvent`` (after ``prepare``).
+
+        The first event is awaited as iterating would (a refusal raises here; the cascade's route
+        comes before it). After it, a stream that can push (an ``EventChannel``) calls back from
+        the engine's own step, so a token costs no task wake and no coroutine chain; any other
+        stream is iterated. Raises the engine's ``EngineError``, and whatever ``on_event`` raises
+        (the stream is left then; ``aclose`` aborts the request)."""
+        on_event(await self.__anext__())
+        stream = self._stream
+        if self.finished:
+            return
+        if not isinstance(stream, EventChannel):
+            async for event in self:
+                on_event(event)
+                if self.finished:
+                    return
+            return
+        done = asyncio.get_running_loop().create_future()
+
+        def pushed(item: StreamEvent | EngineError) -> None:
+            if done.done():
+                return
+            try:
+                if isinstance(item, EngineError):
+                    raise item
+                self._meter(item)
+                on_event(item)
+            except Exception as e:  # it must not reach the engine's step: it ends this turn alone
+                stream.unsubscribe()
+                done.set_exception(e)
+                return
+            if self.finished:
+                done.set_result(None)
+
+        stream.subscribe(pushed)
+        try:
+            await done
+        finally:
+            stream.unsubscribe()
+
+    def _meter(self, event: StreamEvent) -> None:
         if not self._route_counted:
             self._route_counted = True
             self._count_route()
@@ -161,7 +208,6 @@ class Turn:
             metrics.prompt_tokens.labels(api).inc(event.prompt_tokens)
             metrics.cached_tokens.labels(api).inc(event.cached_tokens)
             self._settle(event.completion_tokens)
-        return event
 
     def _count_route(self) -> None:
         route, metrics, api = self.route, self._metrics, self._api

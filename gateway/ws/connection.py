@@ -30,7 +30,7 @@ from gateway.ws.codec import DecodeError, FrameCodec
 from gateway.ws.outbox import Outbox
 from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent, TextDelta
 from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
-from llm_shared.contract import Engine, FinishEvent, Priority
+from llm_shared.contract import Engine, FinishEvent, Priority, StreamEvent
 from llm_shared.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,7 @@ class RealtimeConnection:
         self._close_task: asyncio.Task[None] | None = None  # a server-side close: flush, then the close frame
         self._drain_reason: str | None = None  # draining: the close reason to use once no response is active
         self._pump_lock = asyncio.Lock()
+        self._pump_task: asyncio.Task[None] | None = None  # a pump asked for by synchronous code
         self._too_slow_cancelled: str | None = None
 
     @property
@@ -389,13 +390,7 @@ class RealtimeConnection:
                 self._engines_used.add(await turn.prepare())
                 if rid in self._aborted:
                     return
-                async for event in turn:
-                    if isinstance(event, FinishEvent):
-                        self.session.route(rid, turn.route.metadata())
-                    self.session.engine_event(rid, event)
-                    if isinstance(event, FinishEvent):
-                        self.session.rate_limits(self._limiter.snapshot(self.key_id))
-                    await self._pump()
+                await turn.run(lambda event: self._engine_event(turn, event))
             except EngineError as e:
                 self.session.engine_failed(rid, e)
             except Exception:  # a bug in an engine must end this response, not the connection
@@ -406,6 +401,30 @@ class RealtimeConnection:
             self._turns.pop(rid, None)
             self._aborted.discard(rid)
             await turn.aclose()
+
+    def _engine_event(self, turn: Turn, event: StreamEvent) -> None:
+        """One engine event of ``turn``, called from the engine's step (``Turn.run``): into the
+        session, and its events out at once."""
+        rid = turn.request_id
+        if isinstance(event, FinishEvent):
+            self.session.route(rid, turn.route.metadata())
+            self.session.engine_event(rid, event)
+            self.session.rate_limits(self._limiter.snapshot(self.key_id))
+        else:
+            self.session.engine_event(rid, event)
+        self._pump_soon()
+
+    def _pump_soon(self) -> None:
+        """``_pump`` from synchronous code: the events go out now in the common case (no command,
+        no pump awaiting an abort); otherwise a pump task takes them, in order, after the one running."""
+        session = self.session
+        if not self._pump_lock.locked() and not session.has_commands:
+            self._queue(session.events_to_send())
+            if not session.has_commands and not session.has_events:
+                self._close_if_drained()
+                return
+        if self._pump_task is None or self._pump_task.done():
+            self._pump_task = asyncio.create_task(self._pump(), name=f"ws-pump-{self.session_id}")
 
     # ----- writing ---------------------------------------------------------------------
 

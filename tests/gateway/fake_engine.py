@@ -11,11 +11,12 @@ import asyncio
 import math
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from llm_shared.channel import EventChannel
 from llm_shared.chat_template import validate_messages
-from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
+from llm_shared.contract import FinishEvent, Priority, SamplingParams, TokenEvent
 from llm_shared.errors import (
     DuplicateRequestError,
     EmptyPromptError,
@@ -80,7 +81,7 @@ class _Request:
     prompt: list[int]
     priority: Priority
     params: SamplingParams
-    events: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
+    events: EventChannel = field(default_factory=EventChannel)
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     blocks: int = 0
     producer: asyncio.Task[None] | None = None
@@ -156,6 +157,10 @@ class FakeEngine:
     def blocks_in_use(self) -> int:
         return sum(r.blocks for r in self._requests.values())
 
+    def channel_of(self, request_id: str) -> EventChannel:
+        """The stream of a running request (a test can fail it as a lost engine would)."""
+        return self._requests[request_id].events
+
     def blocks_of(self, request_id: str) -> int:
         """KV blocks a request holds now (0 once it finished or was aborted)."""
         request = self._requests.get(request_id)
@@ -181,11 +186,27 @@ class FakeEngine:
             self.prefix_cache_hits += 1
         return cached
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                       priority: Priority = Priority.INTERACTIVE, session_id: str = "",
-                       draft_ids: Sequence[int] = (), cache_salt: str = "") -> AsyncIterator[StreamEvent]:
+    def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                 priority: Priority = Priority.INTERACTIVE, session_id: str = "",
+                 draft_ids: Sequence[int] = (), cache_salt: str = "") -> EventChannel:
         """Like a real engine, tokens are made by the engine's own task, not by the reader of
-        this stream: a reader that goes away without ``abort`` leaves the request running."""
+        this stream: a reader that goes away without ``abort`` leaves the request running. The
+        stream is an ``EventChannel``, like the edge tier's: the gateway takes its tokens by callback."""
+        try:
+            self._admit(request_id, prompt_ids, params)
+        except EngineError as e:
+            return EventChannel.refused(e)
+        request = _Request(list(prompt_ids), priority, params, blocks=self._blocks_for(len(prompt_ids)))
+        self._requests[request_id] = request
+        self.started.append((request_id, priority))
+        self.sessions[request_id] = session_id
+        self.prompts[request_id] = list(prompt_ids)
+        self.drafts[request_id] = list(draft_ids)
+        self.salts[request_id] = cache_salt
+        request.producer = asyncio.create_task(self._produce(request_id, request))
+        return request.events
+
+    def _admit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         if not self.ready:
             raise EngineUnavailableError("the fake engine is not ready")
         if self.refuse is not None:
@@ -197,23 +218,10 @@ class FakeEngine:
         if len(prompt_ids) + params.max_tokens > self.n_ctx:
             raise PromptTooLongError(f"prompt of {len(prompt_ids)} tokens does not fit {self.n_ctx}",
                                      param="messages")
-        request = _Request(list(prompt_ids), priority, params, blocks=self._blocks_for(len(prompt_ids)))
-        self._requests[request_id] = request
-        self.started.append((request_id, priority))
-        self.sessions[request_id] = session_id
-        self.prompts[request_id] = list(prompt_ids)
-        self.drafts[request_id] = list(draft_ids)
-        self.salts[request_id] = cache_salt
-        request.producer = asyncio.create_task(self._produce(request_id, request))
-        async with self.admitted:
-            self.admitted.notify_all()
-        while True:
-            event = await request.events.get()
-            yield event
-            if isinstance(event, FinishEvent):
-                return
 
     async def _produce(self, request_id: str, request: _Request) -> None:
+        async with self.admitted:
+            self.admitted.notify_all()
         prompt, params = request.prompt, request.params
         cached = self._cached(prompt, self.salts.get(request_id, ""))
         texts = self._reply(prompt, params)[: params.max_tokens]
@@ -233,14 +241,14 @@ class FakeEngine:
                 request.blocks = self._blocks_for(len(prompt) + produced)
                 logprob = self._logprob(prompt, i) if callable(self._logprob) else self._logprob
                 token_id = token_id_of(text)
-                request.events.put_nowait(TokenEvent(
+                request.events.put(TokenEvent(
                     token_id=token_id, text=text, logprob=logprob,
                     top_logprobs=tuple((token_id + k, logprob - k) for k in range(params.logprobs))))
             if request.aborted.is_set():
                 reason = "abort"
             else:
                 reason = "length" if len(texts) >= params.max_tokens else "stop"
-            request.events.put_nowait(FinishEvent(reason, len(prompt), produced, cached_tokens=cached,
+            request.events.put(FinishEvent(reason, len(prompt), produced, cached_tokens=cached,
                                                   tier=self.tier))
             self.finished[request_id] = reason
         finally:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 import pytest
 from fake_engine import FakeEngine
 
@@ -10,7 +13,7 @@ from gateway.cascade.router import Router
 from gateway.metrics import GatewayMetrics
 from gateway.turns import Turn
 from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
-from llm_shared.errors import PromptTooLongError
+from llm_shared.errors import EngineUnavailableError, PromptTooLongError
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
@@ -77,3 +80,86 @@ async def test_a_turn_never_started_sends_nothing_to_the_engine() -> None:
     await turn.aclose()
     assert engine.started == [] and engine.aborts == []
     assert sample(metrics, "gateway_requests_total", api="chat", tier="edge") is None
+
+
+class IteratedOnly(FakeEngine):
+    """The same engine behind a plain async generator, as the cascade's stream is: no push path."""
+
+    async def _iterate(self, *args: object, **kwargs: object) -> AsyncIterator[StreamEvent]:
+        stream = super().generate(*args, **kwargs)  # type: ignore[arg-type]
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
+
+    def generate(self, *args: object, **kwargs: object) -> AsyncIterator[StreamEvent]:  # type: ignore[override]
+        return self._iterate(*args, **kwargs)
+
+
+@pytest.mark.parametrize("engine_class", [FakeEngine, IteratedOnly])
+async def test_run_passes_every_event_and_meters_as_iterating_does(engine_class: type[FakeEngine]) -> None:
+    engine = engine_class(tokens_per_second=200)
+    turn, metrics, limiter = make(engine, max_tokens=5)
+    await turn.prepare()
+    events: list[StreamEvent] = []
+    delivered_by: set[asyncio.Task[object] | None] = set()
+
+    def on_event(event: StreamEvent) -> None:
+        events.append(event)
+        delivered_by.add(asyncio.current_task())
+
+    await asyncio.wait_for(turn.run(on_event), 30)
+    await turn.aclose()
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert len(tokens) == 5 and isinstance(events[-1], FinishEvent) and turn.finished
+    assert sample(metrics, "gateway_output_tokens_total", api="chat") == 5
+    assert sample(metrics, "gateway_inter_token_latency_seconds_count", api="chat") == 4
+    assert limiter.snapshot("k")[1]["remaining"] == 1000 - 5
+    assert engine.aborts == []
+    if engine_class is FakeEngine:
+        # The first event is awaited by run's task; the rest come by call from the engine's own step.
+        assert len(delivered_by) == 2, delivered_by
+    else:
+        assert len(delivered_by) == 1, delivered_by  # iterated: every event through run's task
+
+
+async def test_a_callback_that_raises_ends_its_turn_alone() -> None:
+    engine = FakeEngine(tokens_per_second=200)
+    turn, _, _ = make(engine, max_tokens=50)
+    await turn.prepare()
+    seen: list[StreamEvent] = []
+
+    def on_event(event: StreamEvent) -> None:
+        seen.append(event)
+        if len(seen) == 3:
+            raise ValueError("a bug in the adapter")
+
+    with pytest.raises(ValueError, match="a bug in the adapter"):
+        await asyncio.wait_for(turn.run(on_event), 30)
+    await turn.aclose()
+    assert len(seen) == 3 and engine.aborts == ["req-1"]
+    assert engine.blocks_of("req-1") == 0
+    # The engine's step did not see the exception, and serves the next request.
+    other, _, _ = make(engine, max_tokens=3)
+    await other.prepare()
+    finished: list[StreamEvent] = []
+    await asyncio.wait_for(other.run(finished.append), 30)
+    assert isinstance(finished[-1], FinishEvent) and finished[-1].reason == "length"
+
+
+async def test_an_engine_error_mid_stream_is_raised_by_run() -> None:
+    engine = FakeEngine(tokens_per_second=200)
+    turn, _, _ = make(engine, max_tokens=50)
+    await turn.prepare()
+    seen: list[StreamEvent] = []
+
+    def on_event(event: StreamEvent) -> None:
+        seen.append(event)
+        if len(seen) == 2:
+            engine.channel_of("req-1").fail(EngineUnavailableError("the core went away"))
+
+    with pytest.raises(EngineUnavailableError, match="the core went away"):
+        await asyncio.wait_for(turn.run(on_event), 30)
+    await turn.aclose()
+    assert len(seen) == 2
