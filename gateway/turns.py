@@ -79,7 +79,7 @@ class Turn:
         self._priority = priority
         self._api = api
         self._metrics = metrics
-        self._itl, self._output_tokens = metrics.token_series(api)
+        self._token_series = metrics.token_series(api)
         self._limiter = limiter
         self._key_id = key_id
         self._engine: Engine | None = None
@@ -195,13 +195,14 @@ class Turn:
             self._count_route()
         if isinstance(event, TokenEvent):
             now = asyncio.get_running_loop().time()
+            series = self._token_series
             if self._last is None:
                 self._metrics.ttft.labels(self._api).observe(now - self._started)
             else:
-                self._itl.observe(now - self._last)
+                series.observe_gap(now - self._last)
             self._last = now
             self._tokens += 1
-            self._output_tokens.inc()
+            series.tokens += 1
         elif isinstance(event, FinishEvent):
             self.finished = True
             metrics, api = self._metrics, self._api

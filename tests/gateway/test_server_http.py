@@ -214,8 +214,8 @@ async def test_two_apps_in_one_process_have_separate_metrics() -> None:
     async with running_gateway() as a, running_gateway() as b:
         client = AsyncOpenAI(base_url=f"{a.http}/v1", api_key="unused")
         await client.chat.completions.create(model=MODEL, messages=MESSAGES)
-        assert a.state.metrics.output_tokens.labels("chat")._value.get() == 8
-        assert b.state.metrics.output_tokens.labels("chat")._value.get() == 0
+        assert a.state.metrics.token_series("chat").tokens == 8
+        assert b.state.metrics.token_series("chat").tokens == 0
 
 
 async def test_request_body_too_large_is_413() -> None:
