@@ -4,7 +4,9 @@ A probe task calls every tier's ``Engine.probe`` (a round trip through its worke
 process) every ``probe_interval_s`` under a ``probe_timeout_s`` limit. A tier is down at once
 when its engine says it is not ready or a probe fails, and after ``slow_probes_to_down``
 probes in a row that did not answer in time (one slow probe on a busy machine is not a dead
-tier: marking both tiers down would refuse every turn). A turn that meets an unavailable tier
+tier: marking both tiers down would refuse every turn). A probe that timed out while the tier
+kept stepping (its ``stats()["steps"]`` went up meanwhile) does not count either: the tier is
+busy serving turns, and a loaded machine delays the probe's round trip, not the tier's work. A turn that meets an unavailable tier
 marks it down at once (``mark_down``); the next probe that answers brings it back. So a dead or wedged tier costs at most one probe interval of wrong routing, and never a
 request that hangs waiting for it.
 """
@@ -31,7 +33,8 @@ class TierState:
     since: float = 0.0  # monotonic time of the latest change
     probes: int = 0
     failures: int = 0
-    slow_in_a_row: int = 0  # consecutive probes that timed out
+    slow_in_a_row: int = 0  # consecutive probes that timed out while the tier made no step
+    slow_while_stepping: int = 0  # probes that timed out while the tier went on stepping
 
 
 class HealthMonitor:
@@ -102,10 +105,14 @@ class HealthMonitor:
         if not engine.ready:
             self._set(tier, False, "not ready")
             return
+        steps = _steps(engine)
         try:
             await asyncio.wait_for(engine.probe(), self._timeout)
         except TimeoutError:
             state.failures += 1
+            if steps is not None and (_steps(engine) or 0.0) > steps:
+                state.slow_while_stepping += 1
+                return  # slow, but alive and working: not a step towards down
             state.slow_in_a_row += 1
             if state.slow_in_a_row >= self._slow_to_down:
                 self._set(tier, False, f"{state.slow_in_a_row} probes in a row took over {self._timeout:g} s")
@@ -131,3 +138,12 @@ class HealthMonitor:
             if self._on_change is not None:
                 self._on_change(tier, up)
         state.up, state.reason = up, reason
+
+
+def _steps(engine: Engine) -> float | None:
+    """The tier's step counter (every tier reports ``steps``), or None when it reports none."""
+    try:
+        value = engine.stats().get("steps")
+    except Exception:  # stats are advisory here; the probe decides
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
