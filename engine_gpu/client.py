@@ -49,6 +49,7 @@ from engine_gpu.protocol import (
     secret_bytes,
 )
 from llm_shared import errors
+from llm_shared.channel import Delivered, EventChannel, Subscriber
 from llm_shared.contract import (
     MAX_PREFIX_DRAFT_TOKENS,
     FinishEvent,
@@ -71,7 +72,7 @@ class _Live:
     """A request the core accepted or is about to answer for."""
 
     prompt_tokens: int
-    queue: asyncio.Queue[StreamEvent | errors.EngineError] = field(default_factory=asyncio.Queue)
+    events: EventChannel = field(default_factory=EventChannel)
     completion_tokens: int = 0
 
 
@@ -343,15 +344,15 @@ class EngineClient:
                     if live is None:
                         continue
                     for token in out.tokens:
-                        live.queue.put_nowait(token)
+                        live.events.put(token)
                     live.completion_tokens += len(out.tokens)
                     if out.finish is not None:
-                        live.queue.put_nowait(out.finish)
+                        live.events.put(out.finish)
                         del self._live[out.request_id]
             case Rejected():
                 live = self._live.pop(msg.request_id, None)
                 if live is not None:
-                    live.queue.put_nowait(error_from_code(msg.code, msg.message, msg.param))
+                    live.events.fail(error_from_code(msg.code, msg.message, msg.param))
             case AbortDone() | StatsReply():
                 self._stats = msg.stats
                 future = self._waiters.get(msg.seq)
@@ -370,8 +371,8 @@ class EngineClient:
         if self._ready:
             log.warning("torch engine unavailable: %s", reason)
         self._ready = False
-        for live in self._live.values():
-            live.queue.put_nowait(FinishEvent("error", live.prompt_tokens, live.completion_tokens, 0,
+        for live in list(self._live.values()):  # a subscriber runs inside put
+            live.events.put(FinishEvent("error", live.prompt_tokens, live.completion_tokens, 0,
                                               message="the torch engine stopped", tier=self.tier))
         self._live.clear()
         for future in self._waiters.values():
@@ -381,7 +382,9 @@ class EngineClient:
 
 class _Stream:
     """The async iterator ``generate`` returns. Nothing is sent before the first ``__anext__``,
-    which raises the request's typed error if the client or the core rejects it."""
+    which raises the request's typed error if the client or the core rejects it. After that a
+    consumer may ``subscribe`` instead (``Turn.run``): the reader task's dispatch of each step's
+    outputs then calls it directly (``EventChannel``)."""
 
     def __init__(self, client: EngineClient, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                  priority: Priority, draft_ids: Sequence[int], cache_salt: str) -> None:
@@ -404,13 +407,30 @@ class _Stream:
             if self._client._unstarted.get(self._args[0]) is self:
                 del self._client._unstarted[self._args[0]]
             self._live = await self._client._open(*self._args)
-        item = await self._live.queue.get()
-        if isinstance(item, errors.EngineError):
+        try:
+            item = await anext(self._live.events)
+        except (errors.EngineError, StopAsyncIteration):
             self._done = True
-            raise item
+            raise
         if isinstance(item, FinishEvent):
             self._done = True
         return item
+
+    def subscribe(self, callback: Subscriber) -> None:
+        """After the first event: the rest by call from the dispatch (see ``EventChannel.subscribe``)."""
+        if self._live is None:
+            raise RuntimeError("the stream has not started: read its first event first")
+
+        def delivered(item: Delivered) -> None:
+            if isinstance(item, (FinishEvent, errors.EngineError)):
+                self._done = True
+            callback(item)
+
+        self._live.events.subscribe(delivered)
+
+    def unsubscribe(self) -> None:
+        if self._live is not None:
+            self._live.events.unsubscribe()
 
     async def aclose(self) -> None:
         """Stopping early aborts the request, so its blocks do not run on for nobody."""

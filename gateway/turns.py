@@ -24,7 +24,7 @@ from gateway.cascade.route import RouteInfo
 from gateway.cascade.router import Router, prompt_token_limit
 from gateway.engines import encode_chat
 from gateway.metrics import GatewayMetrics
-from llm_shared.channel import EventChannel
+from llm_shared.channel import Pushing
 from llm_shared.contract import (
     Engine,
     FinishEvent,
@@ -153,14 +153,14 @@ class Turn:
 
         The first event is awaited as iterating would (a refusal raises here; the cascade's route
         comes before it). After it, a stream that can push (an ``EventChannel``) calls back from
-        the engine's own step, so a token costs no task wake and no coroutine chain; any other
-        stream is iterated. Raises the engine's ``EngineError``, and whatever ``on_event`` raises
+        the engine's own step, so a token costs no task wake and no coroutine chain (the torch
+        tier's client does the same from its reader's dispatch); any other stream is iterated. Raises the engine's ``EngineError``, and whatever ``on_event`` raises
         (the stream is left then; ``aclose`` aborts the request)."""
         on_event(await self.__anext__())
         stream = self._stream
         if self.finished:
             return
-        if not isinstance(stream, EventChannel):
+        if not isinstance(stream, Pushing):
             async for event in self:
                 on_event(event)
                 if self.finished:

@@ -23,12 +23,23 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 from llm_shared.contract import FinishEvent, StreamEvent
 from llm_shared.errors import EngineError
 
 Delivered = StreamEvent | EngineError  # what a subscriber is called with; an error ends the stream
 Subscriber = Callable[[Delivered], None]
+
+
+@runtime_checkable
+class Pushing(Protocol):
+    """A stream that can deliver by callback: an ``EventChannel``, or a stream that hands its
+    channel on (the torch tier's client, once its request is sent)."""
+
+    def subscribe(self, callback: Subscriber) -> None: ...
+
+    def unsubscribe(self) -> None: ...
 
 
 class EventChannel:

@@ -117,6 +117,35 @@ async def test_concurrent_streams_are_routed_to_their_requests(client: EngineCli
     assert [[t.token_id for t in toks] for toks, _ in together] == [[t.token_id for t in toks] for toks, _ in solo]
 
 
+async def subscribe(stream: AsyncIterator[object]) -> tuple[list[object], asyncio.Future[None]]:
+    """The first event by iterating, the rest by callback from the client's dispatch (as ``Turn.run``
+    reads it): the events so far, and a future done at the last one."""
+    items = [await anext(stream)]
+    done = asyncio.get_running_loop().create_future()
+
+    def delivered(item: object) -> None:
+        items.append(item)
+        if isinstance(item, (FinishEvent, errors.EngineError)) and not done.done():
+            done.set_result(None)
+
+    stream.subscribe(delivered)  # type: ignore[attr-defined]
+    return items, done
+
+
+async def subscribed(stream: AsyncIterator[object]) -> list[object]:
+    items, done = await subscribe(stream)
+    await asyncio.wait_for(done, 60)
+    return items
+
+
+async def test_a_subscribed_stream_gets_what_iterating_gets(client: EngineClient) -> None:
+    iterated, _ = await collect(client.generate("it", prompt(25, 3), GREEDY))
+    items = await subscribed(client.generate("sub", prompt(25, 3), GREEDY))
+    assert [t.token_id for t in items[:-1]] == [t.token_id for t in iterated]  # type: ignore[attr-defined]
+    assert isinstance(items[-1], FinishEvent) and items[-1].reason == "length"
+    assert (await client.refresh_stats())["running"] == 0
+
+
 async def test_abort_frees_blocks_before_it_returns(client: EngineClient) -> None:
     stream = client.generate("long", prompt(100), LONG)
     first = await anext(stream)
@@ -317,11 +346,14 @@ async def test_start_over_tcp_then_the_core_dies(model_cfg: ModelConfig) -> None
         streams = [c.generate(f"doomed{i}", prompt(30, i), LONG) for i in range(3)]
         for s in streams:
             await anext(s)
+        pushed, pushed_done = await subscribe(c.generate("doomed-pushed", prompt(30, 7), LONG))
         assert c._process is not None
         os.kill(c._process.pid, signal.SIGKILL)
         for s in streams:
             events = [e async for e in s]
             assert isinstance(events[-1], FinishEvent) and events[-1].reason == "error"
+        await asyncio.wait_for(pushed_done, 60)
+        assert isinstance(pushed[-1], FinishEvent) and pushed[-1].reason == "error"  # a subscriber hears of it too
         assert not c.ready
         with pytest.raises(errors.EngineUnavailableError):
             await anext(c.generate("late", prompt(5), GREEDY))
