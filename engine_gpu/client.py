@@ -416,6 +416,9 @@ class _Stream:
             self._done = True
         return item
 
+    def can_subscribe(self) -> bool:
+        return self._live is not None and not self._done and self._live.events.can_subscribe()
+
     def subscribe(self, callback: Subscriber) -> None:
         """After the first event: the rest by call from the dispatch (see ``EventChannel.subscribe``)."""
         if self._live is None:

@@ -160,7 +160,7 @@ class Turn:
         stream = self._stream
         if self.finished:
             return
-        if not isinstance(stream, Pushing):
+        if not (isinstance(stream, Pushing) and stream.can_subscribe()):
             async for event in self:
                 on_event(event)
                 if self.finished:

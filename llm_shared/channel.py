@@ -37,6 +37,10 @@ class Pushing(Protocol):
     """A stream that can deliver by callback: an ``EventChannel``, or a stream that hands its
     channel on (the torch tier's client, once its request is sent)."""
 
+    def can_subscribe(self) -> bool:
+        """Whether ``subscribe`` would deliver the rest of the stream now (else: iterate it)."""
+        ...
+
     def subscribe(self, callback: Subscriber) -> None: ...
 
     def unsubscribe(self) -> None: ...
@@ -97,6 +101,9 @@ class EventChannel:
             waiter.set_result(None)
 
     # ----- the consumer ----------------------------------------------------------------
+
+    def can_subscribe(self) -> bool:
+        return self._subscriber is None and self._waiter is None and not self._closed
 
     def subscribe(self, callback: Subscriber) -> None:
         """From now on every event (and an ending error) is passed to ``callback`` as it is put,

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from engine_gpu.client import kv_use
@@ -29,6 +30,7 @@ from gateway.cascade.config import CascadeConfig
 from gateway.cascade.health import HealthMonitor
 from gateway.cascade.route import RouteInfo
 from gateway.metrics import GatewayMetrics
+from llm_shared.channel import Delivered, EventChannel, Pushing, Subscriber
 from llm_shared.contract import (
     Engine,
     FinishEvent,
@@ -64,6 +66,142 @@ class _Flight:
     stage_id: str = ""  # the request id in that tier (a second stage on one tier gets a fresh one)
     stream: AsyncIterator[StreamEvent] | None = None
     finished: bool = True  # the current stage's stream sent its FinishEvent (or never started)
+
+
+@dataclass
+class _Forward:
+    """The rest of a turn once the cascade has decided: ``prefix`` (the released held tokens, an
+    escalated stage's first event), then every event of ``stream`` (None: the prefix ends the turn)."""
+
+    stream: AsyncIterator[StreamEvent] | None
+    prefix: list[StreamEvent]
+    on_event: Callable[[StreamEvent], None] | None = None  # sees each event given on
+    at_end: Callable[[], None] | None = None  # once, when the turn is over or left
+
+
+class _DraftAgreement:
+    """How many of the held edge tokens an escalated torch stage produced too (its leading run)."""
+
+    def __init__(self, drafts: Sequence[int], metrics: GatewayMetrics) -> None:
+        self._drafts = drafts
+        self._metrics = metrics
+        self.accepted = 0
+        self._agreeing = True
+
+    def seen(self, event: StreamEvent) -> None:
+        if isinstance(event, TokenEvent) and self._agreeing:
+            self._agreeing = self.accepted < len(self._drafts) and event.token_id == self._drafts[self.accepted]
+            self.accepted += self._agreeing
+
+    def record(self) -> None:
+        self._metrics.cascade_held_tokens.labels("accepted").inc(self.accepted)
+        self._metrics.cascade_held_tokens.labels("rejected").inc(len(self._drafts) - self.accepted)
+
+
+class _CascadeStream:
+    """What ``CascadeEngine.generate`` returns: the decision's events (iterated), then the serving
+    stage's. Once decided, a consumer may ``subscribe`` (``Turn.run``) when that stage's stream
+    can push: the rest of the prefix is delivered at once, then the tier's events by call from its
+    step, so a cascade turn costs per token what a direct one does. Closing it (or reading past
+    the end, or an error) stops the current stage and forgets the flight, once."""
+
+    def __init__(self, cascade: CascadeEngine, request_id: str, flight: _Flight,
+                 decide: AsyncIterator[CascadeEvent | _Forward]) -> None:
+        self._cascade = cascade
+        self._request_id = request_id
+        self._flight = flight
+        self._decide = decide
+        self._forward: _Forward | None = None
+        self._prefix: deque[StreamEvent] = deque()
+        self._done = False  # the turn's FinishEvent was given on
+        self._ended = False
+        self._recorded = False  # the serving stage's at_end ran
+        self._subscriber: Subscriber | None = None
+
+    def __aiter__(self) -> _CascadeStream:
+        return self
+
+    async def __anext__(self) -> CascadeEvent:
+        try:
+            if self._forward is None:
+                item = await anext(self._decide)
+                if not isinstance(item, _Forward):
+                    return item
+                self._forward = item
+                self._prefix.extend(item.prefix)
+            if self._prefix:
+                return self._seen(self._prefix.popleft())
+            if self._done or self._forward.stream is None:
+                raise StopAsyncIteration
+            return self._seen(await self._cascade._next(self._flight, self._forward.stream))
+        except BaseException:
+            await self._end()  # refused, broken, cancelled or over: nothing more will be read
+            raise
+
+    def _seen(self, event: StreamEvent) -> StreamEvent:
+        forward = self._forward
+        if forward is not None and forward.on_event is not None:
+            forward.on_event(event)
+        if isinstance(event, FinishEvent):
+            self._done = True
+            self._over()  # a consumer that stops reading at the finish leaves nothing behind
+        return event
+
+    def _over(self) -> None:
+        """The turn is over for the cascade (finished, or left): its metrics, and the flight goes."""
+        forward = self._forward
+        if forward is not None and forward.at_end is not None and not self._recorded:
+            self._recorded = True
+            forward.at_end()
+        if self._cascade._flights.get(self._request_id) is self._flight:
+            del self._cascade._flights[self._request_id]
+
+    def can_subscribe(self) -> bool:
+        forward = self._forward
+        if forward is None or self._done or self._subscriber is not None:
+            return False
+        stream = forward.stream
+        return stream is None or (isinstance(stream, Pushing) and stream.can_subscribe())
+
+    def subscribe(self, callback: Subscriber) -> None:
+        if not self.can_subscribe():
+            raise RuntimeError("this cascade stream cannot push now; iterate it")
+        assert self._forward is not None
+        self._subscriber = callback
+        while self._prefix and self._subscriber is callback:
+            callback(self._seen(self._prefix.popleft()))
+        stream = self._forward.stream
+        if self._done or stream is None or self._subscriber is not callback:
+            return
+        flight = self._flight
+
+        def delivered(item: Delivered) -> None:
+            if isinstance(item, (FinishEvent, EngineError)):
+                flight.finished = True  # as ``_next`` marks it: nothing left to abort
+            callback(self._seen(item) if not isinstance(item, EngineError) else item)
+
+        assert isinstance(stream, Pushing)
+        stream.subscribe(delivered)
+
+    def unsubscribe(self) -> None:
+        self._subscriber = None
+        stream = self._forward.stream if self._forward is not None else None
+        if isinstance(stream, Pushing):
+            stream.unsubscribe()
+
+    async def aclose(self) -> None:
+        await self._end()
+
+    async def _end(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.unsubscribe()
+        try:
+            await self._decide.aclose()
+        finally:
+            await asyncio.shield(self._cascade._stop(self._flight))
+            self._over()
 
 
 class CascadeEngine:
@@ -109,21 +247,17 @@ class CascadeEngine:
 
     # --- the Engine protocol ------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                       priority: Priority = Priority.INTERACTIVE, session_id: str = "",
-                       draft_ids: Sequence[int] = (), cache_salt: str = "") -> AsyncIterator[CascadeEvent]:
+    def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                 priority: Priority = Priority.INTERACTIVE, session_id: str = "",
+                 draft_ids: Sequence[int] = (), cache_salt: str = "") -> AsyncIterator[CascadeEvent]:
         """The turn's events, a ``RouteInfo`` first. ``draft_ids`` are not taken: the cascade
         makes its own from the edge. ``cache_salt`` goes to every stage, on either tier."""
         if request_id in self._flights:
-            raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")
+            return EventChannel.refused(DuplicateRequestError(f"request {request_id!r} is already running",
+                                                              param="request_id"))
         flight = self._flights[request_id] = _Flight()
-        try:
-            async for event in self._serve(flight, request_id, list(prompt_ids), params,
-                                           _Ask(priority, session_id, cache_salt)):
-                yield event
-        finally:
-            await asyncio.shield(self._stop(flight))
-            del self._flights[request_id]
+        decide = self._serve(flight, request_id, list(prompt_ids), params, _Ask(priority, session_id, cache_salt))
+        return _CascadeStream(self, request_id, flight, decide)
 
     async def abort(self, request_id: str) -> None:
         """Free the request in whichever tier holds it; a stage not started yet never starts."""
@@ -152,14 +286,15 @@ class CascadeEngine:
     # --- one turn -------------------------------------------------------------------------------
 
     async def _serve(self, flight: _Flight, rid: str, prompt: list[int], params: SamplingParams,
-                     ask: _Ask) -> AsyncIterator[CascadeEvent]:
+                     ask: _Ask) -> AsyncIterator[CascadeEvent | _Forward]:
+        """The decision: ``RouteInfo`` (and, for a turn cancelled while held, its finish), then a
+        ``_Forward`` naming the stage that serves the rest, as its last item."""
         edge_up, gpu_up = self.health.up("edge"), self.health.up("gpu")
         rule = self._pre_route(prompt)
         if rule:
             if gpu_up:
                 yield RouteInfo("gpu", "pre_routed", reason=rule)
-                async for event in self._stage(flight, self.gpu, rid, prompt, params, ask):
-                    yield event
+                yield self._stage(flight, self.gpu, rid, prompt, params, ask)
                 return
             if len(prompt) > self.edge_max_prompt_tokens:
                 raise EngineUnavailableError("this prompt is too long for the edge tier and the torch tier is "
@@ -174,8 +309,7 @@ class CascadeEngine:
             info, engine = None, None
         if info is not None and engine is not None:
             yield info
-            async for event in self._stage(flight, engine, rid, prompt, params, ask):
-                yield event
+            yield self._stage(flight, engine, rid, prompt, params, ask)
             return
 
         loop = asyncio.get_running_loop()
@@ -197,8 +331,7 @@ class CascadeEngine:
                 self.health.mark_down("edge", e.message)
             yield RouteInfo("gpu", "fallback", reason="edge_unavailable" if isinstance(e, EngineUnavailableError)
                             else "edge_overloaded")
-            async for event in self._stage(flight, self.gpu, rid, prompt, params, ask):
-                yield event
+            yield self._stage(flight, self.gpu, rid, prompt, params, ask)
             return
         if finish is not None and (finish.reason == "abort" or flight.aborted):
             yield finish  # cancelled while held: nothing was shown, nothing more starts
@@ -209,16 +342,11 @@ class CascadeEngine:
         self._metrics.cascade_confidence.observe(confidence)
         if confidence >= threshold:
             yield RouteInfo("edge", "confident", confidence, threshold)
-            for token in held:
-                yield token
             if finish is not None:
-                yield finish
-                return
-            while True:
-                event = await self._next(flight, edge_stream)
-                yield event
-                if isinstance(event, FinishEvent):
-                    return
+                yield _Forward(None, [*held, finish])
+            else:
+                yield _Forward(edge_stream, held)
+            return
 
         # Escalate: the edge lets go before the torch tier starts, so the two never both hold it.
         await self._stop(flight)
@@ -236,24 +364,11 @@ class CascadeEngine:
             reason = "gpu_unavailable" if isinstance(e, EngineUnavailableError) else "gpu_overloaded"
             yield RouteInfo("edge", "fallback", confidence, threshold, degraded=True, reason=reason)
             # A fresh id: the edge may still be retiring the first request under ``rid``.
-            async for event in self._stage(flight, self.edge, f"{rid}#edge", prompt, params, ask):
-                yield event
+            yield self._stage(flight, self.edge, f"{rid}#edge", prompt, params, ask)
             return
         yield RouteInfo("gpu", "escalated", confidence, threshold)
-        accepted, agreeing = 0, True
-        event = first
-        try:
-            while True:
-                if isinstance(event, TokenEvent) and agreeing:
-                    agreeing = accepted < len(drafts) and event.token_id == drafts[accepted]
-                    accepted += agreeing
-                yield event
-                if isinstance(event, FinishEvent):
-                    return
-                event = await self._next(flight, gpu_stream)
-        finally:
-            self._metrics.cascade_held_tokens.labels("accepted").inc(accepted)
-            self._metrics.cascade_held_tokens.labels("rejected").inc(len(drafts) - accepted)
+        agreement = _DraftAgreement(drafts, self._metrics)
+        yield _Forward(gpu_stream, [first], on_event=agreement.seen, at_end=agreement.record)
 
     def _pre_route(self, prompt: list[int]) -> str:
         if len(prompt) > self.edge_max_prompt_tokens:
@@ -285,18 +400,12 @@ class CascadeEngine:
             flight.finished = True
         return event
 
-    async def _stage(self, flight: _Flight, engine: Engine, rid: str, prompt: list[int], params: SamplingParams,
-                     ask: _Ask) -> AsyncIterator[StreamEvent]:
+    def _stage(self, flight: _Flight, engine: Engine, rid: str, prompt: list[int], params: SamplingParams,
+               ask: _Ask) -> _Forward:
         """One tier serves the whole turn."""
         if flight.aborted:
-            yield FinishEvent("abort", len(prompt), 0, tier=engine.tier)
-            return
-        stream = self._start(flight, engine, rid, prompt, params, ask)
-        while True:
-            event = await self._next(flight, stream)
-            yield event
-            if isinstance(event, FinishEvent):
-                return
+            return _Forward(None, [FinishEvent("abort", len(prompt), 0, tier=engine.tier)])
+        return _Forward(self._start(flight, engine, rid, prompt, params, ask), [])
 
     async def _stop(self, flight: _Flight) -> None:
         """Abort the current stage unless it finished (its KV is free on return), close its stream."""

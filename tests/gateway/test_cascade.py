@@ -21,12 +21,14 @@ import websockets
 from fake_engine import FakeEngine, FakeTokenizer, token_id_of
 from gateway_harness import make_config, recv_json, recv_until, send, user_item
 
+from gateway.auth import RateLimiter
 from gateway.cascade.confidence import MeanScorer, MinScorer, QuantileScorer, build_scorer
 from gateway.cascade.config import CascadeConfig
 from gateway.cascade.health import HealthMonitor
 from gateway.server import RunningServer, create_app, start_server
 from gateway.state import STATE, GatewayState
-from llm_shared.contract import SamplingParams
+from gateway.turns import Turn
+from llm_shared.contract import FinishEvent, Priority, SamplingParams, TokenEvent
 from llm_shared.errors import ConfigError, EngineUnavailableError, OverloadedError
 
 CASCADE, EDGE, GPU = "smollm2-135m", "smollm2-135m-edge", "smollm2-135m-gpu"
@@ -373,3 +375,39 @@ async def _until_delta(ws: websockets.ClientConnection) -> AsyncIterator[dict[st
         yield event
         if event["type"] == "response.output_text.delta":
             return
+
+
+# ---- a decided cascade turn streams by callback, as a direct one does ------------------------------
+
+@pytest.mark.parametrize(("edge_logprob", "tier", "route"), [(SURE, "edge", "confident"), (UNSURE, "gpu", "escalated")])
+async def test_a_decided_turn_is_pushed_from_the_serving_tiers_step(edge_logprob: float, tier: str, route: str) -> None:
+    edge, gpu = tiers(edge_logprob=edge_logprob, edge_tps=200.0, gpu_tps=200.0)
+    async with cascade_gateway(edge, gpu) as cascade:
+        metrics = cascade.state.metrics
+        turn = Turn(router=cascade.state.router, model=CASCADE, messages=[{"role": "user", "content": "hello"}],
+                    params=SamplingParams(max_tokens=64), priority=Priority.INTERACTIVE, request_id="push-1",
+                    api="chat", metrics=metrics, limiter=RateLimiter(requests_per_minute=60, tokens_per_minute=10_000),
+                    key_id="k")
+        await turn.prepare()
+        events: list[object] = []
+        tasks: list[asyncio.Task[object] | None] = []
+
+        def on_event(event: object) -> None:
+            events.append(event)
+            tasks.append(asyncio.current_task())
+
+        await asyncio.wait_for(turn.run(on_event), 30)
+        await turn.aclose()
+        reply = EDGE_REPLY if tier == "edge" else GPU_REPLY
+        assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == "".join(reply)
+        finish = events[-1]
+        assert isinstance(finish, FinishEvent) and finish.tier == tier
+        assert (turn.route.tier, turn.route.route) == (tier, route)
+        # The first event (and the rest of the held tokens, released in one go) came through run's
+        # task; everything the tier made after that, by call from the tier's own step.
+        assert len(set(tasks)) == 2 and tasks[-1] is not tasks[0]
+        assert not edge.running and not gpu.running and edge.blocks_in_use == 0 and gpu.blocks_in_use == 0
+        assert cascade.state.router.cascade is not None and cascade.state.router.cascade.stats()["requests"] == 0
+        if route == "escalated":
+            assert cascade.metric("gateway_cascade_held_tokens_total", outcome="accepted") == 3
+            assert cascade.metric("gateway_cascade_held_tokens_total", outcome="rejected") == 5
