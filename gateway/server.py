@@ -275,15 +275,29 @@ async def _serve_until(app: web.Application, config: Config, server: RunningServ
     # out of the cyclic collector, a full collection scans only what serving made since
     # (docs/reliability.md: 70-110 ms pauses under load before, in every stream's ITL). Full
     # collections come rarer too (``server.gc_full_after``): a streamed response leaves no
-    # cycles behind, a closed session ~28 objects, so a full pass mostly finds nothing.
+    # cycles behind, so a full pass mostly finds nothing; what does (a closed session's aiohttp
+    # objects) is collected at least every ``server.gc_full_every_s``.
     gc.collect()
     gc.freeze()
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, config.server.gc_full_after)
+    every = config.server.gc_full_every_s
+    collector = asyncio.create_task(full_collections(every), name="gc-full") if every > 0 else None
     log.info("ready: tiers %s serving models %s", sorted(engines), sorted(app[STATE].models))
-    await stop.wait()
-    await server.drain(hurry)
+    try:
+        await stop.wait()
+        await server.drain(hurry)
+    finally:
+        if collector is not None:
+            collector.cancel()
     log.info("shutting down")
+
+
+async def full_collections(every_s: float) -> None:
+    """A full cyclic collection every ``every_s`` on the event loop (timed by ``GcPauses``)."""
+    while True:
+        await asyncio.sleep(every_s)
+        gc.collect()
 
 
 def _on_signal(stop: asyncio.Event, hurry: asyncio.Event) -> None:

@@ -52,6 +52,7 @@ def test_default_config_is_loopback_cpu() -> None:
         ({"edge": {}, "engine": {}}, "[models] must define at least one model"),
         (with_("server", send_queue_high=10, send_queue_limit=5), "send_queue_high must be below"),
         (with_("server", gc_full_after=0), "server.gc_full_after must be in 1..10000"),
+        (with_("server", gc_full_every_s=-1.0), "server.gc_full_every_s must be in 0..3600"),
         (with_("engine", speculative={"methd": "edge"}), "unknown key(s) ['methd'] in [engine.speculative]"),
         (with_("engine", speculative={"method": "edge"}), "needs draft_model"),
         (with_("engine", speculative={"method": "edge", "draft_model": "x"}), "engine.speculative.draft_model 'x'"),

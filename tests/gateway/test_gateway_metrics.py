@@ -1,6 +1,7 @@
 """Gateway metrics that are not about one request: the collector's pauses of the event loop, and
 the per-token series kept without prometheus-client's lock."""
 
+import asyncio
 import gc
 
 from hypothesis import given
@@ -8,11 +9,34 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gateway.metrics import ITL_BUCKETS, GatewayMetrics, GcPauses
+from gateway.server import full_collections
 
 
 def pause_count(metrics: GatewayMetrics, generation: int) -> float:
     value = metrics.registry.get_sample_value("gateway_gc_pause_seconds_count", {"generation": str(generation)})
     return value or 0.0
+
+
+async def test_the_served_process_runs_a_full_collection_on_its_timer() -> None:
+    """``server.gc_full_every_s``: what leaves cycles (closed sessions) does not wait for Python's
+    rarer full collections."""
+    loop = asyncio.get_running_loop()
+    collected = loop.create_future()
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2 and not collected.done():
+            loop.call_soon_threadsafe(lambda: collected.done() or collected.set_result(None))
+
+    young, middle, full = gc.get_threshold()
+    gc.set_threshold(young, middle, 10_000)  # as served: Python's own full collections are rare
+    gc.callbacks.append(seen)
+    timer = asyncio.create_task(full_collections(0.05))
+    try:
+        await asyncio.wait_for(collected, 30)
+    finally:
+        timer.cancel()
+        gc.callbacks.remove(seen)
+        gc.set_threshold(young, middle, full)
 
 
 def test_each_collection_is_timed_while_installed_and_none_after() -> None:
