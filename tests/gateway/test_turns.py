@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from fake_engine import FakeEngine
@@ -124,7 +124,19 @@ async def test_run_passes_every_event_and_meters_as_iterating_does(engine_class:
         assert len(delivered_by) == 1, delivered_by  # iterated: every event through run's task
 
 
-async def test_a_callback_that_raises_ends_its_turn_alone() -> None:
+def adapter_bug(engine: FakeEngine) -> None:
+    raise ValueError("a bug in the adapter")
+
+
+def engine_lost(engine: FakeEngine) -> None:
+    engine.channel_of("req-1").fail(EngineUnavailableError("the core went away"))
+
+
+@pytest.mark.parametrize(("breaks", "error"), [(adapter_bug, ValueError), (engine_lost, EngineUnavailableError)])
+async def test_a_turn_broken_mid_stream_raises_from_run_and_ends_alone(
+        breaks: Callable[[FakeEngine], None], error: type[Exception]) -> None:
+    """The callback raises, or the engine fails the stream, at the third event: ``run`` raises
+    that, the request is freed, and the engine's step goes on serving others."""
     engine = FakeEngine(tokens_per_second=200)
     turn, _, _ = make(engine, max_tokens=50)
     await turn.prepare()
@@ -133,33 +145,14 @@ async def test_a_callback_that_raises_ends_its_turn_alone() -> None:
     def on_event(event: StreamEvent) -> None:
         seen.append(event)
         if len(seen) == 3:
-            raise ValueError("a bug in the adapter")
+            breaks(engine)
 
-    with pytest.raises(ValueError, match="a bug in the adapter"):
+    with pytest.raises(error):
         await asyncio.wait_for(turn.run(on_event), 30)
     await turn.aclose()
-    assert len(seen) == 3 and engine.aborts == ["req-1"]
-    assert engine.blocks_of("req-1") == 0
-    # The engine's step did not see the exception, and serves the next request.
+    assert len(seen) == 3 and engine.aborts == ["req-1"] and engine.blocks_of("req-1") == 0
     other, _, _ = make(engine, max_tokens=3)
     await other.prepare()
     finished: list[StreamEvent] = []
     await asyncio.wait_for(other.run(finished.append), 30)
     assert isinstance(finished[-1], FinishEvent) and finished[-1].reason == "length"
-
-
-async def test_an_engine_error_mid_stream_is_raised_by_run() -> None:
-    engine = FakeEngine(tokens_per_second=200)
-    turn, _, _ = make(engine, max_tokens=50)
-    await turn.prepare()
-    seen: list[StreamEvent] = []
-
-    def on_event(event: StreamEvent) -> None:
-        seen.append(event)
-        if len(seen) == 2:
-            engine.channel_of("req-1").fail(EngineUnavailableError("the core went away"))
-
-    with pytest.raises(EngineUnavailableError, match="the core went away"):
-        await asyncio.wait_for(turn.run(on_event), 30)
-    await turn.aclose()
-    assert len(seen) == 2
