@@ -299,15 +299,20 @@ class RealtimeConnection:
     async def _pump(self) -> None:
         # One pump at a time: events drained before an awaited abort must be queued before
         # events another task drains meanwhile, or the client would see them out of order.
-        # The common case (a token's events, no command) needs no lock: with no pump holding it,
-        # nothing can run between draining the session and queueing what it gave.
-        if not self._pump_lock.locked() and not self.session.has_commands:
-            self._queue(self.session.events_to_send())
-        if self.session.has_commands or self.session.has_events:
+        if not self._pump_now():
             async with self._pump_lock:
                 while await self._pump_once():
                     pass
         self._close_if_drained()  # a draining session closes right after its response.done
+
+    def _pump_now(self) -> bool:
+        """The common case (a token's events, no command) needs no lock: with no pump holding it,
+        nothing can run between draining the session and queueing what it gave. True when
+        nothing is left for a pump under the lock."""
+        session = self.session
+        if not self._pump_lock.locked() and not session.has_commands:
+            self._queue(session.events_to_send())
+        return not (session.has_commands or session.has_events)
 
     async def _pump_once(self) -> bool:
         commands = self.session.commands()
@@ -417,13 +422,9 @@ class RealtimeConnection:
     def _pump_soon(self) -> None:
         """``_pump`` from synchronous code: the events go out now in the common case (no command,
         no pump awaiting an abort); otherwise a pump task takes them, in order, after the one running."""
-        session = self.session
-        if not self._pump_lock.locked() and not session.has_commands:
-            self._queue(session.events_to_send())
-            if not session.has_commands and not session.has_events:
-                self._close_if_drained()
-                return
-        if self._pump_task is None or self._pump_task.done():
+        if self._pump_now():
+            self._close_if_drained()
+        elif self._pump_task is None or self._pump_task.done():
             self._pump_task = asyncio.create_task(self._pump(), name=f"ws-pump-{self.session_id}")
 
     # ----- writing ---------------------------------------------------------------------
