@@ -138,8 +138,8 @@ class SyntheticBackend(EdgeBackend):
     def _finish(self, request_id: str, stream: _Stream, reason: FinishReason) -> None:
         stream.finished = True
         text = stream.text.finish() if reason != "abort" else ""
+        # Its cells are free as soon as it ends: putting the finish releases it (``_left``).
         stream.events.put(FinishEvent(reason, stream.prompt_tokens, stream.produced, text=text, tier="edge"))
-        self._streams.pop(request_id, None)  # its cells are free as soon as it ends
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

@@ -49,7 +49,7 @@ from engine_gpu.protocol import (
     secret_bytes,
 )
 from llm_shared import errors
-from llm_shared.channel import Delivered, EventChannel, Subscriber
+from llm_shared.channel import EventChannel, Subscriber
 from llm_shared.contract import (
     MAX_PREFIX_DRAFT_TOKENS,
     FinishEvent,
@@ -384,62 +384,49 @@ class _Stream:
     """The async iterator ``generate`` returns. Nothing is sent before the first ``__anext__``,
     which raises the request's typed error if the client or the core rejects it. After that a
     consumer may ``subscribe`` instead (``Turn.run``): the reader task's dispatch of each step's
-    outputs then calls it directly (``EventChannel``)."""
+    outputs then calls it directly (its ``EventChannel``)."""
 
     def __init__(self, client: EngineClient, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                  priority: Priority, draft_ids: Sequence[int], cache_salt: str) -> None:
         self._client = client
         self._args = (request_id, prompt_ids, params, priority, draft_ids, cache_salt)
-        self._live: _Live | None = None
-        self._done = False
+        self._events: EventChannel | None = None  # once the request is sent (or ended before it was)
         self.aborted = False  # aborted before it started: it ends at once without reaching the core
 
     def __aiter__(self) -> _Stream:
         return self
 
     async def __anext__(self) -> StreamEvent:
-        if self._done:
-            raise StopAsyncIteration
-        if self._live is None:
+        if self._events is None:
             if self.aborted:
-                self._done = True
-                return FinishEvent("abort", len(self._args[1]), 0, tier=self._client.tier)
-            if self._client._unstarted.get(self._args[0]) is self:
-                del self._client._unstarted[self._args[0]]
-            self._live = await self._client._open(*self._args)
-        try:
-            item = await anext(self._live.events)
-        except (errors.EngineError, StopAsyncIteration):
-            self._done = True
-            raise
-        if isinstance(item, FinishEvent):
-            self._done = True
-        return item
+                self._events = EventChannel()
+                self._events.put(FinishEvent("abort", len(self._args[1]), 0, tier=self._client.tier))
+            else:
+                if self._client._unstarted.get(self._args[0]) is self:
+                    del self._client._unstarted[self._args[0]]
+                self._events = (await self._client._open(*self._args)).events
+        return await anext(self._events)
 
     def can_subscribe(self) -> bool:
-        return self._live is not None and not self._done and self._live.events.can_subscribe()
+        return self._events is not None and not self._events.ended and self._events.can_subscribe()
 
     def subscribe(self, callback: Subscriber) -> None:
         """After the first event: the rest by call from the dispatch (see ``EventChannel.subscribe``)."""
-        if self._live is None:
+        if self._events is None:
             raise RuntimeError("the stream has not started: read its first event first")
-
-        def delivered(item: Delivered) -> None:
-            if isinstance(item, (FinishEvent, errors.EngineError)):
-                self._done = True
-            callback(item)
-
-        self._live.events.subscribe(delivered)
+        self._events.subscribe(callback)
 
     def unsubscribe(self) -> None:
-        if self._live is not None:
-            self._live.events.unsubscribe()
+        if self._events is not None:
+            self._events.unsubscribe()
 
     async def aclose(self) -> None:
         """Stopping early aborts the request, so its blocks do not run on for nobody."""
-        if self._live is not None and not self._done:
-            self._done = True
-            await self._client.abort(self._args[0])
+        events = self._events
+        if events is None or events.ended or events.closed:
+            return
+        await events.aclose()
+        await self._client.abort(self._args[0])
 
 
 def kv_use(stats: Mapping[str, float]) -> float:

@@ -152,10 +152,11 @@ class Turn:
         """Pass every event to ``on_event`` up to and with the ``FinishEvent`` (after ``prepare``).
 
         The first event is awaited as iterating would (a refusal raises here; the cascade's route
-        comes before it). After it, a stream that can push (an ``EventChannel``) calls back from
-        the engine's own step, so a token costs no task wake and no coroutine chain (the torch
-        tier's client does the same from its reader's dispatch); any other stream is iterated. Raises the engine's ``EngineError``, and whatever ``on_event`` raises
-        (the stream is left then; ``aclose`` aborts the request)."""
+        comes before it). After it, a stream that can push (``Pushing``: an ``EventChannel``, the
+        torch tier's client, a decided cascade turn) calls back from the engine's own step, so a
+        token costs no task wake and no coroutine chain; any other stream is iterated. Raises the
+        engine's ``EngineError``, and whatever ``on_event`` raises (the stream is left then;
+        ``aclose`` aborts the request)."""
         on_event(await self.__anext__())
         stream = self._stream
         if self.finished:

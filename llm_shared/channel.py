@@ -69,6 +69,11 @@ class EventChannel:
         """The producer is done: its FinishEvent (or error) was put."""
         return self._ended
 
+    @property
+    def closed(self) -> bool:
+        """The consumer left (``aclose``) or read past the end: nothing more is delivered."""
+        return self._closed
+
     # ----- the producer ----------------------------------------------------------------
 
     def put(self, event: StreamEvent) -> None:
