@@ -6,9 +6,10 @@ when its engine says it is not ready or a probe fails, and after ``slow_probes_t
 probes in a row that did not answer in time (one slow probe on a busy machine is not a dead
 tier: marking both tiers down would refuse every turn). A probe that timed out while the tier
 kept stepping (its ``stats()["steps"]`` went up meanwhile) does not count either: the tier is
-busy serving turns, and a loaded machine delays the probe's round trip, not the tier's work. A turn that meets an unavailable tier
-marks it down at once (``mark_down``); the next probe that answers brings it back. So a dead or wedged tier costs at most one probe interval of wrong routing, and never a
-request that hangs waiting for it.
+busy serving turns, and a loaded machine delays the probe's round trip, not the tier's work.
+A turn that meets an unavailable tier marks it down at once (``mark_down``); the next probe
+that answers brings it back. So a dead or wedged tier costs at most one probe interval of wrong
+routing, and never a request that hangs waiting for it.
 """
 
 from __future__ import annotations
