@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llm_shared.contract import Engine
+from llm_shared.contract import MAX_PREFIX_DRAFT_TOKENS, Engine
 from llm_shared.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
 
 MAX_DRAFT_TOKENS = 64
@@ -78,6 +78,13 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_prompt_tokens: 
             param="prompt",
         )
     return check_token_ids(prompt_ids, vocab_size, param="prompt")
+
+
+def check_draft_ids(draft_ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    """Validate a request's prefix drafts: at most ``MAX_PREFIX_DRAFT_TOKENS`` ids inside the vocabulary."""
+    if len(draft_ids) > MAX_PREFIX_DRAFT_TOKENS:
+        raise InvalidRequestError(f"draft_ids holds at most {MAX_PREFIX_DRAFT_TOKENS} tokens", param="draft_ids")
+    return check_token_ids(draft_ids, vocab_size, param="draft_ids")
 
 
 def check_draft_request(context_ids: Sequence[int], k: int, vocab_size: int, max_context: int) -> tuple[int, ...]:

@@ -1,15 +1,21 @@
-"""A synthetic edge backend: real tokens at a fixed rate per stream, no model arithmetic.
+"""A synthetic engine: real tokens at a fixed rate per stream, no model arithmetic.
 
 For measuring the gateway itself (``bench/load.py``, ``bench/faults.py``): how many streams one
 gateway process carries, what overload and cancels do, whether KV accounting leaks, without the
 model's compute hiding the server's costs. It behaves like an engine where that matters: one
-step loop emits a token to every running stream each ``1 / synthetic_tokens_per_s`` seconds (a
-batch, not a timer per stream); admission is bounded (``synthetic_max_streams``, then
-``OverloadedError`` at once); each stream holds KV cells for its prompt and output, freed when it
-ends or is aborted; stop strings and max tokens work through the same ``TextStream`` as the real
-tiers. The tokenizer is the configured GGUF's, so prompts are encoded as for real.
+step loop emits a token to every running stream each ``1 / tokens_per_s`` seconds (a batch, not
+a timer per stream); admission is bounded (``max_streams``, then ``OverloadedError`` at once);
+each stream holds KV cells for its prompt and output, freed when it ends or is aborted; stop
+strings and max tokens work through the same ``TextStream`` as the real tiers. The tokenizer is
+the configured model's, so prompts are encoded as for real. Every stream answers the same text
+(``ANSWER``), so two synthetic tiers agree token for token.
 
-Select it with ``[edge] backend = "synthetic"``; it never serves users' turns in production.
+It serves either tier. ``SyntheticBackend`` is the edge tier's (``[edge] backend =
+"synthetic"``); ``SyntheticEngine(tier="gpu")`` stands in for the torch tier (``[engine] backend =
+"synthetic"``), which makes the cascade measurable under load: like the torch engine it takes
+``draft_ids`` (the cascade's held edge tokens), and the leading run it agrees with streams in the
+request's first step, with one token of its own, as a verifying pass would. Neither ever serves
+users' turns in production.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_edge.base import Draft, EdgeBackend, check_prompt
+from engine_edge.base import Draft, EdgeBackend, check_draft_ids, check_prompt
 from engine_edge.config import EdgeConfig
 from llm_shared.channel import EventChannel
 from llm_shared.contract import (
@@ -40,6 +46,7 @@ from llm_shared.tokenizer import Tokenizer
 ANSWER = ("The quick brown fox jumps over the lazy dog while the river runs quietly past the old mill, "
           "and the town wakes slowly under a pale morning sky. ")
 CONTEXT_TOKENS = 8192
+KV_BLOCK_CELLS = 16  # the torch tier's stats count KV in blocks of this many cells
 
 
 @dataclass
@@ -50,15 +57,21 @@ class _Stream:
     events: EventChannel
     produced: int = 0
     finished: bool = False
+    verified: int = 0  # draft tokens it agreed with: they stream in its first step
 
 
-class SyntheticBackend(EdgeBackend):
-    def __init__(self, model_path: Path, config: EdgeConfig) -> None:
-        self.config = config
-        self._tokenizer = Tokenizer.from_gguf(check_gguf(Path(model_path)), cache=LoadCache.from_env())
+class SyntheticEngine:
+    """The engine (see the module's doc) on ``tokenizer``, for the tier named ``tier``."""
+
+    def __init__(self, tokenizer: Tokenizer, *, tokens_per_s: float, max_streams: int, tier: str = "edge") -> None:
+        if not 0 < tokens_per_s <= 10_000 or max_streams < 1:
+            raise ValueError(f"a synthetic engine needs 0 < tokens_per_s <= 10000 and max_streams >= 1, got "
+                             f"{tokens_per_s} and {max_streams}")
+        self.tier = tier
+        self._tokenizer = tokenizer
         self._answer = self._tokenizer.encode(ANSWER)
-        self._interval = 1.0 / config.synthetic_tokens_per_s
-        self._max_streams = config.synthetic_max_streams
+        self._interval = 1.0 / tokens_per_s
+        self._max_streams = max_streams
         self._streams: dict[str, _Stream] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._closed = False
@@ -85,11 +98,13 @@ class SyntheticBackend(EdgeBackend):
     def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                  priority: Priority = Priority.INTERACTIVE, session_id: str = "",
                  draft_ids: Sequence[int] = (), cache_salt: str = "") -> EventChannel:
-        """``cache_salt`` is checked and has nothing to separate: no KV outlives its turn here."""
+        """``cache_salt`` is checked and has nothing to separate: no KV outlives its turn here.
+        ``draft_ids``: the leading run that matches this engine's answer streams in the first step."""
         try:
             if self._closed:
                 raise EngineUnavailableError("the synthetic engine is closed")
             prompt = check_prompt(prompt_ids, self._tokenizer.vocab_size, self.max_prompt_tokens)
+            drafts = check_draft_ids(draft_ids, self._tokenizer.vocab_size)
             check_cache_salt(cache_salt)
             if request_id in self._streams:
                 raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")
@@ -99,9 +114,18 @@ class SyntheticBackend(EdgeBackend):
             return EventChannel.refused(e)
         # A consumer that left early frees its cells now.
         events = EventChannel(on_close=lambda _finished: self._left(request_id, events))
-        self._streams[request_id] = _Stream(len(prompt), params, TextStream(self._tokenizer, params.stop), events)
+        self._streams[request_id] = _Stream(len(prompt), params, TextStream(self._tokenizer, params.stop), events,
+                                            verified=self._agreeing(drafts))
         self._ensure_ticker()
         return events
+
+    def _agreeing(self, drafts: Sequence[int]) -> int:
+        """How many of ``drafts`` lead the answer (what a verifying pass would accept)."""
+        answer = self._answer
+        n = 0
+        while n < len(drafts) and drafts[n] == answer[n % len(answer)]:
+            n += 1
+        return n
 
     def _left(self, request_id: str, events: EventChannel) -> None:
         stream = self._streams.get(request_id)
@@ -121,6 +145,11 @@ class SyntheticBackend(EdgeBackend):
             await asyncio.sleep(max(0.0, next_step - loop.time()))
             self._steps += 1
             for request_id, stream in list(self._streams.items()):
+                if stream.verified:  # its first step: the drafts it agreed with, and one token of its own
+                    for _ in range(stream.verified):
+                        if not stream.finished:
+                            self._step(request_id, stream)
+                    stream.verified = 0
                 if not stream.finished:
                     self._step(request_id, stream)
 
@@ -139,7 +168,7 @@ class SyntheticBackend(EdgeBackend):
         stream.finished = True
         text = stream.text.finish() if reason != "abort" else ""
         # Its cells are free as soon as it ends: putting the finish releases it (``_left``).
-        stream.events.put(FinishEvent(reason, stream.prompt_tokens, stream.produced, text=text, tier="edge"))
+        stream.events.put(FinishEvent(reason, stream.prompt_tokens, stream.produced, text=text, tier=self.tier))
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -158,10 +187,13 @@ class SyntheticBackend(EdgeBackend):
         return Draft(tokens, tuple(0.9 for _ in tokens))
 
     def stats(self) -> dict[str, float]:
-        cells = sum(s.prompt_tokens + s.produced for s in self._streams.values())
-        return {"running": float(len(self._streams)), "waiting": 0.0, "kv_cells_used": float(cells),
-                "kv_cells_total": float(self._max_streams * CONTEXT_TOKENS), "steps": float(self._steps),
-                "generated_tokens": float(self._generated)}
+        """The edge tier's keys, and the torch tier's KV blocks (the cascade's load-aware threshold reads them)."""
+        held = [s.prompt_tokens + s.produced for s in self._streams.values()]
+        return {"running": float(len(self._streams)), "waiting": 0.0, "kv_cells_used": float(sum(held)),
+                "kv_cells_total": float(self._max_streams * CONTEXT_TOKENS),
+                "kv_blocks_in_use": float(sum(-(-cells // KV_BLOCK_CELLS) for cells in held)),
+                "kv_blocks_total": float(self._max_streams * CONTEXT_TOKENS // KV_BLOCK_CELLS),
+                "steps": float(self._steps), "generated_tokens": float(self._generated)}
 
     async def close(self) -> None:
         self._closed = True
@@ -171,3 +203,13 @@ class SyntheticBackend(EdgeBackend):
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
+
+
+class SyntheticBackend(SyntheticEngine, EdgeBackend):
+    """The edge tier's synthetic backend (``[edge] backend = "synthetic"``), on the GGUF's tokenizer."""
+
+    def __init__(self, model_path: Path, config: EdgeConfig) -> None:
+        self.config = config
+        tokenizer = Tokenizer.from_gguf(check_gguf(Path(model_path)), cache=LoadCache.from_env())
+        super().__init__(tokenizer, tokens_per_s=config.synthetic_tokens_per_s,
+                         max_streams=config.synthetic_max_streams, tier="edge")

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from engine_edge.base import Draft, EdgeBackend, check_draft_request, check_prompt, check_token_ids
+from engine_edge.base import Draft, EdgeBackend, check_draft_ids, check_draft_request, check_prompt
 from engine_edge.worker_channel import (
     AbortCmd,
     CallCmd,
@@ -30,7 +30,6 @@ from engine_edge.worker_channel import (
 )
 from llm_shared.channel import EventChannel
 from llm_shared.contract import (
-    MAX_PREFIX_DRAFT_TOKENS,
     FinishEvent,
     Priority,
     SamplingParams,
@@ -151,9 +150,7 @@ class WorkerFront(EdgeBackend):
         if priority not in Priority.__members__.values():
             raise InvalidRequestError(f"priority must be one of {[int(p) for p in Priority]}", param="priority")
         prompt = check_prompt(prompt_ids, self.n_vocab, self.max_prompt_tokens)
-        if len(draft_ids) > MAX_PREFIX_DRAFT_TOKENS:
-            raise InvalidRequestError(f"draft_ids holds at most {MAX_PREFIX_DRAFT_TOKENS} tokens", param="draft_ids")
-        check_token_ids(draft_ids, self.n_vocab, param="draft_ids")
+        check_draft_ids(draft_ids, self.n_vocab)
         salt = check_cache_salt(cache_salt)
         if request_id in self._open:
             raise DuplicateRequestError(f"request {request_id!r} is already running", param="request_id")

@@ -51,6 +51,11 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"  # id in [models]
+    # synthetic (load tests only): the gateway serves this tier in-process with tokens of the model's
+    # tokenizer at synthetic_tokens_per_s per stream, up to synthetic_max_streams; no core, no torch
+    backend: Literal["torch", "synthetic"] = "torch"
+    synthetic_tokens_per_s: float = 20.0
+    synthetic_max_streams: int = 4096
     device: Literal["cpu", "cuda"] = "cpu"
     # auto: bfloat16 on CUDA, and on a CPU that computes it natively (AVX-512 bf16 or AMX);
     # float32 on other CPUs, where bf16 is emulated (5x slower prefill on an AVX2-only machine)
@@ -71,6 +76,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        require(self.backend in ("torch", "synthetic"), f"engine.backend must be 'torch' or 'synthetic', got {self.backend!r}")
+        require(0 < self.synthetic_tokens_per_s <= 10_000, "engine.synthetic_tokens_per_s must be in (0, 10000]")
+        require(1 <= self.synthetic_max_streams <= 1_000_000, "engine.synthetic_max_streams must be in 1..1000000")
         require(self.block_size in (8, 16, 32, 64, 128, 256), f"engine.block_size must be a power of two in 8..256, got {self.block_size}")
         require(self.kv_cache_mib > 0, "engine.kv_cache_mib must be positive")
         require(self.num_blocks >= 0, "engine.num_blocks must be >= 0")

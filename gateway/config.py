@@ -134,6 +134,9 @@ class Config:
                     f"family; edge.model {edge.id!r} is {edge.family!r}, engine.model {gpu.id!r} is {gpu.family!r}")
         require(not self.cluster.enabled or "gpu" in self.routing.tiers,
                 "[cluster] enabled serves the torch tier on Ray, but routing.default uses only the edge tier")
+        require(not (self.cluster.enabled and self.engine.backend == "synthetic"),
+                "[cluster] enabled serves the torch tier on Ray replicas; engine.backend = 'synthetic' serves it "
+                "in the gateway process: choose one")
 
     def model(self, model_id: str) -> ModelConfig:
         return self.models[model_id]

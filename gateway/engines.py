@@ -59,6 +59,8 @@ async def build_gpu_engine(config: Config) -> Engine:
 
     if config.cluster.enabled:
         return await build_cluster_engine(config)
+    if config.engine.backend == "synthetic":
+        return await build_synthetic_gpu_engine(config)
     log.info("starting the torch engine core for %s on %s (%s)", config.engine.model, config.engine.device,
              config.engine.dtype)
     spec = config.engine.speculative
@@ -68,6 +70,20 @@ async def build_gpu_engine(config: Config) -> Engine:
         return await EngineClient.start(config.model(config.engine.model), config.engine, draft_model_cfg=draft)
 
     return SupervisedEngine(await start(), start)  # a core that dies is started again
+
+
+async def build_synthetic_gpu_engine(config: Config) -> Engine:
+    """The torch tier's stand-in for load tests (``[engine] backend = "synthetic"``): the synthetic
+    engine in this process, on the engine model's tokenizer; it takes the cascade's drafts as the
+    torch engine does."""
+    from engine_edge.synthetic_backend import SyntheticEngine
+    from llm_shared.models import tokenizer_for
+
+    engine = config.engine
+    log.warning("the torch tier is SYNTHETIC (load tests): %s tokens/s per stream, no model", engine.synthetic_tokens_per_s)
+    tokenizer = await asyncio.to_thread(tokenizer_for, config.model(engine.model))
+    return SyntheticEngine(tokenizer, tokens_per_s=engine.synthetic_tokens_per_s,
+                           max_streams=engine.synthetic_max_streams, tier="gpu")
 
 
 async def build_cluster_engine(config: Config) -> Engine:

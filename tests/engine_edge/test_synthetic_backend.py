@@ -1,5 +1,6 @@
-"""The synthetic backend used by the load benchmarks: real tokens, bounded admission, KV cells
-held while a stream runs and freed when it ends or is aborted."""
+"""The synthetic engine used by the load benchmarks: real tokens, bounded admission, KV cells
+held while a stream runs and freed when it ends or is aborted; as the torch tier, it takes the
+cascade's drafts."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 
 from engine_edge import create_backend
 from engine_edge.config import EdgeConfig
+from engine_edge.synthetic_backend import SyntheticEngine
 from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent
-from llm_shared.errors import OverloadedError
+from llm_shared.errors import InvalidRequestError, OverloadedError
 from llm_shared.modelfile import default_gguf_path
 
 pytestmark = pytest.mark.model
@@ -46,3 +48,43 @@ async def test_streams_run_in_one_batch_and_free_their_cells() -> None:
         assert rest[-1].reason == "abort" and backend.stats()["kv_cells_used"] == 0
     finally:
         await backend.close()
+
+
+async def test_as_the_torch_tier_it_streams_the_drafts_it_agrees_with_in_its_first_step() -> None:
+    """The cascade hands an escalated turn's held edge tokens on as drafts: the synthetic torch
+    tier, like the real one, streams the leading run it agrees with in one step, with one token of
+    its own, then a token a step."""
+    edge = create_backend(EdgeConfig(backend="synthetic", synthetic_tokens_per_s=200, synthetic_max_streams=4),
+                          default_gguf_path())
+    gpu = SyntheticEngine(edge.tokenizer, tokens_per_s=200, max_streams=4, tier="gpu")
+    try:
+        prompt = edge.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+        # What the cascade would hold: the edge's first five tokens (both answer the same text).
+        held = [e.token_id for e in await collect(edge.generate("e", prompt, SamplingParams(max_tokens=5)))
+                if isinstance(e, TokenEvent)]
+        cases = ((held, 6), ([*held[:2], held[2] + 1, *held[3:]], 3), ([], 1))  # all agree, two do, none sent
+        for i, (drafts, first_step) in enumerate(cases):
+            steps: list[tuple[float, object]] = []
+            stream = gpu.generate(f"d{i}", prompt, SamplingParams(max_tokens=9), draft_ids=drafts)
+            finished = asyncio.get_running_loop().create_future()
+
+            def seen(event: object, stream_steps: list[tuple[float, object]] = steps,
+                     done: asyncio.Future[None] = finished) -> None:
+                stream_steps.append((gpu.stats()["steps"], event))  # called inside the engine's step
+                if isinstance(event, FinishEvent):
+                    done.set_result(None)
+
+            stream.subscribe(seen)
+            await asyncio.wait_for(finished, 30)
+            tokens = [(step, e) for step, e in steps if isinstance(e, TokenEvent)]
+            assert [e.token_id for _, e in tokens[:len(held)]] == held  # the answer either way
+            per_step = [sum(1 for step, _ in tokens if step == s) for s in sorted({step for step, _ in tokens})]
+            assert per_step[0] == first_step and set(per_step[1:]) == {1} and len(tokens) == 9
+            finish = steps[-1][1]
+            assert isinstance(finish, FinishEvent) and finish.tier == "gpu" and finish.completion_tokens == 9
+        assert gpu.stats()["kv_blocks_in_use"] == 0 and gpu.stats()["kv_cells_used"] == 0
+        with pytest.raises(InvalidRequestError, match="draft_ids holds at most"):
+            await anext(gpu.generate("long", prompt, SamplingParams(), draft_ids=[held[0]] * 65))
+    finally:
+        await gpu.close()
+        await edge.close()

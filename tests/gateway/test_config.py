@@ -44,6 +44,13 @@ def test_default_config_is_loopback_cpu() -> None:
         (with_("engine", block_size=12), "engine.block_size"),
         (with_("engine", attention="flash_attn"), "needs engine.device = 'cuda'"),
         (with_("edge", backend="tensorrt"), "edge.backend has the wrong type"),
+        (with_("engine", backend="tensorrt"), "engine.backend has the wrong type"),
+        (with_("engine", backend="synthetic", synthetic_tokens_per_s=0.0), "engine.synthetic_tokens_per_s must be in"),
+        (with_("engine", synthetic_max_streams=0), "engine.synthetic_max_streams must be in 1..1000000"),
+        (
+            {**with_("engine", backend="synthetic"), "routing": {"default": "gpu"}, "cluster": {"enabled": True}},
+            "engine.backend = 'synthetic' serves it in the gateway process: choose one",
+        ),
         (
             {**with_("edge", backend="onnx"), "models": {"m": {"source": "/ckpt", "format": "safetensors"}}},
             "the edge tier (onnx) needs a gguf model",
