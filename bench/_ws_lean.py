@@ -43,6 +43,8 @@ class Stream:
     status: str = ""
     code: str | None = None
     done: float | None = None
+    tier: str = ""  # the tier that served it and how it was routed (metadata x_tier, x_route)
+    route: str = ""
 
     @property
     def gaps(self) -> list[float]:
@@ -214,6 +216,8 @@ class LeanSession(asyncio.Protocol):
             response = event["response"]
             stream.status = response["status"]
             stream.code = ((response.get("status_details") or {}).get("error") or {}).get("code")
+            metadata = response.get("metadata") or {}
+            stream.tier, stream.route = metadata.get("x_tier", ""), metadata.get("x_route", "")
             if not self._done.done():
                 self._done.set_result(stream)
         elif kind == "session.created":

@@ -13,9 +13,19 @@ delta, ITL the gap between consecutive deltas of one response.
   over one response's length, so N streams run at every moment; after that warm-up the ITL and
   TTFT of a 6 s window are taken, with both processes' CPU and the gateway's full garbage
   collections in it. N steps through 100 ... 2,000; ``max_streams_itl_p99_under_100ms`` is the
-  largest N whose ITL p99 stayed under 100 ms, whose mean ITL stayed within 5% of 50 ms (the
-  streams really got 20 tokens/s: a saturated gateway stretches the engine's steps, which a p99
-  alone can hide) and whose responses all completed.
+  largest N whose ITL p99 stayed under 100 ms, whose mean gap between engine steps stayed within
+  5% of 50 ms (the streams really got 20 tokens/s: a saturated gateway stretches the engine's
+  steps, which a p99 alone can hide) and whose responses all completed.
+- ``cascade``: the streams arm on the product's default route, the confidence cascade, with the
+  torch tier synthetic too (``[engine] backend = "synthetic"``, the same 20 tokens/s): every turn
+  holds its first 8 edge tokens while they are scored, then either the edge keeps it
+  (``confident``, the synthetic tokens' probability 0.9 is over the threshold) or, with the
+  threshold at 1, the edge request is aborted and the torch tier takes the turn with the held
+  tokens as verified drafts (``escalated``). ``cascade_confident_max_streams`` and
+  ``cascade_escalated_max_streams`` as above, and each route's gateway CPU per delta over the edge
+  route's at the largest level all three sustained (``cascade_*_us_per_delta_over_edge``).
+  Released held tokens and verified drafts arrive together, so the 20 tokens/s check reads the
+  mean of the gaps that span an engine step (over half of one); the p99 is taken over all gaps.
 - ``lane``: 300 streams as above, once with the outbox's fast lane (``server.direct_writes``,
   the default) and once with every frame through the writer task: the gateway's CPU per delta,
   side by side (``writer_task_over_fast_lane_us``).
@@ -39,10 +49,10 @@ delta, ITL the gap between consecutive deltas of one response.
 
 Progress on stderr; a summary and, as the last line, one JSON object with
 ``max_streams_itl_p99_under_100ms``, ``overload_reject_p99_ms``, ``overload_accepted_ttft_p99_ratio``,
-``slow_reader_rss_mib``, the burst and lane figures and ``cpu``. Everything goes to
+``slow_reader_rss_mib``, the cascade, burst and lane figures and ``cpu``. Everything goes to
 bench/out/load.json.
 
-Run: ``.venv/bin/python bench/load.py`` (about 5 minutes on a 2-core machine).
+Run: ``.venv/bin/python bench/load.py`` (about 8 minutes on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ sys.path.insert(0, str(_HERE.parent))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import collections  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
@@ -86,6 +97,8 @@ from bench._gateway_server import GatewayProcess  # noqa: E402
 from bench._ws_lean import LeanSession, Stream  # noqa: E402
 
 STEPS = (100, 200, 300, 400, 500, 600, 800, 1000, 1200, 1500, 2000)
+CASCADE_STEPS = (200, 400, 600, 800, 1000, 1200, 1500)
+CASCADE_THRESHOLDS = {"confident": 0.22, "escalated": 1.0}  # the synthetic tokens score 0.9
 FLOOR_STREAMS = 2000  # the goal's stream count, for the machine's floor
 LANE_STREAMS = 300  # the fast lane against the writer task, side by side at this many streams
 TOKENS_PER_S = 20.0
@@ -98,10 +111,18 @@ OVERLOAD_SECONDS = 8.0
 
 
 def synthetic_config(directory: Path, name: str, *, max_streams: int, rate: float = TOKENS_PER_S,
-                     slow_client_timeout_s: float = 30.0, direct_writes: bool = True) -> Path:
+                     slow_client_timeout_s: float = 30.0, direct_writes: bool = True,
+                     cascade_threshold: float | None = None) -> Path:
+    """The default config on the synthetic edge tier; with ``cascade_threshold``, the cascade over
+    it and a synthetic torch tier (a fixed threshold: the load-aware relaxation off)."""
     raw = tomllib.loads((REPO_ROOT / "configs" / "default.toml").read_text(encoding="utf-8"))
     raw["routing"]["default"] = "edge"
     raw["edge"].update(backend="synthetic", synthetic_tokens_per_s=rate, synthetic_max_streams=max_streams)
+    if cascade_threshold is not None:
+        raw["routing"]["default"] = "cascade"
+        raw["engine"].update(backend="synthetic", synthetic_tokens_per_s=rate, synthetic_max_streams=max_streams)
+        raw.setdefault("cascade", {}).update(threshold=cascade_threshold, min_threshold=cascade_threshold,
+                                             load_aware=False)
     raw["server"].update(
         max_sessions_per_key=20_000, max_sessions=20_000, requests_per_minute=10_000_000,
         tokens_per_minute=1_000_000_000, max_concurrent_requests_per_key=20_000, idle_timeout_s=3600.0,
@@ -175,15 +196,20 @@ def window_figures(streams: list[Stream], start: float, end: float) -> dict[str,
     response) and TTFT of the responses asked for in it."""
     gaps = [b - a for s in streams for a, b in zip(s.deltas, s.deltas[1:], strict=False) if start <= b < end]
     ttfts = [s.first - s.sent for s in streams if s.first is not None and start <= s.sent < end]
+    # Deltas of one engine step arrive together (the cascade's released held tokens, verified
+    # drafts); the gaps that span a step say whether the steps kept their pace.
+    stepped = [g for g in gaps if g > 0.5 / TOKENS_PER_S]
     return {"itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3,
             "itl_mean_ms": sum(gaps) / max(1, len(gaps)) * 1e3,
+            "step_gap_mean_ms": sum(stepped) / max(1, len(stepped)) * 1e3,
             "ttft_p99_ms": percentile(ttfts, 99) * 1e3, "deltas": len(gaps)}
 
 
 def sustained(level: dict[str, Any]) -> bool:
-    """The streams got their 20 tokens/s (mean ITL within 5% of 50 ms: a gateway that falls behind
-    stretches the engine's steps) with ITL p99 under the goal, and every response completed."""
-    return (level["itl_p99_ms"] < ITL_GOAL_S * 1e3 and level["itl_mean_ms"] <= 1.05e3 / TOKENS_PER_S
+    """The streams got their 20 tokens/s (the mean gap between steps within 5% of 50 ms: a gateway
+    that falls behind stretches the engine's steps) with ITL p99 under the goal, and every
+    response completed."""
+    return (level["itl_p99_ms"] < ITL_GOAL_S * 1e3 and level["step_gap_mean_ms"] <= 1.05e3 / TOKENS_PER_S
             and level["completed"] == level["responses"])
 
 
@@ -194,8 +220,13 @@ async def sustain(session: LeanSession, first_at: float, stop_at: float, out: li
         out.append(await stream_once(session, STREAM_TOKENS))
 
 
-async def arm_streams(directory: Path, steps: tuple[int, ...], direct_writes: bool = True) -> dict[str, Any]:
-    server = GatewayProcess(synthetic_config(directory, "streams", max_streams=20_000, direct_writes=direct_writes),
+async def arm_streams(directory: Path, steps: tuple[int, ...], direct_writes: bool = True,
+                      cascade_threshold: float | None = None) -> dict[str, Any]:
+    """Sustained streams at each level of ``steps`` on the edge route, or on the cascade with
+    ``cascade_threshold``."""
+    route = "edge" if cascade_threshold is None else f"cascade (threshold {cascade_threshold:g})"
+    server = GatewayProcess(synthetic_config(directory, "streams", max_streams=20_000, direct_writes=direct_writes,
+                                             cascade_threshold=cascade_threshold),
                             directory / "streams.log", "127.0.0.1")
     server.start()
     levels = []
@@ -222,12 +253,13 @@ async def arm_streams(directory: Path, steps: tuple[int, ...], direct_writes: bo
             gc_window = gc_delta(gc_before, await asyncio.to_thread(server.gc_pauses))
             await runners
             figures = window_figures(streams, start, end)
-            level = {"streams": n, **figures,
+            routes = collections.Counter(f"{s.tier}/{s.route}" if s.route else s.tier for s in streams)
+            level = {"streams": n, **figures, "routes": dict(routes),
                      "completed": sum(s.status in ("completed", "incomplete") for s in streams),
                      "responses": len(streams), "rss_mib": server.rss() / 2**20, **cpu, "gc": gc_window}
             level["server_us_per_delta"] = cpu["server_cores"] * MEASURE_S / max(1, figures["deltas"]) * 1e6
             levels.append(level)
-            progress(f"streams {n:5d}: ITL mean {level['itl_mean_ms']:.1f} ms, p50 {level['itl_p50_ms']:.0f} ms, p99 {level['itl_p99_ms']:.0f} ms, "
+            progress(f"{route} streams {n:5d}: step gap mean {level['step_gap_mean_ms']:.1f} ms, ITL p50 {level['itl_p50_ms']:.0f} ms, p99 {level['itl_p99_ms']:.0f} ms, "
                      f"TTFT p99 {level['ttft_p99_ms']:.0f} ms, server {cpu['server_cores']:.2f} cores "
                      f"({level['server_us_per_delta']:.0f} µs a delta), clients {cpu['clients_cores']:.2f} cores, "
                      f"RSS {level['rss_mib']:.0f} MiB, {gc_window['full_collections']:.0f} full GC "
@@ -238,7 +270,33 @@ async def arm_streams(directory: Path, steps: tuple[int, ...], direct_writes: bo
         await close_all(sessions)
         server.stop()
     passing = [lv["streams"] for lv in levels if sustained(lv)]
-    return {"levels": levels, "direct_writes": direct_writes, "max_streams_itl_p99_under_100ms": max(passing, default=0)}
+    return {"levels": levels, "direct_writes": direct_writes, "route": route,
+            "max_streams_itl_p99_under_100ms": max(passing, default=0)}
+
+
+async def arm_cascade(directory: Path, steps: tuple[int, ...], edge: dict[str, Any] | None) -> dict[str, Any]:
+    """The streams arm on the cascade, confident and escalated; each route's CPU per delta over the
+    edge route's (``edge``: the streams arm of this run) at the largest level all sustained."""
+    result: dict[str, Any] = {}
+    for name, threshold in CASCADE_THRESHOLDS.items():
+        arm = await arm_streams(directory, steps, cascade_threshold=threshold)
+        expected = {"confident": "edge/confident", "escalated": "gpu/escalated"}[name]
+        for level in arm["levels"]:
+            if set(level["routes"]) != {expected}:
+                raise BenchError(f"the {name} cascade arm routed its turns {level['routes']}, not all {expected}")
+        result[name] = arm
+        result[f"cascade_{name}_max_streams"] = arm["max_streams_itl_p99_under_100ms"]
+    if edge is not None:
+        per_delta = {name: {lv["streams"]: lv["server_us_per_delta"] for lv in arm["levels"] if sustained(lv)}
+                     for name, arm in (("edge", edge), *((n, result[n]) for n in CASCADE_THRESHOLDS))}
+        common = set.intersection(*(set(levels) for levels in per_delta.values()))
+        if common:
+            n = result["compared_at_streams"] = max(common)
+            for name in CASCADE_THRESHOLDS:
+                result[f"cascade_{name}_us_per_delta_over_edge"] = per_delta[name][n] / per_delta["edge"][n]
+            progress(f"gateway CPU a delta at {n} streams: edge {per_delta['edge'][n]:.0f} µs, cascade confident "
+                     f"{per_delta['confident'][n]:.0f} µs, escalated {per_delta['escalated'][n]:.0f} µs")
+    return result
 
 
 async def poisson(sessions: list[LeanSession], rate: float, seconds: float, max_tokens: int) -> list[Stream]:
@@ -461,12 +519,14 @@ async def arm_slow_readers(directory: Path, clients: int, seconds: float) -> dic
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    raise_nofile_limit(4 * max(args.steps) + 1000)
+    raise_nofile_limit(4 * max(*args.steps, *args.cascade_steps) + 1000)
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
         directory = Path(tmp)
         if "streams" in args.arms:
             result["streams"] = await arm_streams(directory, tuple(args.steps))
+        if "cascade" in args.arms:
+            result["cascade"] = await arm_cascade(directory, tuple(args.cascade_steps), result.get("streams"))
         if "lane" in args.arms:
             result["lane"] = await arm_lane(directory)
         if "floor" in args.arms:
@@ -479,7 +539,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """ITL and both processes' CPU against the number of streams (the floor's cores at 2,000 beside)."""
+    """ITL (the edge route's, and the cascade's p99) and both processes' CPU against the number of
+    streams (the floor's cores at 2,000 beside)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -493,6 +554,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     gc_levels = [lv for lv in levels if lv["gc"]["full_collections"] > 0]
     ax_itl.plot([lv["streams"] for lv in gc_levels], [lv["itl_p99_ms"] for lv in gc_levels], "x", color="black",
                 markersize=10, label="a full GC in the window")
+    for name, arm in result.get("cascade", {}).items():
+        if name in CASCADE_THRESHOLDS:
+            ax_itl.plot([lv["streams"] for lv in arm["levels"]], [lv["itl_p99_ms"] for lv in arm["levels"]], "^--",
+                        label=f"ITL p99, cascade {name}")
     ax_itl.axhline(ITL_GOAL_S * 1e3, linestyle=":", color="black", label="goal: p99 under 100 ms")
     ax_itl.set(title="One gateway process, 20 tokens/s per stream", xlabel="concurrent streams", ylabel="ms",
                yscale="log")
@@ -514,8 +579,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arms", nargs="+", default=["streams", "lane", "floor", "overload", "slow_readers"])
+    parser.add_argument("--arms", nargs="+", default=["streams", "cascade", "lane", "floor", "overload", "slow_readers"])
     parser.add_argument("--steps", nargs="+", type=int, default=list(STEPS))
+    parser.add_argument("--cascade-steps", nargs="+", type=int, default=list(CASCADE_STEPS))
     parser.add_argument("--capacity", type=int, default=100)
     parser.add_argument("--slow-clients", type=int, default=100)
     parser.add_argument("--slow-seconds", type=float, default=20.0)
@@ -529,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(result, args.plot)
         progress(f"plot: {args.plot}")
     streams, overload, slow = result.get("streams", {}), result.get("overload", {}), result.get("slow_readers", {})
+    cascade = result.get("cascade", {})
     figures = {
         "max_streams_itl_p99_under_100ms": streams.get("max_streams_itl_p99_under_100ms"),
         "overload_reject_p99_ms": overload.get("overload_reject_p99_ms"),
@@ -538,7 +605,12 @@ def main(argv: list[str] | None = None) -> int:
         "burst_accepted_ttft_p99_ratio": overload.get("burst", {}).get("accepted_ttft_p99_ratio"),
         "writer_task_over_fast_lane_us": result.get("lane", {}).get("writer_task_over_fast_lane_us"),
         "floor_2000_writer_cores": result.get("floor", {}).get("writer_cores"),
+        **{f"cascade_{name}_{key}": cascade.get(f"cascade_{name}_{key}")
+           for name in CASCADE_THRESHOLDS for key in ("max_streams", "us_per_delta_over_edge")},
     }
+    for name in CASCADE_THRESHOLDS:
+        if name in cascade:
+            print(f"cascade, {name}: {cascade[name]['max_streams_itl_p99_under_100ms']} streams sustained")
     for level in streams.get("levels", []):
         print(f"{level['streams']:5d} streams: ITL p99 {level['itl_p99_ms']:.0f} ms, server "
               f"{level['server_cores']:.2f} cores ({level['server_us_per_delta']:.0f} µs a delta), clients "
