@@ -45,6 +45,7 @@ class Stream:
     done: float | None = None
     tier: str = ""  # the tier that served it and how it was routed (metadata x_tier, x_route)
     route: str = ""
+    output_tokens: int = 0  # as response.done's usage reports them
 
     @property
     def gaps(self) -> list[float]:
@@ -216,6 +217,7 @@ class LeanSession(asyncio.Protocol):
             response = event["response"]
             stream.status = response["status"]
             stream.code = ((response.get("status_details") or {}).get("error") or {}).get("code")
+            stream.output_tokens = int((response.get("usage") or {}).get("output_tokens") or 0)
             metadata = response.get("metadata") or {}
             stream.tier, stream.route = metadata.get("x_tier", ""), metadata.get("x_route", "")
             if not self._done.done():

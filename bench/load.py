@@ -7,7 +7,11 @@ gateway's own. The clients run in this process, on the same 2 cores: lean RFC 64
 (``bench/_ws_lean.py``: every frame parsed and its JSON decoded, but no task wake per event), so
 that the clients' own cost sets the ceiling as late as possible; the report gives both processes'
 CPU. Metric definitions follow ``vllm bench serve``: TTFT from the request sent to its first
-delta, ITL the gap between consecutive deltas of one response.
+delta, ITL the gap between consecutive deltas of one response, TPOT a response's time from its
+first delta to its last over its output tokens but one, E2EL from the request sent to its
+``response.done``, and goodput the completed requests a second that met every SLO of
+``--goodput`` (vLLM's syntax, in ms; default ``ttft:1000 tpot:55``: a first token within a
+second, and 20 tokens/s within 10%).
 
 - ``streams``: N sessions stream responses of 60 tokens back to back, their first starts spread
   over one response's length, so N streams run at every moment; after that warm-up the ITL and
@@ -104,6 +108,8 @@ LANE_STREAMS = 300  # the fast lane against the writer task, side by side at thi
 TOKENS_PER_S = 20.0
 STREAM_TOKENS = 60
 ITL_GOAL_S = 0.100
+SLO_KEYS = ("ttft", "tpot", "e2el")
+DEFAULT_GOODPUT = ("ttft:1000", "tpot:55")
 EVENT_TIMEOUT_S = 60.0
 MEASURE_S = 6.0  # the window each streams level is measured over, after one response of warm-up
 OVERLOAD_TOKENS = 20  # a response holds its stream ~1 s
@@ -174,7 +180,7 @@ async def arm_lane(directory: Path, pairs: int = 3) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"fast_lane": [], "writer_task": []}
     for _ in range(pairs):
         for name, direct in (("fast_lane", True), ("writer_task", False)):
-            arm = await arm_streams(directory, (LANE_STREAMS,), direct_writes=direct)
+            arm = await arm_streams(directory, (LANE_STREAMS,), {}, direct_writes=direct)
             runs[name].append(arm["levels"][0])
     ratios = sorted(task["server_us_per_delta"] / fast["server_us_per_delta"]
                     for fast, task in zip(runs["fast_lane"], runs["writer_task"], strict=True))
@@ -205,6 +211,41 @@ def window_figures(streams: list[Stream], start: float, end: float) -> dict[str,
             "ttft_p99_ms": percentile(ttfts, 99) * 1e3, "deltas": len(gaps)}
 
 
+def request_figures(streams: list[Stream], seconds: float, slo: dict[str, float]) -> dict[str, Any]:
+    """TPOT, E2EL, request throughput and goodput (``vllm bench serve``'s definitions) of the
+    requests in ``streams``, over the ``seconds`` they were sent in; ``slo`` in ms by metric."""
+    tpot: list[float] = []
+    e2el: list[float] = []
+    done = good = 0
+    for s in streams:
+        if s.status not in ("completed", "incomplete") or s.first is None or s.done is None:
+            continue
+        measured = {"ttft": (s.first - s.sent) * 1e3, "e2el": (s.done - s.sent) * 1e3}
+        if s.output_tokens > 1:
+            measured["tpot"] = (s.deltas[-1] - s.first) * 1e3 / (s.output_tokens - 1)
+            tpot.append(measured["tpot"])
+        e2el.append(measured["e2el"])
+        done += 1
+        good += all(measured.get(key, 0.0) <= limit for key, limit in slo.items())
+    return {"requests_done": done, "request_throughput": done / seconds, "goodput": good / seconds,
+            "tpot_mean_ms": sum(tpot) / max(1, len(tpot)), "tpot_p99_ms": percentile(tpot, 99),
+            "e2el_p50_ms": percentile(e2el, 50), "e2el_p99_ms": percentile(e2el, 99)}
+
+
+def parse_goodput(pairs: list[str]) -> dict[str, float]:
+    """``--goodput ttft:1000 tpot:55``: an SLO in ms per metric (``vllm bench serve``'s flag)."""
+    slo: dict[str, float] = {}
+    for pair in pairs:
+        key, _, value = pair.partition(":")
+        if key not in SLO_KEYS:
+            raise SystemExit(f"--goodput: {key!r} is not one of {SLO_KEYS} (KEY:MS pairs, e.g. ttft:1000 tpot:55)")
+        try:
+            slo[key] = float(value)
+        except ValueError:
+            raise SystemExit(f"--goodput: {pair!r} needs a number of milliseconds after the colon") from None
+    return slo
+
+
 def sustained(level: dict[str, Any]) -> bool:
     """The streams got their 20 tokens/s (the mean gap between steps within 5% of 50 ms: a gateway
     that falls behind stretches the engine's steps) with ITL p99 under the goal, and every
@@ -220,7 +261,7 @@ async def sustain(session: LeanSession, first_at: float, stop_at: float, out: li
         out.append(await stream_once(session, STREAM_TOKENS))
 
 
-async def arm_streams(directory: Path, steps: tuple[int, ...], direct_writes: bool = True,
+async def arm_streams(directory: Path, steps: tuple[int, ...], slo: dict[str, float], direct_writes: bool = True,
                       cascade_threshold: float | None = None) -> dict[str, Any]:
     """Sustained streams at each level of ``steps`` on the edge route, or on the cascade with
     ``cascade_threshold``."""
@@ -254,13 +295,16 @@ async def arm_streams(directory: Path, steps: tuple[int, ...], direct_writes: bo
             await runners
             figures = window_figures(streams, start, end)
             routes = collections.Counter(f"{s.tier}/{s.route}" if s.route else s.tier for s in streams)
-            level = {"streams": n, **figures, "routes": dict(routes),
+            in_window = [s for s in streams if start <= s.sent < end]
+            level = {"streams": n, **figures, **request_figures(in_window, MEASURE_S, slo), "routes": dict(routes),
                      "completed": sum(s.status in ("completed", "incomplete") for s in streams),
                      "responses": len(streams), "rss_mib": server.rss() / 2**20, **cpu, "gc": gc_window}
             level["server_us_per_delta"] = cpu["server_cores"] * MEASURE_S / max(1, figures["deltas"]) * 1e6
             levels.append(level)
             progress(f"{route} streams {n:5d}: step gap mean {level['step_gap_mean_ms']:.1f} ms, ITL p50 {level['itl_p50_ms']:.0f} ms, p99 {level['itl_p99_ms']:.0f} ms, "
-                     f"TTFT p99 {level['ttft_p99_ms']:.0f} ms, server {cpu['server_cores']:.2f} cores "
+                     f"TTFT p99 {level['ttft_p99_ms']:.0f} ms, TPOT mean {level['tpot_mean_ms']:.1f} ms, "
+                     f"goodput {level['goodput']:.0f}/{level['request_throughput']:.0f} requests/s, "
+                     f"server {cpu['server_cores']:.2f} cores "
                      f"({level['server_us_per_delta']:.0f} µs a delta), clients {cpu['clients_cores']:.2f} cores, "
                      f"RSS {level['rss_mib']:.0f} MiB, {gc_window['full_collections']:.0f} full GC "
                      f"({gc_window['full_collection_s'] * 1e3:.0f} ms)")
@@ -274,12 +318,13 @@ async def arm_streams(directory: Path, steps: tuple[int, ...], direct_writes: bo
             "max_streams_itl_p99_under_100ms": max(passing, default=0)}
 
 
-async def arm_cascade(directory: Path, steps: tuple[int, ...], edge: dict[str, Any] | None) -> dict[str, Any]:
+async def arm_cascade(directory: Path, steps: tuple[int, ...], slo: dict[str, float],
+                      edge: dict[str, Any] | None) -> dict[str, Any]:
     """The streams arm on the cascade, confident and escalated; each route's CPU per delta over the
     edge route's (``edge``: the streams arm of this run) at the largest level all sustained."""
     result: dict[str, Any] = {}
     for name, threshold in CASCADE_THRESHOLDS.items():
-        arm = await arm_streams(directory, steps, cascade_threshold=threshold)
+        arm = await arm_streams(directory, steps, slo, cascade_threshold=threshold)
         expected = {"confident": "edge/confident", "escalated": "gpu/escalated"}[name]
         for level in arm["levels"]:
             if set(level["routes"]) != {expected}:
@@ -328,7 +373,7 @@ async def poisson(sessions: list[LeanSession], rate: float, seconds: float, max_
     return done
 
 
-async def arm_overload(directory: Path, capacity: int) -> dict[str, Any]:
+async def arm_overload(directory: Path, capacity: int, slo: dict[str, float]) -> dict[str, Any]:
     """Offered load at 10x what the engine serves, sustained (Poisson arrivals), against a baseline
     at 0.8x; then the same 10x as one burst (every request at the same instant)."""
     server = GatewayProcess(synthetic_config(directory, "overload", max_streams=capacity), directory / "overload.log",
@@ -343,17 +388,19 @@ async def arm_overload(directory: Path, capacity: int) -> dict[str, Any]:
         sessions = await open_sessions(url, capacity * 15)
         base = await poisson(sessions, 0.8 * served_per_s, OVERLOAD_SECONDS, OVERLOAD_TOKENS)
         base_ttft = [s.first - s.sent for s in base if s.first is not None]
+        base_requests = request_figures(base, OVERLOAD_SECONDS, slo)
         progress(f"overload baseline: {0.8 * served_per_s:.0f} requests/s for {OVERLOAD_SECONDS:g} s, "
                  f"{len(base_ttft)} served ({sum(s.status == 'failed' for s in base)} refused), "
                  f"TTFT p99 {percentile(base_ttft, 99) * 1e3:.0f} ms")
         gc_before = await asyncio.to_thread(server.gc_pauses)
         over = await poisson(sessions, 10 * served_per_s, OVERLOAD_SECONDS, OVERLOAD_TOKENS)
-        sustained = overload_figures(over, base_ttft)
+        sustained = overload_figures(over, base_ttft) | request_figures(over, OVERLOAD_SECONDS, slo)
         sustained["gc"] = gc_delta(gc_before, await asyncio.to_thread(server.gc_pauses))
         progress(f"overload 10x sustained ({10 * served_per_s:.0f} requests/s): {sustained['accepted']} admitted, "
                  f"{sustained['refused']} refused ({sustained['refused_codes']}), refusal p99 "
                  f"{sustained['reject_p99_ms']:.0f} ms, admitted TTFT p99 {sustained['accepted_ttft_p99_ms']:.0f} ms "
-                 f"({sustained['accepted_ttft_p99_ratio']:.2f}x); {sustained['gc']['full_collections']:.0f} full GC "
+                 f"({sustained['accepted_ttft_p99_ratio']:.2f}x), goodput {sustained['goodput']:.0f} requests/s "
+                 f"(baseline {base_requests['goodput']:.0f}); {sustained['gc']['full_collections']:.0f} full GC "
                  f"({sustained['gc']['full_collection_s'] * 1e3:.0f} ms)")
         burst_sessions = sessions[:capacity * 10]
         burst = list(await asyncio.gather(*(stream_once(ws, OVERLOAD_TOKENS) for ws in burst_sessions)))
@@ -363,7 +410,9 @@ async def arm_overload(directory: Path, capacity: int) -> dict[str, Any]:
                  f"{at_once['accepted_ttft_p99_ms']:.0f} ms ({at_once['accepted_ttft_p99_ratio']:.2f}x)")
         return {"capacity": capacity, "served_per_s": served_per_s, "seconds": OVERLOAD_SECONDS,
                 "baseline_requests": len(base), "baseline_refused": sum(s.status == "failed" for s in base),
-                "baseline_ttft_p99_ms": percentile(base_ttft, 99) * 1e3, "sustained": sustained, "burst": at_once,
+                "baseline_ttft_p99_ms": percentile(base_ttft, 99) * 1e3, "baseline": base_requests,
+                "sustained": sustained, "burst": at_once,
+                "overload_goodput_ratio": sustained["goodput"] / max(1e-9, base_requests["goodput"]),
                 "overload_reject_p99_ms": sustained["reject_p99_ms"],
                 "overload_accepted_ttft_p99_ratio": sustained["accepted_ttft_p99_ratio"]}
     finally:
@@ -520,19 +569,20 @@ async def arm_slow_readers(directory: Path, clients: int, seconds: float) -> dic
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     raise_nofile_limit(4 * max(*args.steps, *args.cascade_steps) + 1000)
-    result: dict[str, Any] = {}
+    slo = parse_goodput(args.goodput)
+    result: dict[str, Any] = {"slo_ms": slo}
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
         directory = Path(tmp)
         if "streams" in args.arms:
-            result["streams"] = await arm_streams(directory, tuple(args.steps))
+            result["streams"] = await arm_streams(directory, tuple(args.steps), slo)
         if "cascade" in args.arms:
-            result["cascade"] = await arm_cascade(directory, tuple(args.cascade_steps), result.get("streams"))
+            result["cascade"] = await arm_cascade(directory, tuple(args.cascade_steps), slo, result.get("streams"))
         if "lane" in args.arms:
             result["lane"] = await arm_lane(directory)
         if "floor" in args.arms:
             result["floor"] = await arm_floor(FLOOR_STREAMS)
         if "overload" in args.arms:
-            result["overload"] = await arm_overload(directory, args.capacity)
+            result["overload"] = await arm_overload(directory, args.capacity, slo)
         if "slow_readers" in args.arms:
             result["slow_readers"] = await arm_slow_readers(directory, args.slow_clients, args.slow_seconds)
     return result
@@ -583,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", nargs="+", type=int, default=list(STEPS))
     parser.add_argument("--cascade-steps", nargs="+", type=int, default=list(CASCADE_STEPS))
     parser.add_argument("--capacity", type=int, default=100)
+    parser.add_argument("--goodput", nargs="+", default=list(DEFAULT_GOODPUT), metavar="KEY:MS",
+                        help="SLOs for goodput, as vllm bench serve takes them (ttft, tpot, e2el in ms)")
     parser.add_argument("--slow-clients", type=int, default=100)
     parser.add_argument("--slow-seconds", type=float, default=20.0)
     parser.add_argument("--out", type=Path, default=OUT_DIR / "load.json")
@@ -601,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         "overload_reject_p99_ms": overload.get("overload_reject_p99_ms"),
         "overload_accepted_ttft_p99_ratio": overload.get("overload_accepted_ttft_p99_ratio"),
         "slow_reader_rss_mib": slow.get("slow_reader_rss_mib"),
+        "overload_goodput_ratio": overload.get("overload_goodput_ratio"),
         "burst_reject_p99_ms": overload.get("burst", {}).get("reject_p99_ms"),
         "burst_accepted_ttft_p99_ratio": overload.get("burst", {}).get("accepted_ttft_p99_ratio"),
         "writer_task_over_fast_lane_us": result.get("lane", {}).get("writer_task_over_fast_lane_us"),
@@ -612,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         if name in cascade:
             print(f"cascade, {name}: {cascade[name]['max_streams_itl_p99_under_100ms']} streams sustained")
     for level in streams.get("levels", []):
-        print(f"{level['streams']:5d} streams: ITL p99 {level['itl_p99_ms']:.0f} ms, server "
+        print(f"{level['streams']:5d} streams: ITL p99 {level['itl_p99_ms']:.0f} ms, TPOT mean {level['tpot_mean_ms']:.1f} ms, "
+              f"goodput {level['goodput']:.0f} of {level['request_throughput']:.0f} requests/s, server "
               f"{level['server_cores']:.2f} cores ({level['server_us_per_delta']:.0f} µs a delta), clients "
               f"{level['clients_cores']:.2f} cores")
     if lane := result.get("lane"):
