@@ -24,7 +24,7 @@ from gateway.cascade.route import RouteInfo
 from gateway.cascade.router import Router, prompt_token_limit
 from gateway.engines import encode_chat
 from gateway.metrics import GatewayMetrics
-from llm_shared.channel import Pushing
+from llm_shared.channel import as_pushing
 from llm_shared.contract import (
     Engine,
     FinishEvent,
@@ -158,10 +158,10 @@ class Turn:
         engine's ``EngineError``, and whatever ``on_event`` raises (the stream is left then;
         ``aclose`` aborts the request)."""
         on_event(await self.__anext__())
-        stream = self._stream
+        stream = as_pushing(self._stream)
         if self.finished:
             return
-        if not (isinstance(stream, Pushing) and stream.can_subscribe()):
+        if stream is None or not stream.can_subscribe():
             async for event in self:
                 on_event(event)
                 if self.finished:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast
 
 from llm_shared.contract import FinishEvent, StreamEvent
 from llm_shared.errors import EngineError
@@ -32,7 +32,6 @@ Delivered = StreamEvent | EngineError  # what a subscriber is called with; an er
 Subscriber = Callable[[Delivered], None]
 
 
-@runtime_checkable
 class Pushing(Protocol):
     """A stream that can deliver by callback: an ``EventChannel``, or a stream that hands its
     channel on (the torch tier's client, once its request is sent)."""
@@ -44,6 +43,12 @@ class Pushing(Protocol):
     def subscribe(self, callback: Subscriber) -> None: ...
 
     def unsubscribe(self) -> None: ...
+
+
+def as_pushing(stream: object) -> Pushing | None:
+    """``stream`` when it has ``Pushing``'s methods, else None: a plain attribute check, where
+    ``isinstance`` against the runtime-checkable Protocol walks its members (5-11 µs, on every turn)."""
+    return cast(Pushing, stream) if callable(getattr(stream, "can_subscribe", None)) else None
 
 
 class EventChannel:

@@ -30,7 +30,7 @@ from gateway.cascade.config import CascadeConfig
 from gateway.cascade.health import HealthMonitor
 from gateway.cascade.route import RouteInfo
 from gateway.metrics import GatewayMetrics
-from llm_shared.channel import Delivered, EventChannel, Pushing, Subscriber
+from llm_shared.channel import Delivered, EventChannel, Subscriber, as_pushing
 from llm_shared.contract import (
     Engine,
     FinishEvent,
@@ -160,8 +160,10 @@ class _CascadeStream:
         forward = self._forward
         if forward is None or self._done or self._subscriber is not None:
             return False
-        stream = forward.stream
-        return stream is None or (isinstance(stream, Pushing) and stream.can_subscribe())
+        if forward.stream is None:
+            return True
+        stream = as_pushing(forward.stream)
+        return stream is not None and stream.can_subscribe()
 
     def subscribe(self, callback: Subscriber) -> None:
         if not self.can_subscribe():
@@ -170,7 +172,7 @@ class _CascadeStream:
         self._subscriber = callback
         while self._prefix and self._subscriber is callback:
             callback(self._seen(self._prefix.popleft()))
-        stream = self._forward.stream
+        stream = as_pushing(self._forward.stream)
         if self._done or stream is None or self._subscriber is not callback:
             return
         flight = self._flight
@@ -180,13 +182,12 @@ class _CascadeStream:
                 flight.finished = True  # as ``_next`` marks it: nothing left to abort
             callback(self._seen(item) if not isinstance(item, EngineError) else item)
 
-        assert isinstance(stream, Pushing)
         stream.subscribe(delivered)
 
     def unsubscribe(self) -> None:
         self._subscriber = None
-        stream = self._forward.stream if self._forward is not None else None
-        if isinstance(stream, Pushing):
+        stream = as_pushing(self._forward.stream) if self._forward is not None else None
+        if stream is not None:
             stream.unsubscribe()
 
     async def aclose(self) -> None:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from llm_shared.channel import EventChannel
+from llm_shared.channel import EventChannel, as_pushing
 from llm_shared.contract import FinishEvent, TokenEvent
 from llm_shared.errors import EngineError, OverloadedError
 
@@ -109,3 +109,12 @@ async def test_a_waiting_iterator_wakes_on_put_and_on_fail() -> None:
     channel.fail(EngineError("gone"))
     with pytest.raises(EngineError, match="gone"):
         await asyncio.wait_for(waiting, 10)
+
+
+async def test_only_streams_with_the_pushing_methods_are_taken_as_pushing() -> None:
+    async def generated():  # type: ignore[no-untyped-def]
+        yield TokenEvent(1, "a", -0.1)
+
+    channel, stream = EventChannel(), generated()
+    assert as_pushing(channel) is channel and as_pushing(stream) is None and as_pushing(None) is None
+    await stream.aclose()
