@@ -12,7 +12,7 @@ import pytest
 from llm_shared.chat_template import ChatTemplate, validate_messages
 from llm_shared.errors import EmptyPromptError, InvalidRequestError, ModelFileError
 from llm_shared.modelfile import default_gguf_path
-from llm_shared.tokenizer import Tokenizer
+from llm_shared.tokenizer import TEMPLATE_CACHE_ENTRIES, Tokenizer
 from llm_shared.tokenizer_load import TokenizerParts, load_gguf
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -207,6 +207,21 @@ def test_chat_template_matches_chatml_and_llama_cpp_python(
 def test_encode_chat_equals_encoding_the_rendered_prompt(tok: Tokenizer, messages: list[dict[str, str]]) -> None:
     rendered = tok.apply_chat_template(messages)
     assert tok.encode_chat(messages) == tok.encode(rendered, special=True)
+
+
+@pytest.mark.model
+def test_what_the_template_writes_is_remembered_within_a_bound(parts: TokenizerParts) -> None:
+    """Template text is tokenized once and remembered, with a bound: a template that writes
+    something new around every message (here its position) leaves at most TEMPLATE_CACHE_ENTRIES
+    texts behind, and every prompt still encodes as its rendered text does."""
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ loop.index }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}<|im_start|>assistant\n")
+    tok = Tokenizer(replace(parts, chat_template=template))
+    messages = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i} says hi"} for i in range(400)]
+    for n in (1, 2, 400, 3):
+        assert tok.encode_chat(messages[:n]) == tok.encode(tok.apply_chat_template(messages[:n]), special=True)
+    assert tok._remembered_pieces.cache_info().currsize == TEMPLATE_CACHE_ENTRIES
+    assert tok._remembered_plain.cache_info().currsize <= TEMPLATE_CACHE_ENTRIES
 
 
 @pytest.mark.model
