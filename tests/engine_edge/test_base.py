@@ -7,9 +7,11 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import engine_edge
-from engine_edge.base import MAX_DRAFT_TOKENS, EdgeBackend, check_draft_request, check_prompt
+from engine_edge.base import MAX_DRAFT_TOKENS, EdgeBackend, check_draft_request, check_prompt, check_token_ids
 from llm_shared.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError, UnknownModelError
 
 
@@ -34,6 +36,20 @@ def test_check_prompt_rejects(prompt: object, error: type[Exception], param: str
     with pytest.raises(error) as info:
         check_prompt(prompt, 10, 5)  # type: ignore[arg-type]
     assert info.value.param == param  # type: ignore[attr-defined]
+
+
+@given(st.lists(st.one_of(st.integers(-3, 12), st.booleans(), st.floats(0, 9), st.just(None),
+                          st.integers(0, 9).map(np.int64)), max_size=8))
+def test_token_ids_are_accepted_exactly_when_each_is_an_integer_in_the_vocabulary(ids: list[object]) -> None:
+    """The fast path for plain ints and the one-by-one check agree: the first bad id is named."""
+    bad = [i for i, t in enumerate(ids)
+           if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 10]  # type: ignore[operator]
+    if bad:
+        with pytest.raises(InvalidRequestError, match=rf"p\[{bad[0]}\]"):
+            check_token_ids(ids, 10, param="p")  # type: ignore[arg-type]
+    else:
+        checked = check_token_ids(ids, 10, param="p")  # type: ignore[arg-type]
+        assert checked == tuple(int(t) for t in ids) and all(type(t) is int for t in checked)  # type: ignore[call-overload]
 
 
 def test_too_long_prompt_says_the_limit() -> None:
