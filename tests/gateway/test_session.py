@@ -315,5 +315,8 @@ def test_event_ids_count_up_per_session_and_what_clients_can_name_stays_random()
     assert len(set(events)) == 2000 and all(e.startswith("event_") for e in events)
     items = [first("item") for _ in range(3)]
     assert len(set(items)) == 3
+    # Drawn in batches from the OS's generator: still distinct, and the same length, past a batch.
+    many = [first(prefix) for _ in range(SessionIds.BATCH + 5) for prefix in ("item", "resp")]
+    assert len(set(many + items)) == len(many) + 3 and {len(i) for i in many if i.startswith("item_")} == {21}
     tags = {e[len("event_"):len("event_") + 12] for e in events}
     assert not any(tag in item for tag in tags for item in items)
