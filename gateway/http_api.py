@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway import json_wire
 from gateway.auth import AuthError, RateLimitedError, origin_allowed
 from gateway.chat_schema import (
     ChatRequest,
@@ -281,7 +282,7 @@ async def _stream_events(response: web.StreamResponse, state: GatewayState, req:
     timeout = state.config.server.sse_write_timeout_s
 
     async def send(obj: Any) -> None:
-        await _write(response, b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n", timeout)
+        await _write(response, b"data: " + json_wire.dumps_bytes(obj) + b"\n\n", timeout)
 
     await send(chunk(ids, {"role": "assistant", "content": ""}, include_usage=usage))
     pending: list[dict[str, Any]] = []  # logprobs of tokens whose text is not printable yet

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import msgpack
 
+from gateway import json_wire
 from gateway.ws.server_events import ServerEvent, TextDelta
 from llm_shared.errors import APIError
 
@@ -26,9 +27,8 @@ MAX_CONTAINER_LEN = 4096
 MAX_MAP_LEN = 256
 
 Encoding = Literal["json", "msgpack"]
-# One encoder for every event sent: ``json.dumps`` with options builds a new one per call.
-_JSON_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-_json_string = json.encoder.encode_basestring  # what that encoder uses for str (C), for the delta's fast path
+# A str as ``json_wire.dumps`` writes it (the same escapes, checked for every code point), for the delta's fast path.
+_json_string = json.encoder.encode_basestring
 
 
 class DecodeError(APIError):
@@ -149,4 +149,4 @@ class FrameCodec:
     def encode(self, event: dict[str, Any]) -> str | bytes:
         if self.encoding == "msgpack":
             return self._packer.pack(event)
-        return _JSON_ENCODER.encode(event)
+        return json_wire.dumps(event)

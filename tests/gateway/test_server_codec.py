@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway import json_wire
 from gateway.ws.codec import MAX_DEPTH, DecodeError, FrameCodec
 from gateway.ws.server_events import TextDelta
 
@@ -104,3 +105,25 @@ def test_a_delta_is_encoded_as_its_dict_would_be(delta: str, ids: str, index: in
                       delta=delta)
     assert JSON.encode_event(event) == JSON.encode(event.to_wire())
     assert msgpack.unpackb(MSGPACK.encode_event(event)) == event.to_wire()
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 63) - 1) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=30)
+
+
+@given(value=JSON_VALUES)
+@settings(max_examples=300, deadline=None)
+def test_events_are_written_as_compact_utf8_json_of_the_same_value(value: object) -> None:
+    sent = json_wire.dumps(value)
+    assert json.loads(sent) == value and json_wire.dumps_bytes(value) == sent.encode()
+    if isinstance(value, str):  # strings exactly as the standard library writes them (the delta fast path relies on it)
+        assert sent == json.dumps(value, ensure_ascii=False)
+
+
+def test_what_orjson_refuses_is_written_by_the_standard_library() -> None:
+    assert json_wire.dumps({"n": 1 << 70}) == '{"n":1180591620717411303424}'
+    assert json_wire.dumps(["a\ud800b"]) == '["a\ud800b"]'
+    assert json_wire.dumps_bytes(["a\ud800b"]) == b'["a?b"]'
