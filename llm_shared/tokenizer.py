@@ -166,7 +166,7 @@ class Tokenizer:
             run.append(checked[int(match.group(2))]["content"])
             pos = match.end()
         self._add_template_text(rendered[pos:], run, ids)
-        ids += self.encode("".join(run), special=False)
+        ids += self._encode_run(run)
 
         unmasked = template.render(checked, add_generation_prompt=add_generation_prompt)
         if self.decode(ids) != unmasked:
@@ -177,19 +177,22 @@ class Tokenizer:
         return ids
 
     def _add_template_text(self, text: str, run: list[str], ids: list[int]) -> None:
-        """Emit the special tokens in template-written ``text``; ordinary text goes on the run.
-        A run that is template text alone (no content in it) is encoded through the cache."""
-        short = len(text) <= TEMPLATE_CACHE_MAX_CHARS
-        pieces, rest = (self._remembered_pieces if short else self._template_pieces)(text)
+        """Emit the special tokens in template-written ``text``; ordinary text goes on the run."""
+        pieces, rest = (self._remembered_pieces if len(text) <= TEMPLATE_CACHE_MAX_CHARS
+                        else self._template_pieces)(text)
         for before, special_id in pieces:
-            if run:
-                run.append(before)
-                ids += self.encode("".join(run), special=False)
-                run.clear()
-            else:
-                ids += self._remembered_plain(before) if short else self._plain_ids(before)
+            run.append(before)
+            ids += self._encode_run(run)
+            run.clear()
             ids.append(special_id)
         run.append(rest)
+
+    def _encode_run(self, run: list[str]) -> Sequence[int]:
+        """The ids of a run of ordinary text. One piece is template text alone (a content always
+        comes with the template text before it), and is encoded through the cache."""
+        if len(run) == 1 and len(run[0]) <= TEMPLATE_CACHE_MAX_CHARS:
+            return self._remembered_plain(run[0])
+        return self.encode("".join(run), special=False)
 
     def _template_pieces(self, text: str) -> tuple[tuple[tuple[str, int], ...], str]:
         """``text`` split at its special tokens: (the ordinary text before one, its id) pairs, and
