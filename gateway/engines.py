@@ -152,15 +152,17 @@ async def encode_chat(engine: Engine, messages: Sequence[Mapping[str, str]],
     With ``max_prompt_tokens`` (the most the serving tiers could take: ``router.prompt_token_limit``),
     a prompt that certainly has more tokens is refused before any tokenizing, with the error the
     tier's own check gives: its rendered bytes over the longest token's bytes
-    (``Tokenizer.min_chat_tokens``) is a lower bound on its length."""
+    (``Tokenizer.min_tokens``) is a lower bound on its length."""
     tokenizer = engine.tokenizer
+    rendered = None
     if max_prompt_tokens is not None:
-        at_least = tokenizer.min_chat_tokens(messages)
+        rendered = tokenizer.apply_chat_template(messages)  # rendered once, for the bound and the encoding
+        at_least = tokenizer.min_tokens(rendered)
         if at_least > max_prompt_tokens:
             raise PromptTooLongError(
                 f"the prompt has at least {at_least} tokens but this model's context leaves room for at most "
                 f"{max(max_prompt_tokens, 0)} prompt tokens with the requested output tokens; shorten the conversation "
                 "or ask for fewer output tokens", param="messages")
     if sum(len(m.get("content", "")) for m in messages) > INLINE_TOKENIZE_CHARS:
-        return await asyncio.to_thread(tokenizer.encode_chat, messages)
-    return tokenizer.encode_chat(messages)
+        return await asyncio.to_thread(tokenizer.encode_chat, messages, rendered=rendered)
+    return tokenizer.encode_chat(messages, rendered=rendered)

@@ -136,7 +136,8 @@ class Tokenizer:
         return self._require_template().render(checked, add_generation_prompt=add_generation_prompt)
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True,
+        rendered: str | None = None,
     ) -> list[int]:
         """Token ids of the chat prompt, with message contents encoded as ordinary text.
 
@@ -146,6 +147,8 @@ class Tokenizer:
         as ``encode(rendered, special=True)`` would, so ordinary prompts get identical ids
         (whitespace next to a content may merge with it). If the template alters contents (so
         substituting them back would not reproduce its output), this refuses rather than guess.
+        ``rendered``: ``apply_chat_template`` of the same messages, when the caller already has it
+        (checking a length bound first), so the template is not rendered for that once more.
         """
         checked = validate_messages(messages)
         template = self._require_template()
@@ -154,22 +157,23 @@ class Tokenizer:
             {"role": m["role"], "content": f"{_SENTINEL_OPEN}{nonce}:{i}{_SENTINEL_CLOSE}"}
             for i, m in enumerate(checked)
         ]
-        rendered = template.render(masked, add_generation_prompt=add_generation_prompt)
+        with_sentinels = template.render(masked, add_generation_prompt=add_generation_prompt)
 
         ids: list[int] = []
         run: list[str] = []  # ordinary text since the last special token
         pos = 0
-        for match in _SENTINEL.finditer(rendered):
+        for match in _SENTINEL.finditer(with_sentinels):
             if match.group(1) != nonce:
                 continue  # not ours: template text that only looks like a sentinel
-            self._add_template_text(rendered[pos:match.start()], run, ids)
+            self._add_template_text(with_sentinels[pos:match.start()], run, ids)
             run.append(checked[int(match.group(2))]["content"])
             pos = match.end()
-        self._add_template_text(rendered[pos:], run, ids)
+        self._add_template_text(with_sentinels[pos:], run, ids)
         ids += self._encode_run(run)
 
-        unmasked = template.render(checked, add_generation_prompt=add_generation_prompt)
-        if self.decode(ids) != unmasked:
+        if rendered is None:
+            rendered = template.render(checked, add_generation_prompt=add_generation_prompt)
+        if self.decode(ids) != rendered:
             raise InvalidRequestError(
                 "the model's chat template transforms message contents, so they cannot be encoded safely",
                 param="messages",

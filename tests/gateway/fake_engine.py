@@ -39,15 +39,18 @@ class FakeTokenizer:
         self.chat_delay_s = chat_delay_s  # a slow encode_chat, as a real tokenizer is on a long prompt
         self.chat_encodes = 0  # encode_chat calls (a prompt refused before tokenizing adds none)
 
-    def min_chat_tokens(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> int:
-        """The real tokenizer's lower bound: the rendered prompt's UTF-8 bytes over the longest token's."""
-        text = self._render(validate_messages(messages), add_generation_prompt)
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        return self._render(validate_messages(messages), add_generation_prompt)
+
+    def min_tokens(self, text: str) -> int:
+        """The real tokenizer's lower bound: the text's UTF-8 bytes over the longest token's."""
         return -(-len(text.encode("utf-8", errors="surrogatepass")) // self.max_token_bytes)
 
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         return [ord(c) for c in text]
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True,
+                    rendered: str | None = None) -> list[int]:
         checked = validate_messages(messages)
         self.chat_encodes += 1
         if self.chat_delay_s:

@@ -248,6 +248,9 @@ def test_encode_chat_refuses_a_template_that_rewrites_content(parts: TokenizerPa
     )
     with pytest.raises(InvalidRequestError, match="transforms message contents"):
         tok.encode_chat([{"role": "user", "content": " hi "}])
+    rewritten = [{"role": "user", "content": " hi "}]  # the caller's own render (a length bound first) is checked as well
+    with pytest.raises(InvalidRequestError, match="transforms message contents"):
+        tok.encode_chat(rewritten, rendered=tok.apply_chat_template(rewritten))
 
 
 @pytest.mark.model
