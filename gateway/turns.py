@@ -24,7 +24,7 @@ from gateway.cascade.route import RouteInfo
 from gateway.cascade.router import Router, prompt_token_limit
 from gateway.engines import encode_chat
 from gateway.metrics import GatewayMetrics
-from llm_shared.channel import as_pushing
+from llm_shared.channel import EventChannel, as_pushing
 from llm_shared.contract import (
     Engine,
     FinishEvent,
@@ -243,7 +243,12 @@ class Turn:
     async def aclose(self) -> None:
         """Abort the request unless it finished or was aborted, then close the engine's stream
         (its clean-up runs now rather than whenever the generator is collected). Shielded: a
-        caller cancelled because its client left must still free the engine's work."""
+        caller cancelled because its client left must still free the engine's work. A finished
+        turn on a channel that ended has nothing left to free (``EventChannel``'s doc): it costs
+        no task then, which most turns are."""
+        if self.finished and isinstance(self._stream, EventChannel) and self._stream.ended:
+            self._settle(self._tokens)
+            return
         await asyncio.shield(self._close())
 
     def _settle(self, used: int) -> None:
