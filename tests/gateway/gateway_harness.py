@@ -180,3 +180,9 @@ async def sdk_turn(base_url: str, text: str, *, max_output_tokens: int, instruct
             elif event.type == "response.done":
                 return streamed, event.response
     raise AssertionError("the connection closed before response.done")
+
+
+def sse_chunks(body: str) -> list[dict[str, Any]]:
+    """The JSON objects of a chat-completions SSE body (``data: {...}`` lines), in order; the
+    ``data: [DONE]`` line is not one of them."""
+    return [json.loads(line[len("data: "):]) for line in body.split("\n") if line.startswith("data: {")]

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import websockets
 from fake_engine import FakeEngine
-from gateway_harness import MODEL, make_config, recv_json, recv_until, running_gateway, send, user_item
+from gateway_harness import MODEL, make_config, recv_json, recv_until, running_gateway, send, sse_chunks, user_item
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway import server as gateway_server
@@ -141,7 +141,7 @@ async def test_drain_waits_for_a_streaming_chat_completion() -> None:
         assert not draining.done()  # the completion is still running
         engine.release.set()
         body = (await asyncio.wait_for(sse.read(), WAIT_S)).decode()
-        assert '"finish_reason": "stop"' in body and body.endswith("data: [DONE]\n\n")
+        assert sse_chunks(body)[-1]["choices"][0]["finish_reason"] == "stop" and body.endswith("data: [DONE]\n\n")
         await asyncio.wait_for(draining, WAIT_S)
         assert engine.aborts == []
 

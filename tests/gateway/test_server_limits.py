@@ -7,7 +7,7 @@ import socket
 import aiohttp
 import websockets
 from fake_engine import FakeEngine
-from gateway_harness import MODEL, recv_json, recv_until, running_gateway, send, user_item
+from gateway_harness import MODEL, recv_json, recv_until, running_gateway, send, sse_chunks, user_item
 
 
 async def test_oversized_frame_closes_with_1009() -> None:
@@ -87,7 +87,7 @@ async def test_graceful_shutdown_ends_responses_and_closes_with_1001() -> None:
             await sse.content.readline()
             await gw.server.stop()
             tail = (await sse.read()).decode()
-        assert '"code": "server_shutdown"' in tail and tail.endswith("data: [DONE]\n\n")
+        assert sse_chunks(tail)[-1]["error"]["code"] == "server_shutdown" and tail.endswith("data: [DONE]\n\n")
         events = await recv_until(ws, "response.done")
         done = events[-1]["response"]
         assert done["status"] == "cancelled" and done["status_details"]["reason"] == "server_shutdown"
