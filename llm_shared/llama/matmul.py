@@ -45,8 +45,10 @@ def _bucket(rows: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias), computed the tuned way for this shape."""
-    if _TRANSPOSED and x.device.type == "cpu":
+    """``F.linear(x, weight)`` (no bias), computed the tuned way for this shape. Never while the
+    model is traced (``torch.export``, the ONNX exporter, ``torch.compile``): the choice is this
+    CPU's, and it branches on the row count, which a traced graph keeps symbolic."""
+    if _TRANSPOSED and x.device.type == "cpu" and not torch.compiler.is_compiling():
         rows = x.numel() // x.shape[-1]
         key = (weight.shape[0], weight.shape[1], weight.dtype, _bucket(rows))
         if rows > 1 and key in _TRANSPOSED:

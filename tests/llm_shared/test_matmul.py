@@ -55,3 +55,24 @@ def test_tuning_decisions_are_reused_from_the_load_cache(tmp_path: Path, monkeyp
     assert matmul._TRANSPOSED == decided and again.outcomes == {"matmul": "hit"}
     with pytest.raises(AssertionError, match="timed again"):  # other shapes: another entry
         matmul.tune([torch.randn(48, 32)], cache=again)
+
+
+def test_a_traced_model_takes_the_plain_form_whatever_this_cpu_tuned() -> None:
+    """The tuned choice is this CPU's and branches on the row count: an exported graph (ONNX goes
+    through torch.export) must not carry it, nor fail on it because an engine in the same process
+    tuned its shapes first (it did: the ONNX export's tests failed after the torch engine's)."""
+    w = torch.randn(96, 40)
+    matmul._TRANSPOSED.update({(96, 40, torch.float32, bucket) for bucket in matmul.ROW_BUCKETS})
+
+    class Projection(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return matmul.linear(x, w)
+
+    x = torch.randn(1, 5, 40)
+    rows = torch.export.Dim("rows", max=512)
+    exported = torch.export.export(Projection(), (x,), dynamic_shapes={"x": {1: rows}})
+    targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert not any("mm" in t and "linear" not in t for t in targets), targets
+    for n in (1, 3, 40):
+        y = torch.randn(1, n, 40)
+        torch.testing.assert_close(exported.module()(y), F.linear(y, w), rtol=1e-5, atol=1e-5)
