@@ -126,7 +126,7 @@ class LlamaWorker:
         self._counters = {"steps": 0, "tokens_generated": 0, "prompt_tokens": 0,
                           "draft_tokens_reused": 0, "draft_prefill_tokens": 0, "errors": 0, "restore_ms_total": 0,
                           "preemptions": 0}
-        self.snapshot: dict[str, float] = {}  # replaced (never mutated) after every step
+        self.snapshot: dict[str, float] = {}  # replaced (never mutated) after every step and before a FinishEvent
         self._publish()
 
     @property
@@ -209,6 +209,7 @@ class LlamaWorker:
             return
         cmd = self._waiting_cmds.pop(request_id, None)
         if cmd is not None:  # its heap entry is skipped when it surfaces
+            self._publish()  # no longer waiting, before its finish is read
             cmd.sink.put(FinishEvent("abort", prompt_tokens=len(cmd.prompt), completion_tokens=0, tier="edge"))
 
     # ---- admission -----------------------------------------------------------------------------
@@ -428,6 +429,8 @@ class LlamaWorker:
             self._preempted.remove(seq)
         else:
             self._release_slot(seq, reason)
+        # Stats first: whoever reads the FinishEvent must not still see the request's cells in use.
+        self._publish()
         seq.cmd.sink.put(FinishEvent(reason, prompt_tokens=len(seq.cmd.prompt), completion_tokens=seq.n_generated,
                                      cached_tokens=seq.n_reused, text=tail, message=message, tier="edge"))
 

@@ -218,6 +218,25 @@ async def test_abort_stops_within_one_step_and_frees_kv(backend: LlamaCppBackend
     await backend.abort("never-existed")
 
 
+async def test_a_finished_turn_is_out_of_the_stats_before_its_finish_is_sent(
+        backend: LlamaCppBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever reads a FinishEvent sees stats without its request. The worker used to publish them
+    at the end of its step, after the event had gone to the event loop: a reader could still count
+    the finished turn as running with its cells in use (a loaded machine did). Recorded here at the
+    moment the worker builds the FinishEvent, so the check does not depend on thread timing."""
+    at_finish: list[dict[str, float]] = []
+    real = worker_module.FinishEvent
+
+    def recording(*args: object, **kwargs: object) -> FinishEvent:
+        at_finish.append(backend._worker.snapshot)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker_module, "FinishEvent", recording)
+    await collect(backend, "stats-at-finish", chat(backend, "Say hello."))
+    assert at_finish and at_finish[-1]["running"] == 0.0
+    assert at_finish[-1]["kv_cells_used"] == backend.stats()["kv_cells_used"]
+
+
 async def test_consumer_leaving_frees_the_sequence(backend: LlamaCppBackend) -> None:
     stream = backend.generate("leaver", chat(backend, "Say hello."),
                               SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
