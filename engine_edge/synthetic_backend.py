@@ -145,13 +145,12 @@ class SyntheticEngine:
             await asyncio.sleep(max(0.0, next_step - loop.time()))
             self._steps += 1
             for request_id, stream in list(self._streams.items()):
-                if stream.verified:  # its first step: the drafts it agreed with, and one token of its own
-                    for _ in range(stream.verified):
-                        if not stream.finished:
-                            self._step(request_id, stream)
-                    stream.verified = 0
-                if not stream.finished:
+                # A token a step; a first step also streams the drafts it agreed with.
+                for _ in range(1 + stream.verified):
+                    if stream.finished:
+                        break
                     self._step(request_id, stream)
+                stream.verified = 0
 
     def _step(self, request_id: str, stream: _Stream) -> None:
         token_id = self._answer[stream.produced % len(self._answer)]

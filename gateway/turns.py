@@ -243,9 +243,9 @@ class Turn:
     async def aclose(self) -> None:
         """Abort the request unless it finished or was aborted, then close the engine's stream
         (its clean-up runs now rather than whenever the generator is collected). Shielded: a
-        caller cancelled because its client left must still free the engine's work. A finished
-        turn on a channel that ended has nothing left to free (``EventChannel``'s doc): it costs
-        no task then, which most turns are."""
+        caller cancelled because its client left must still free the engine's work. Most turns
+        end on a channel that ended, which holds nothing more (``EventChannel``'s doc): those close
+        at once, without a task."""
         if self.finished and isinstance(self._stream, EventChannel) and self._stream.ended:
             self._settle(self._tokens)
             return
