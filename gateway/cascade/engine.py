@@ -115,7 +115,6 @@ class _CascadeStream:
         self._prefix: deque[StreamEvent] = deque()
         self._done = False  # the turn's FinishEvent was given on
         self._ended = False
-        self._recorded = False  # the serving stage's at_end ran
         self._subscriber: Subscriber | None = None
 
     def __aiter__(self) -> _CascadeStream:
@@ -150,9 +149,9 @@ class _CascadeStream:
     def _over(self) -> None:
         """The turn is over for the cascade (finished, or left): its metrics, and the flight goes."""
         forward = self._forward
-        if forward is not None and forward.at_end is not None and not self._recorded:
-            self._recorded = True
-            forward.at_end()
+        if forward is not None and forward.at_end is not None:
+            at_end, forward.at_end = forward.at_end, None  # once
+            at_end()
         if self._cascade._flights.get(self._request_id) is self._flight:
             del self._cascade._flights[self._request_id]
 
