@@ -86,20 +86,49 @@ def machine_busy_s() -> float:
 
 def cpu_facts() -> dict[str, Any]:
     """This machine's CPU, for every benchmark's output: the same machine kind comes with
-    different CPUs from day to day, and figures compare only within one run."""
+    different CPUs from day to day (two "AMD EPYC" sessions differed 1.6x in the gateway's CPU a
+    delta), and figures compare only within one run. ``model`` carries the family, model and clock
+    where the name alone is generic; ``python_ref_ms`` times a fixed piece of pure Python here, so
+    figures of different sessions can at least be read against each machine's speed."""
     flags: set[str] = set()
-    model = platform.processor() or platform.machine()
+    name = platform.processor() or platform.machine()
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
+            key = key.strip()
+            if key == "flags":
                 flags = set(value.split())
+            elif key not in info:  # the first processor's
+                info[key] = value.strip()
     except OSError:
         pass  # not Linux: the model name from platform is all there is
+    name = info.get("model name", name)
+    ids = [f"{k} {info[k]}" for k in ("cpu family", "model", "stepping") if info.get(k)]
+    if "cpu MHz" in info:
+        ids.append(f"{float(info['cpu MHz']):.0f} MHz")
     wanted = ("avx2", "avx512f", *BF16_CPU_FLAGS)
-    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
+    return {"model": f"{name} ({', '.join(ids)})" if ids else name, "cores": os.cpu_count(),
+            "flags": [f for f in wanted if f in flags], "python_ref_ms": round(python_reference_ms(), 2)}
+
+
+def python_reference_ms(repeat: int = 5) -> float:
+    """Milliseconds this machine takes (best of ``repeat``) for a fixed piece of pure Python shaped
+    like a server's per-event work: calls, small objects, f-strings, dict updates."""
+
+    def work() -> int:
+        seen: dict[str, int] = {}
+        for i in range(20_000):
+            key = f"event_{i:x}"
+            seen[key] = len(key) + seen.get(key[:-1], 0)
+        return len(seen)
+
+    best = math.inf
+    for _ in range(repeat):
+        started = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
 
 
 def cpu_dtype(requested: str = "auto") -> str:

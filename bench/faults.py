@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in summary_lines(result):
         print(line)
     figures = {k: _rounded(v) for k, v in result["headline"].items()}
-    print(json.dumps({**figures, "cpu": result["cpu"]["model"]}))
+    print(json.dumps({**figures, "cpu": result["cpu"]["model"],
+                      "python_ref_ms": result["cpu"]["python_ref_ms"]}))
     progress(f"wrote {args.out.relative_to(REPO_ROOT) if args.out.is_relative_to(REPO_ROOT) else args.out}")
     return 1 if any("error" in arm for arm in result["arms"].values()) else 0
 

@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['soak_leaked_kv']:.0f}")
     figures = {k: result[k] for k in ("soak_rss_growth", "soak_turns", "soak_hung", "soak_leaked_kv")}
     print(json.dumps({**{k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()},
-                      "cpu": result["cpu"]["model"]}))
+                      "cpu": result["cpu"]["model"],
+                      "python_ref_ms": result["cpu"]["python_ref_ms"]}))
     return 0
 
 
