@@ -10,10 +10,11 @@ import pytest
 
 from engine_edge import create_backend
 from engine_edge.config import EdgeConfig
-from engine_edge.synthetic_backend import SyntheticEngine
+from engine_edge.synthetic_backend import ANSWER, SyntheticEngine
 from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent
 from llm_shared.errors import InvalidRequestError, OverloadedError
 from llm_shared.modelfile import default_gguf_path
+from llm_shared.textstream import TextStream
 
 pytestmark = pytest.mark.model
 
@@ -88,3 +89,28 @@ async def test_as_the_torch_tier_it_streams_the_drafts_it_agrees_with_in_its_fir
     finally:
         await gpu.close()
         await edge.close()
+
+
+async def test_a_stream_without_stop_strings_gets_what_its_own_detokenizer_would_give() -> None:
+    """Without stop strings a stream is sent the answer's events made once (the engine's own work
+    kept off the gateway's figures): the same ids and texts as a stream detokenizing its own, over
+    more than one round of the answer."""
+    engine = create_backend(EdgeConfig(backend="synthetic", synthetic_tokens_per_s=2000, synthetic_max_streams=2),
+                            default_gguf_path())
+    try:
+        tokenizer = engine.tokenizer
+        prompt = tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+        rounds = len(tokenizer.encode(ANSWER)) * 2 + 3
+        plain, stopped = await asyncio.gather(
+            collect(engine.generate("p", prompt, SamplingParams(max_tokens=rounds))),
+            collect(engine.generate("s", prompt, SamplingParams(max_tokens=rounds, stop=("\u2603",)))))
+        tokens = [e for e in plain if isinstance(e, TokenEvent)]
+        assert [(e.token_id, e.text) for e in tokens] == [(e.token_id, e.text) for e in stopped
+                                                         if isinstance(e, TokenEvent)]
+        own = TextStream(tokenizer)
+        assert [e.text for e in tokens] == [own.push(e.token_id)[0] for e in tokens]
+        assert "".join(e.text for e in tokens) == tokenizer.decode([e.token_id for e in tokens], skip_special=True)
+        assert plain[-1].reason == "length" and plain[-1].completion_tokens == rounds and plain[-1].text == ""
+        assert ANSWER.strip() in "".join(e.text for e in tokens)
+    finally:
+        await engine.close()
