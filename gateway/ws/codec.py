@@ -84,6 +84,10 @@ class FrameCodec:
     # msgpack's module-level packb builds a Packer per call; one per connection is reused.
     _packer: msgpack.Packer = field(default_factory=lambda: msgpack.Packer(use_bin_type=True), init=False,
                                     repr=False, compare=False)
+    # A text delta's JSON but for its event id and text, per content part: the same for every token
+    # of a response, so it is escaped once rather than per token. Holds the latest part's only.
+    _delta_heads: dict[tuple[str, str, str, int, int], tuple[str, str]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def decode_text(self, data: str) -> dict[str, Any]:
         if self.encoding != "json":
@@ -140,10 +144,15 @@ class FrameCodec:
         """The frame of one server event. A text delta (one per token) is written out directly in
         JSON, byte for byte what ``encode(event.to_wire())`` gives, without the dict."""
         if type(event) is TextDelta and self.encoding == "json":
-            return (f'{{"type":{_json_string(event.type)},"event_id":{_json_string(event.event_id)},'
-                    f'"response_id":{_json_string(event.response_id)},"item_id":{_json_string(event.item_id)},'
-                    f'"output_index":{event.output_index:d},"content_index":{event.content_index:d},'
-                    f'"delta":{_json_string(event.delta)}}}')
+            part = (event.type, event.response_id, event.item_id, event.output_index, event.content_index)
+            head = self._delta_heads.get(part)
+            if head is None:
+                self._delta_heads.clear()
+                head = self._delta_heads[part] = (
+                    f'{{"type":{_json_string(event.type)},"event_id":',
+                    f',"response_id":{_json_string(event.response_id)},"item_id":{_json_string(event.item_id)},'
+                    f'"output_index":{event.output_index:d},"content_index":{event.content_index:d},"delta":')
+            return f"{head[0]}{_json_string(event.event_id)}{head[1]}{_json_string(event.delta)}}}"
         return self.encode(event.to_wire())
 
     def encode(self, event: dict[str, Any]) -> str | bytes:

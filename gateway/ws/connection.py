@@ -30,7 +30,7 @@ from gateway.ws.codec import DecodeError, FrameCodec
 from gateway.ws.outbox import Outbox
 from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent, TextDelta
 from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
-from llm_shared.contract import Engine, FinishEvent, Priority, StreamEvent
+from llm_shared.contract import Engine, FinishEvent, Priority, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,11 @@ class TransportWriter:
         if self._ws.closed or self._transport.is_closing():
             raise ConnectionResetError("the WebSocket is closing")
         self._transport.write(b"".join(map(frame_bytes, frames)))
+
+    def write_one(self, frame: str | bytes) -> None:
+        if self._ws.closed or self._transport.is_closing():
+            raise ConnectionResetError("the WebSocket is closing")
+        self._transport.write(frame_bytes(frame))
 
 
 class RealtimeConnection:
@@ -411,12 +416,23 @@ class RealtimeConnection:
         """One engine event of ``turn``, called from the engine's step (``Turn.run``): into the
         session, and its events out at once."""
         rid = turn.request_id
-        if isinstance(event, FinishEvent):
-            self.session.route(rid, turn.route.metadata())
-            self.session.engine_event(rid, event)
-            self.session.rate_limits(self._limiter.snapshot(self.key_id))
+        session = self.session
+        if type(event) is TokenEvent and not self._pump_lock.locked():
+            # Most events: a token whose one event is its delta, with nothing ahead of it (no pump
+            # holding drained events while it awaits an abort, nothing queued in the session).
+            delta = session.engine_token(rid, event)
+            if delta is not None:
+                if self._outbox.send_now(delta):
+                    return
+                self._queue([delta])
+                if not (session.has_commands or session.has_events):  # e.g. cancelled as too slow
+                    return
+        elif isinstance(event, FinishEvent):
+            session.route(rid, turn.route.metadata())
+            session.engine_event(rid, event)
+            session.rate_limits(self._limiter.snapshot(self.key_id))
         else:
-            self.session.engine_event(rid, event)
+            session.engine_event(rid, event)
         self._pump_soon()
 
     def _pump_soon(self) -> None:

@@ -61,6 +61,10 @@ class DirectWriter(Protocol):
         """Write ``frames`` in order, at once; raises ConnectionError when the peer is gone."""
         ...
 
+    def write_one(self, frame: Frame) -> None:
+        """``write([frame])``, without the list."""
+        ...
+
 
 class Outbox:
     def __init__(self, encode: Callable[[ServerEvent], Frame], *, high: int, limit: int, max_bytes: int,
@@ -115,6 +119,20 @@ class Outbox:
             return
         for event in events:
             self.put(event)
+
+    def send_now(self, event: ServerEvent) -> bool:
+        """The fast lane for one event (a token's delta): written at once and True when nothing is
+        queued and the socket takes it now; False, and nothing done, otherwise (``put`` it)."""
+        direct = self._direct
+        if direct is None or self._items or self._closed or not direct.writable():
+            return False
+        try:
+            direct.write_one(self._encode(event))
+        except ConnectionError:
+            self.discard()  # the client is gone: the reader sees the close next
+            return True
+        self.written_directly += 1
+        return True
 
     def put(self, event: ServerEvent) -> None:
         """Queue one server event (dropped once the outbox is closed)."""

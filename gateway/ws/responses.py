@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.ws.conversation import Conversation, Item
-from gateway.ws.server_events import Emitter
+from gateway.ws.server_events import Emitter, TextDelta
 from gateway.ws.wire import item_wire, response_wire, usage_wire
 from llm_shared.contract import FinishEvent
 
@@ -57,6 +57,18 @@ class ResponseStream:
         self.tokens += 1
         if text:
             self._delta(text)
+
+    def token_delta(self, text: str) -> TextDelta | None:
+        """``token`` in the common case, a token with text once the message is open: its one event,
+        the delta, is returned rather than queued (the caller sends it next). None where ``token``
+        would queue something else too (the message's opening events) or nothing."""
+        item = self.item
+        if item is None or not text:
+            self.token(text)
+            return None
+        self.tokens += 1
+        item.parts[0] += text
+        return self._events.make_text_delta(self.id, item.id, 0, 0, text)
 
     def annotate(self, metadata: dict[str, str]) -> None:
         """Extension keys added to the client's metadata in ``response.done``."""

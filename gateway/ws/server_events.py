@@ -104,6 +104,7 @@ class Emitter:
         self._ids = ids
         self._beta = beta
         self._events: list[ServerEvent] = []
+        self._delta_name = event_name("response.output_text.delta", beta)
 
     @property
     def pending(self) -> bool:
@@ -118,8 +119,14 @@ class Emitter:
 
     def text_delta(self, *, response_id: str, item_id: str, output_index: int, content_index: int,
                    delta: str) -> None:
-        self._events.append(TextDelta(event_name("response.output_text.delta", self._beta), self._ids("event"),
-                                      response_id, item_id, output_index, content_index, delta))
+        self._events.append(self.make_text_delta(response_id, item_id, output_index, content_index, delta))
+
+    def make_text_delta(self, response_id: str, item_id: str, output_index: int, content_index: int,
+                        delta: str) -> TextDelta:
+        """The next text delta, numbered in this session's order but not queued: for a caller that
+        sends it itself, in this order, before anything emitted after it."""
+        return TextDelta(self._delta_name, self._ids("event"), response_id, item_id, output_index, content_index,
+                         delta)
 
     def response_done(self, response: dict[str, Any], status: str, *, reason: str | None,
                       error_code: str | None) -> None:

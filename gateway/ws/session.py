@@ -37,7 +37,7 @@ from gateway.ws.events import (
     parse_client_event,
 )
 from gateway.ws.responses import ResponseStream
-from gateway.ws.server_events import Emitter, ServerEvent
+from gateway.ws.server_events import Emitter, ServerEvent, TextDelta
 from gateway.ws.wire import SessionView, item_wire, session_wire
 from llm_shared.contract import FinishEvent, SamplingParams, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError
@@ -191,6 +191,25 @@ class RealtimeSession:
             logger.exception("internal error handling an engine event of %s", response_id)
             self._abandon(response)
         self._settle()
+
+    def engine_token(self, response_id: str, event: TokenEvent) -> TextDelta | None:
+        """``engine_event`` for a token, in its common case without the queue: when nothing else
+        is waiting to be sent and the token's only event is its delta, the delta is returned and
+        the caller sends it at once. Otherwise (the response's first output, an event or command
+        already waiting, a token of no text, another response) the token goes through
+        ``engine_event`` and None is returned: drain as usual."""
+        response = self._active
+        if response is None or response.id != response_id or self._events.pending or self._commands:
+            self.engine_event(response_id, event)
+            return None
+        try:
+            delta = response.token_delta(event.text)
+        except Exception:  # as in engine_event: a bug here ends this response, not the connection
+            logger.exception("internal error handling a token of %s", response_id)
+            self._abandon(response)
+            self._settle()
+            return None
+        return delta
 
     def route(self, response_id: str, metadata: dict[str, str]) -> None:
         """How routing served ``response_id`` (our ``x_`` keys), for its ``response.done`` metadata."""

@@ -1,5 +1,6 @@
 """Frame decoding: JSON and msgpack events in, typed DecodeErrors (never crashes) for the rest."""
 
+import dataclasses
 import json
 
 import msgpack
@@ -105,6 +106,9 @@ def test_a_delta_is_encoded_as_its_dict_would_be(delta: str, ids: str, index: in
                       delta=delta)
     assert JSON.encode_event(event) == JSON.encode(event.to_wire())
     assert msgpack.unpackb(MSGPACK.encode_event(event)) == event.to_wire()
+    # The next token of the same part reuses what was escaped for the first.
+    later = dataclasses.replace(event, event_id=ids + "+1", delta=delta[::-1] + '"')
+    assert JSON.encode_event(later) == JSON.encode(later.to_wire())
 
 
 JSON_VALUES = st.recursive(

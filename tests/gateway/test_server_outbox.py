@@ -123,6 +123,9 @@ class Socket:
             raise ConnectionResetError("peer gone")
         self.writes.append([json.loads(f) for f in frames])
 
+    def write_one(self, frame: str) -> None:
+        self.write([frame])
+
 
 def with_socket(high: int = 3) -> tuple[Outbox, Socket]:
     sock = Socket()
@@ -148,6 +151,24 @@ async def test_once_the_socket_backs_up_events_queue_in_order_until_the_queue_is
     box.put_all([delta("e")])  # writable again, but frames are queued: it waits its turn (merged, still behind)
     assert [[e["delta"] for e in w] for w in sock.writes] == [["a"]]
     assert [e["delta"] for e in await drain(box)] == ["b", "cde"]
+
+
+async def test_a_single_delta_goes_out_at_once_only_when_nothing_is_ahead_of_it() -> None:
+    """``send_now``, a token's way out: written when the queue is empty and the socket takes it;
+    refused (the caller queues it) while the socket is full or frames wait, so order is kept."""
+    box, sock = with_socket(high=2)
+    assert box.send_now(delta("a"))
+    sock.full = True
+    assert not box.send_now(delta("b"))
+    box.put(delta("b"))
+    sock.full = False
+    assert not box.send_now(delta("c"))  # "b" is still queued: "c" must not overtake it
+    box.put(delta("c"))
+    assert [[e["delta"] for e in w] for w in sock.writes] == [["a"]] and box.written_directly == 1
+    assert [e["delta"] for e in await drain(box)] == ["b", "c"]
+    fresh, gone = with_socket()
+    gone.gone = True
+    assert fresh.send_now(delta("x")) and fresh.closed and gone.writes == []
 
 
 async def test_a_peer_gone_mid_write_discards_the_queue() -> None:

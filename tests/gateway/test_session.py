@@ -119,6 +119,37 @@ def test_full_turn() -> None:
                                     {"role": "user", "content": "And again?"}]
 
 
+def test_a_token_whose_only_event_is_its_delta_is_handed_back_in_order() -> None:
+    """``engine_token``: the connection's way for most tokens. Once the message is open and nothing
+    else waits, a token's delta is returned for the caller to send (not queued), numbered in the
+    session's order; otherwise the token is handled as ``engine_event`` would and queued."""
+    session = make()
+    command = start_response(session)
+    rid = command.response_id
+    drain(session)  # response.created
+    assert session.engine_token(rid, TokenEvent(1, "Hel", -0.1)) is None  # opens the message: queued
+    assert session.engine_token(rid, TokenEvent(2, "", -0.1)) is None  # no text, no event
+    first = drain(session)
+    assert types(first) == ["response.output_item.added", "conversation.item.added", "response.content_part.added",
+                            "response.output_text.delta"]
+    returned = session.engine_token(rid, TokenEvent(3, "lo", -0.1))
+    assert returned is not None and not session.has_events
+    sent = to_wire(returned)
+    check_server_event(sent, beta=False)
+    assert sent["delta"] == "lo" and sent["item_id"] == first[-1]["item_id"] and sent["response_id"] == rid
+    session.receive({"type": "conversation.item.retrieve", "item_id": "nope"})  # an error now waits
+    assert session.engine_token(rid, TokenEvent(4, "!", -0.1)) is None
+    assert session.engine_token("resp_other", TokenEvent(5, "x", -0.1)) is None
+    queued = drain(session)
+    assert types(queued) == ["error", "response.output_text.delta"] and queued[1]["delta"] == "!"
+    ids = [e["event_id"] for e in first] + [sent["event_id"]] + [e["event_id"] for e in queued]
+    assert ids == sorted(ids, key=lambda i: int(i.split("_")[1]))  # numbered in the order sent
+    session.engine_event(rid, FinishEvent(reason="stop", prompt_tokens=2, completion_tokens=4))
+    done = drain(session)[-1]["response"]
+    assert done["output"][0]["content"] == [{"type": "output_text", "text": "Hello!"}]  # every token's text
+    assert done["usage"]["output_tokens"] == 4
+
+
 def test_held_back_text_and_max_output_tokens() -> None:
     session = make()
     session.receive(user("Count"))
