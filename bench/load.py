@@ -620,7 +620,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax_cpu.plot([floor["streams"]], [floor["writer_cores"]], "s", color="C2",
                     label="a bare writer, no gateway code")
         ax_cpu.plot([floor["streams"]], [floor["reader_cores"]], "s", color="C3", label="a bare reader")
-    ax_cpu.set(title=f"CPU ({result['cpu']['model']}, 2 cores)", xlabel="concurrent streams", ylabel="cores")
+    ax_cpu.set(xlabel="concurrent streams", ylabel="cores")
+    ax_cpu.set_title(f"CPU, {result['cpu']['cores']} cores\n{result['cpu']['model']}", fontsize=9)
     ax_cpu.set_ylim(0, 1.1)
     ax_cpu.legend(fontsize=8)
     fig.tight_layout()
