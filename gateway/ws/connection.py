@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import struct
 
@@ -401,7 +400,7 @@ class RealtimeConnection:
                 self._engines_used.add(await turn.prepare())
                 if rid in self._aborted:
                     return
-                await turn.run(functools.partial(self._engine_event, turn))  # a call per token: no lambda frame
+                await turn.run(lambda event: self._engine_event(turn, event))
             except EngineError as e:
                 self.session.engine_failed(rid, e)
             except Exception:  # a bug in an engine must end this response, not the connection
