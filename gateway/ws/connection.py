@@ -81,11 +81,6 @@ class TransportWriter:
             raise ConnectionResetError("the WebSocket is closing")
         self._transport.write(b"".join(map(frame_bytes, frames)))
 
-    def write_one(self, frame: str | bytes) -> None:
-        if self._ws.closed or self._transport.is_closing():
-            raise ConnectionResetError("the WebSocket is closing")
-        self._transport.write(frame_bytes(frame))
-
 
 class RealtimeConnection:
     """One accepted WebSocket session. ``run`` returns when the connection is over and every

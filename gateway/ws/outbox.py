@@ -61,10 +61,6 @@ class DirectWriter(Protocol):
         """Write ``frames`` in order, at once; raises ConnectionError when the peer is gone."""
         ...
 
-    def write_one(self, frame: Frame) -> None:
-        """``write([frame])``, without the list."""
-        ...
-
 
 class Outbox:
     def __init__(self, encode: Callable[[ServerEvent], Frame], *, high: int, limit: int, max_bytes: int,
@@ -104,35 +100,40 @@ class Outbox:
         socket takes them now (the fast lane; see the module's doc)."""
         if self._closed:
             return
-        direct = self._direct
-        if direct is not None and not self._items and direct.writable():
-            encode = self._encode
-            frames = [encode(event) for event in events]
-            if not frames:
-                return
-            try:
-                direct.write(frames)
-            except ConnectionError:
-                self.discard()  # the client is gone: the reader sees the close next
-                return
-            self.written_directly += len(frames)
+        direct = self._direct_now()
+        if direct is None:
+            for event in events:
+                self.put(event)
             return
-        for event in events:
-            self.put(event)
+        encode = self._encode
+        frames = [encode(event) for event in events]
+        if frames:
+            self._write_direct(direct, frames)
 
     def send_now(self, event: ServerEvent) -> bool:
         """The fast lane for one event (a token's delta): written at once and True when nothing is
         queued and the socket takes it now; False, and nothing done, otherwise (``put`` it)."""
+        direct = self._direct_now()
+        if direct is None:
+            return False
+        self._write_direct(direct, [self._encode(event)])
+        return True
+
+    def _direct_now(self) -> DirectWriter | None:
+        """The socket, when frames may go straight to it: the outbox is open and empty, and the
+        socket's own buffer is empty too."""
         direct = self._direct
         if direct is None or self._items or self._closed or not direct.writable():
-            return False
+            return None
+        return direct
+
+    def _write_direct(self, direct: DirectWriter, frames: list[Frame]) -> None:
         try:
-            direct.write_one(self._encode(event))
+            direct.write(frames)
         except ConnectionError:
             self.discard()  # the client is gone: the reader sees the close next
-            return True
-        self.written_directly += 1
-        return True
+            return
+        self.written_directly += len(frames)
 
     def put(self, event: ServerEvent) -> None:
         """Queue one server event (dropped once the outbox is closed)."""

@@ -67,8 +67,7 @@ class ResponseStream:
             self.token(text)
             return None
         self.tokens += 1
-        item.parts[0] += text
-        return self._events.make_text_delta(self.id, item.id, 0, 0, text)
+        return self._text(item, text)
 
     def annotate(self, metadata: dict[str, str]) -> None:
         """Extension keys added to the client's metadata in ``response.done``."""
@@ -117,9 +116,12 @@ class ResponseStream:
         return item
 
     def _delta(self, text: str) -> None:
-        item = self.item or self._open_item()
+        self._events.queue(self._text(self.item or self._open_item(), text))
+
+    def _text(self, item: Item, text: str) -> TextDelta:
+        """``text`` added to the open message, and its delta event (not queued)."""
         item.parts[0] += text
-        self._events.text_delta(response_id=self.id, item_id=item.id, output_index=0, content_index=0, delta=text)
+        return self._events.text_delta(self.id, item.id, 0, 0, text)
 
     def _finish(self, status: str, usage: dict[str, Any], *, reason: str | None = None,
                 error: dict[str, str] | None = None) -> None:

@@ -117,16 +117,15 @@ class Emitter:
     def emit(self, ga_type: str, **fields: Any) -> None:
         self._events.append(OtherEvent(event_name(ga_type, self._beta), self._ids("event"), fields))
 
-    def text_delta(self, *, response_id: str, item_id: str, output_index: int, content_index: int,
-                   delta: str) -> None:
-        self._events.append(self.make_text_delta(response_id, item_id, output_index, content_index, delta))
-
-    def make_text_delta(self, response_id: str, item_id: str, output_index: int, content_index: int,
-                        delta: str) -> TextDelta:
-        """The next text delta, numbered in this session's order but not queued: for a caller that
-        sends it itself, in this order, before anything emitted after it."""
+    def text_delta(self, response_id: str, item_id: str, output_index: int, content_index: int,
+                   delta: str) -> TextDelta:
+        """The next text delta, numbered in this session's order but not queued: ``queue`` it, or
+        send it at once, before anything emitted after it."""
         return TextDelta(self._delta_name, self._ids("event"), response_id, item_id, output_index, content_index,
                          delta)
+
+    def queue(self, event: ServerEvent) -> None:
+        self._events.append(event)
 
     def response_done(self, response: dict[str, Any], status: str, *, reason: str | None,
                       error_code: str | None) -> None:

@@ -123,9 +123,6 @@ class Socket:
             raise ConnectionResetError("peer gone")
         self.writes.append([json.loads(f) for f in frames])
 
-    def write_one(self, frame: str) -> None:
-        self.write([frame])
-
 
 def with_socket(high: int = 3) -> tuple[Outbox, Socket]:
     sock = Socket()
