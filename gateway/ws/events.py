@@ -140,6 +140,9 @@ class ResponseCreate:
     max_output_tokens: MaxTokens | None = None
     temperature: float | None = None
     metadata: dict[str, str] | None = None
+    # (ext) the model's end-of-sequence token does not end the response: it runs to its token
+    # limit, so a benchmark's cancel or long stream does not depend on how long the model answers.
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,6 +268,7 @@ def _response_create(f: Fields, event_id: str | None, limits: SessionLimits) -> 
         max_output_tokens=_max_tokens(r, limits),
         temperature=r.number("temperature", 0.0, 2.0),
         metadata=_metadata(r),
+        ignore_eos=bool(r.boolean("x_ignore_eos")),
     )
     r.done(IGNORED_RESPONSE_FIELDS)
     return create

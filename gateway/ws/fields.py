@@ -91,6 +91,14 @@ class Fields:
                                 self.param(key))
         return float(value)
 
+    def boolean(self, key: str) -> bool | None:
+        if not self.has(key):
+            return None
+        value = self.obj[key]
+        if not isinstance(value, bool):
+            raise ProtocolError("invalid_type", f"'{self.param(key)}' must be a boolean", self.param(key))
+        return value
+
     def array(self, key: str, max_len: int) -> list[Any] | None:
         if not self.has(key):
             return None

@@ -342,7 +342,7 @@ class RealtimeSession:
         max_output = event.max_output_tokens if event.max_output_tokens is not None else self._max_output_tokens
         max_tokens = self._limits.max_output_tokens if max_output == "inf" else int(max_output)
         temperature = self._temperature if event.temperature is None else event.temperature
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=event.ignore_eos)
         response = ResponseStream(
             response_id=self._ids("resp"), conversation=self._conversation if in_conversation else None,
             conversation_id=self._conversation.id, max_output_tokens=max_output, temperature=temperature,

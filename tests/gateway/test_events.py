@@ -52,6 +52,8 @@ def test_valid_events_parse_to_typed_values() -> None:
         input=(ItemReference("it1"), NewItem(id=None, role="system", parts=("s",))))
 
     assert parse_client_event({"type": "response.create"}, LIMITS) == ResponseCreate(event_id=None)
+    assert parse_client_event({"type": "response.create", "response": {"x_ignore_eos": True}},
+                              LIMITS) == ResponseCreate(event_id=None, ignore_eos=True)
     assert parse_client_event({"type": "response.cancel", "response_id": "r"}, LIMITS) == ResponseCancel(None, "r")
     assert parse_client_event({"type": "conversation.item.truncate", "item_id": "a", "content_index": 0,
                                "audio_end_ms": 10, "x_text_end": 3}, LIMITS) == ItemTruncate(None, "a", 0, 3, 10)
@@ -173,6 +175,8 @@ BAD: list[tuple[str, object, str, str | None]] = [
      "string_above_max_length", "response.metadata"),
     ("metadata value too long", {"type": "response.create", "response": {"metadata": {"k": "v" * 513}}},
      "string_above_max_length", "response.metadata.k"),
+    ("x_ignore_eos not a boolean", {"type": "response.create", "response": {"x_ignore_eos": 1}}, "invalid_type",
+     "response.x_ignore_eos"),
     ("conversation wrong type", {"type": "response.create", "response": {"conversation": False}}, "invalid_type",
      "response.conversation"),
     ("cancel id wrong type", {"type": "response.cancel", "response_id": ["r"]}, "invalid_type", "response_id"),

@@ -167,6 +167,16 @@ def test_held_back_text_and_max_output_tokens() -> None:
     assert done["max_output_tokens"] == 2
 
 
+def test_ignore_eos_extension_reaches_the_engine() -> None:
+    session = make()
+    session.receive(user("Tell a story"))
+    assert not start_response(session).params.ignore_eos  # off unless asked for
+    session.receive({"type": "response.cancel"})
+    drain(session)
+    session.commands()
+    assert start_response(session, x_ignore_eos=True, max_output_tokens=9).params.ignore_eos
+
+
 def test_inf_max_output_tokens_uses_the_server_ceiling() -> None:
     session = make(limits=SessionLimits(max_output_tokens=1000))
     session.receive({"type": "session.update", "session": {"max_output_tokens": "inf"}})
