@@ -3,14 +3,18 @@
 "The same greedy tokens" allows one thing: llama.cpp's CPU kernels round differently for
 different batch splits of the same prompt (a prompt fed as 42 + 51 tokens vs 93 at once, a
 reply's KV made one token at a time) and, in a shared cell pool, for different cell layouts, so
-two greedy runs may part at a near-tie. They must agree up to a point where the reference's own
-top two were within ``NEAR_TIE`` nats; a sequence attending to another's KV, or to the wrong
-cells, disagrees at once and by far (``test_prefix_reuse`` shows the check catching that).
+two greedy runs may part at a near-tie, the end of the reply included (one run ends where the
+other goes on). They must agree up to a point where the run that went on had the other's choice
+within ``NEAR_TIE`` nats (``greedy_compare.assert_same_greedy``); a sequence attending to
+another's KV, or to the wrong cells, disagrees at once and by far (``test_prefix_reuse`` shows
+the check catching that).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from greedy_compare import assert_same_greedy as same_up_to_near_tie
 
 from llm_shared.contract import Engine, FinishEvent, SamplingParams, TokenEvent
 
@@ -34,14 +38,7 @@ async def turn(engine: Engine, rid: str, prompt: Sequence[int], session: str = "
     raise AssertionError("no finish event")
 
 
-def assert_same_greedy(tokens: list[TokenEvent], reference: list[TokenEvent]) -> None:
-    """Equal tokens, or equal up to a near-tie of the reference (see the module docstring)."""
-    for i, (ours, ref) in enumerate(zip(tokens, reference, strict=False)):
-        if ours.token_id == ref.token_id:
-            continue
-        alternatives = dict(ref.top_logprobs)
-        assert ours.token_id in alternatives and ref.logprob - alternatives[ours.token_id] < NEAR_TIE, (
-            f"token {i}: {ours.token_id} where the reference picked {ref.token_id} with a clear margin "
-            f"({ref.top_logprobs})")
-        return  # past a near-tie the two continuations are different texts
-    assert len(tokens) == len(reference)
+def assert_same_greedy(tokens: list[TokenEvent], reference: list[TokenEvent], end_id: int) -> None:
+    """Equal tokens, or equal up to a near-tie (see the module docstring); ``end_id`` is the
+    model's end of sequence, which ended the shorter run if one is shorter."""
+    same_up_to_near_tie(tokens, reference, near_tie=NEAR_TIE, end_ids={end_id})

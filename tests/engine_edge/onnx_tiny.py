@@ -9,6 +9,7 @@ from pathlib import Path
 
 import tokenizers
 import torch
+from greedy_compare import FLOAT32_CLEAR_MARGIN, Pick, assert_clear_picks, pick_from_logits
 from tiny_checkpoint import random_weights, tiny_config, write_gguf
 from tokenizers import decoders, models, pre_tokenizers
 
@@ -47,12 +48,13 @@ def tiny_export(base: Path) -> tuple[Path, ExportResult]:
 
 
 def torch_greedy(model: LlamaModel, prompt: Sequence[int], n: int) -> list[int]:
-    """The torch model's own greedy continuation (float32, contiguous past)."""
-    out: list[int] = []
+    """The torch model's own greedy continuation (float32, contiguous past), every pick clear of
+    float32 rounding (``greedy_compare``): ONNX Runtime's kernels must give the same tokens on every CPU."""
+    picks: list[Pick] = []
     with torch.inference_mode():
         logits, past = model.forward_contiguous(torch.tensor([list(prompt)]))
         for _ in range(n):
-            token = int(logits[0, -1].argmax())
-            out.append(token)
-            logits, past = model.forward_contiguous(torch.tensor([[token]]), past)
-    return out
+            picks.append(pick_from_logits(logits[0, -1]))
+            logits, past = model.forward_contiguous(torch.tensor([[picks[-1].token_id]]), past)
+    assert_clear_picks(picks, FLOAT32_CLEAR_MARGIN)
+    return [p.token_id for p in picks]

@@ -79,10 +79,10 @@ async def test_batched_outputs_equal_solo_outputs_in_the_shared_pool(pool: Llama
     solo = [(await turn(pool, f"solo-{i}", p, "", params))[0] for i, p in enumerate(prompts)]
     batched = await asyncio.gather(*(turn(pool, f"batch-{i}", p, "", params) for i, p in enumerate(prompts)))
     for ours, reference in zip(batched, solo, strict=True):
-        assert_same_greedy(ours[0], reference)
+        assert_same_greedy(ours[0], reference, pool.tokenizer.eos_id)
     # the check has teeth here too: another prompt's continuation is caught
     with pytest.raises(AssertionError, match="clear margin"):
-        assert_same_greedy(batched[1][0], solo[0])
+        assert_same_greedy(batched[1][0], solo[0], pool.tokenizer.eos_id)
 
 
 async def test_turns_that_outgrow_the_pool_take_turns_instead_of_failing() -> None:
@@ -102,7 +102,7 @@ async def test_turns_that_outgrow_the_pool_take_turns_instead_of_failing() -> No
         assert engine.stats()["preemptions"] >= 1
         for (tokens, _, finish), reference in zip(together, solo, strict=True):
             assert finish.reason == "length" and len(tokens) == 420
-            assert_same_greedy(tokens, reference)
+            assert_same_greedy(tokens, reference, engine.tokenizer.eos_id)
         assert engine.stats()["kv_cells_used"] == 0 and engine.stats()["waiting"] == 0
     finally:
         await engine.close()

@@ -53,7 +53,7 @@ async def test_a_resumed_turn_equals_the_same_turn_from_scratch(scratch: LlamaCp
         prompt, ids, finish = await two_turns(engine, "s", "Name a color.", "And a fruit?")
         assert finish.cached_tokens > len(prompt) // 2  # turn 1's prompt and most of its reply
         reference, _, ref_finish = await turn(scratch, "ref", prompt)
-        assert_same_greedy(ids, reference)
+        assert_same_greedy(ids, reference, engine.tokenizer.eos_id)
         assert ref_finish.cached_tokens == 0
         assert engine.stats()["prefix_cache_hits"] >= finish.cached_tokens
     finally:
@@ -71,7 +71,7 @@ async def test_after_a_truncate_only_the_heard_part_is_reused(scratch: LlamaCppB
         ids, _, finish = await turn(engine, "t-2", prompt, "t")
         assert len(first) <= finish.cached_tokens < len(first) + 40  # the unheard rest was not reused
         reference, _, _ = await turn(scratch, "ref", prompt)
-        assert_same_greedy(ids, reference)
+        assert_same_greedy(ids, reference, engine.tokenizer.eos_id)
     finally:
         await engine.close()
 
@@ -87,7 +87,7 @@ async def test_a_conversation_evicted_to_host_memory_is_restored_exactly(scratch
         ids, _, finish = await turn(engine, "a-2", prompt, "a")
         stats = engine.stats()
         assert stats["snapshot_restores"] == 1 and finish.cached_tokens > len(prompt) // 2
-        assert_same_greedy(ids, (await turn(scratch, "ref", prompt))[0])
+        assert_same_greedy(ids, (await turn(scratch, "ref", prompt))[0], engine.tokenizer.eos_id)
         assert stats["snapshots"] == 1  # b went to host memory when a came back
     finally:
         await engine.close()
@@ -115,7 +115,7 @@ async def cycle_sessions(n_sessions: int, n_slots: int, scratch: LlamaCppBackend
         references = await asyncio.gather(*(turn(scratch, f"r{i}", prompts[i], "", short)
                                             for i in reversed(range(n_sessions))))
         for (ids, _, _), (reference, _, _) in zip(seconds, references, strict=True):
-            assert_same_greedy(ids, reference)
+            assert_same_greedy(ids, reference, engine.tokenizer.eos_id)
         for i in range(n_sessions):
             await engine.end_session(f"c{i}")
         state = await engine.kv_state()
@@ -140,4 +140,4 @@ async def test_the_comparison_catches_another_conversations_continuation(scratch
     ours, _, _ = await turn(scratch, "x", conversation(scratch, ("user", "Name a color.")))
     theirs, _, _ = await turn(scratch, "y", conversation(scratch, ("user", "What is two plus two?")))
     with pytest.raises(AssertionError, match="clear margin"):
-        assert_same_greedy(ours, theirs)
+        assert_same_greedy(ours, theirs, scratch.tokenizer.eos_id)

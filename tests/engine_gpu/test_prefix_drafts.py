@@ -9,7 +9,7 @@ from dataclasses import replace
 import msgpack
 import pytest
 from test_exactness import ALONE, BATCHED, make_prompts, run_batched
-from tiny_engine import write_tiny_model
+from tiny_engine import clear_greedy_reference, write_tiny_model
 
 from engine_gpu.engine import LLMEngine
 from engine_gpu.protocol import AddRequest, ProtocolError, decode_client_message, encode_frame
@@ -26,14 +26,13 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def model_cfg(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-prefix-drafts"), seed=5)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-prefix-drafts"), seed=7)
 
 
 @pytest.fixture(scope="module")
 def plain(model_cfg: ModelConfig) -> list[list[int]]:
-    engine = LLMEngine.from_config(model_cfg, ALONE)
     prompts, _ = make_prompts()
-    return [engine.generate([p], greedy(), prefix=f"p{i}")[0] for i, p in enumerate(prompts[:6])]
+    return clear_greedy_reference(LLMEngine.from_config(model_cfg, ALONE), prompts[:6], [greedy()] * 6)
 
 
 def first_step_tokens(engine: LLMEngine, rid: str) -> list[int]:

@@ -1,5 +1,5 @@
 """The edge model drafting for the torch engine, with the real SmolLM2 files: greedy output with
-speculation equals greedy output without it, token for token in float32, alone and batched with
+speculation equals greedy output without it (in float32, up to a near-tie), alone and batched with
 chunked prefill, prefix-cache hits and preemption; and a drafter with another tokenizer is
 refused at start-up."""
 
@@ -8,10 +8,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from greedy_compare import FLOAT32_CLEAR_MARGIN, assert_same_greedy
+from tiny_engine import generate_events
 
 from engine_gpu.config import EngineConfig, SpeculativeConfig, check_engine_models
 from engine_gpu.engine import LLMEngine
-from llm_shared.contract import SamplingParams
+from llm_shared.contract import SamplingParams, TokenEvent
 from llm_shared.errors import ConfigError
 from llm_shared.models import ModelConfig
 from llm_shared.tokenizer import Tokenizer
@@ -44,13 +46,21 @@ def prompts(n: int) -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def exactness(n: int) -> None:
+    """Speculative runs against plain greedy runs of each prompt alone, equal up to a near-tie of the
+    plain run (the real model's float32 paths differ by ~2e-5 nats: a verification forward of k + 1
+    tokens, chunks, cached blocks; greedy_compare), so the check holds on every CPU."""
     ids, params = prompts(n)
     plain = LLMEngine.from_config(SMOLLM2, ALONE)
-    expected = [plain.generate([p], q, prefix=f"p{i}")[0] for i, (p, q) in enumerate(zip(ids, params, strict=True))]
+    expected = [generate_events(plain, [p], [replace(q, logprobs=5)], f"p{i}")[0]
+                for i, (p, q) in enumerate(zip(ids, params, strict=True))]
+
+    def check(got: list[list[TokenEvent]]) -> None:
+        for ours, reference in zip(got, expected, strict=True):
+            assert_same_greedy(ours, reference, near_tie=FLOAT32_CLEAR_MARGIN, end_ids={plain.tokenizer.eos_id})
+
     alone = LLMEngine.from_config(SMOLLM2, replace(ALONE, speculative=EDGE), SMOLLM2)
     try:
-        got = [alone.generate([p], q, prefix=f"s{i}")[0] for i, (p, q) in enumerate(zip(ids, params, strict=True))]
-        assert got == expected
+        check([generate_events(alone, [p], [q], f"s{i}")[0] for i, (p, q) in enumerate(zip(ids, params, strict=True))])
         stats = alone.stats()
         assert stats["spec_acceptance_rate"] > 0.5  # the same model drafts: most drafts hold
         assert stats["drafter_slots_in_use"] == 0
@@ -59,8 +69,7 @@ def exactness(n: int) -> None:
     batched = LLMEngine.from_config(SMOLLM2, replace(BATCHED, speculative=EDGE), SMOLLM2)
     try:
         # the first alone, so the others find the chat template's system prompt in the prefix cache
-        got = batched.generate(ids[:1], params[:1], prefix="w") + batched.generate(ids[1:], params[1:], prefix="b")
-        assert got == expected
+        check(generate_events(batched, ids[:1], params[:1], "w") + generate_events(batched, ids[1:], params[1:], "b"))
         stats = batched.stats()
         assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["spec_accepted_tokens"] > 0, stats
         assert stats["kv_blocks_in_use"] == 0 and stats["drafter_slots_in_use"] == 0
