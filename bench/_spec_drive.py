@@ -94,8 +94,14 @@ class TimedDrafter:
         return out
 
     @property
-    def last_catchup_seconds(self) -> float:
-        return self.inner.last_catchup_seconds
+    def last_forwards(self) -> list[tuple[int, float]]:
+        return self.inner.last_forwards
+
+    def behind(self, request_id: str, token_ids: Sequence[int]) -> int:
+        return self.inner.behind(request_id, token_ids)
+
+    def calibrate(self) -> list[tuple[int, float]]:
+        return self.inner.calibrate()
 
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)

@@ -22,22 +22,26 @@ class SpeculativeConfig:
     method: Literal["off", "ngram", "edge"] = "off"  # edge: draft_model through llama.cpp in the core process
     num_draft_tokens: int = 4  # most drafts per sequence and round
     max_batch: int = 8  # no speculation while more sequences than this are decoding
-    adaptive: bool = True  # per-sequence draft length, and off wherever it measures no gain
-    probe_every: int = 32  # the losing arm is retried once every this many steps (per batch-size bucket)
+    adaptive: bool = True  # each step priced from measured costs: who drafts, how far, or a plain step
+    min_gain: float = 1.05  # a speculative step must promise this many times a plain step's tokens/s
     draft_model: str = ""  # a gguf [models] id with the target's tokenizer (method = "edge")
     draft_kv_mib: float = 64  # the drafter's KV pool (f16 cells; 64 MiB = ~2,900 tokens of a 135M model)
     draft_threads: int = 0  # llama.cpp threads for drafting; 0 = all usable cores
+    draft_window: int = 128  # the most context tokens the edge drafter reads (0: all): bounds a catch-up
     ngram_min: int = 2  # n-gram sizes prompt lookup tries, longest first
     ngram_max: int = 4
     initial_acceptance: float = 0.7  # a new sequence's assumed acceptance rate, until it has its own
-    initial_cost_ratio: float = 0.1  # drafter cost per token / target step, until measured
+    initial_cost_ratio: float = 0.1  # a drafter forward / a target forward of as many tokens, until measured
 
     def __post_init__(self) -> None:
         require(self.method in ("off", "ngram", "edge"),
                 f"engine.speculative.method must be 'off', 'ngram' or 'edge', got {self.method!r}")
         require(1 <= self.num_draft_tokens <= 16, "engine.speculative.num_draft_tokens must be in 1..16")
         require(self.max_batch >= 1, "engine.speculative.max_batch must be >= 1")
-        require(self.probe_every >= 2, "engine.speculative.probe_every must be >= 2")
+        require(isinstance(self.min_gain, (int, float)) and 1.0 <= self.min_gain <= 10.0,
+                "engine.speculative.min_gain must be in [1, 10]")
+        require(isinstance(self.draft_window, int) and 0 <= self.draft_window <= 1 << 20,
+                "engine.speculative.draft_window must be an integer >= 0 (0 = the whole context)")
         require(self.draft_kv_mib > 0, "engine.speculative.draft_kv_mib must be positive")
         require(self.draft_threads >= 0, "engine.speculative.draft_threads must be >= 0")
         require(1 <= self.ngram_min <= self.ngram_max <= 16,

@@ -54,6 +54,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, runner.num_blocks, eos_token_id=tokenizer.eos_id,
                                    vocab_size=runner.vocab_size)
         self.speculator = speculator
+        if speculator is not None:
+            speculator.calibrate(runner)  # before any request holds blocks: it borrows the first ones
         self._requests: dict[str, _Request] = {}
         self._steps = 0
         self._last_step_s = 0.0
@@ -107,7 +109,7 @@ class LLMEngine:
             return None
         self.scheduler.abort_request(request_id)
         if self.speculator is not None:
-            self.speculator.release(request_id)
+            self.speculator.release(request_id, req.completion_tokens)
         return RequestOutput(request_id, [], self._finish(req, reason, text="", message=message))
 
     def has_unfinished(self) -> bool:
@@ -129,10 +131,10 @@ class LLMEngine:
         outputs = self._outputs(plan, updates, sampled)
         seconds = time.perf_counter() - started
         if spec is not None and round_ is not None:
-            spec.finish(round_, sampled, seconds)
+            spec.finish(round_, plan, sampled, seconds)
             for out in outputs:
                 if out.finish is not None:
-                    spec.release(out.request_id)
+                    spec.release(out.request_id, out.finish.completion_tokens)
         self._record_step(seconds)
         return outputs
 

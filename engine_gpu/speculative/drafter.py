@@ -51,11 +51,19 @@ class Draft:
 @runtime_checkable
 class Drafter(Protocol):
     name: str
-    # seconds of the latest ``propose`` spent feeding sequences that were far behind (a new
-    # request's prompt): a one-off per request that the switch keeps out of its rates
-    last_catchup_seconds: float
+    # (tokens, seconds) of every model forward the latest ``propose`` made: the controller prices
+    # drafting from them (a drafter without a model reports its lookups as forwards)
+    last_forwards: list[tuple[int, float]]
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]: ...
+
+    def behind(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Tokens a ``propose`` for this request and context would feed before its first draft:
+        1 or 2 after a round it drafted in, more for a new request or one that sat out."""
+
+    def calibrate(self) -> list[tuple[int, float]]:
+        """(tokens, seconds) of forwards of a few sizes, timed now (once; later calls repeat the
+        figures): the drafter's cost curve before any request has been drafted for."""
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request and free what it holds (its KV) now."""

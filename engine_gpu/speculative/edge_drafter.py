@@ -15,6 +15,13 @@ remembers which tokens that slot's KV holds. A ``propose`` round:
 The last draft is never fed: its KV is needed only if the target accepts it, and then the next
 round's catch-up feeds it with the target's bonus token.
 
+A drafter reads at most ``window`` tokens back (0: the whole context): a request new to it, or
+one that fell further behind than that while it sat out, gets its slot started afresh at its
+last ``window`` tokens. Catching up then costs a bounded forward, not the whole conversation
+(llama.cpp reads prompts at ~430 tokens/s on these CPUs, slower than the bf16 target's prefill),
+at the price of drafting from a shorter context; the controller measures what that does to
+acceptance. A slot that would outgrow the positions it may hold restarts at the window too.
+
 Room: a request drafts fewer tokens (possibly none) where its context plus ``k`` would pass the
 pool or the model's trained context, rather than fail. Slots of requests not in the round are
 idle and give their KV back, least recently used first, when the pool or the sequence ids run
@@ -53,6 +60,7 @@ class _Slot:
     seq_id: int  # llama.cpp sequence id
     tokens: list[int]  # tokens whose KV the sequence holds, positions 0..len-1
     last_used: int  # the propose call that last used it: least recently used gives way first
+    start: int = 0  # where in the request's token ids its position 0 is (> 0: it reads a window)
 
 
 @dataclass(eq=False)
@@ -90,16 +98,20 @@ class EdgeDrafter:
         kv_cells: int = 0,
         kv_mib: float = 0.0,
         n_threads: int = 0,
+        window: int = 0,
         target_tokenizer: Tokenizer | None = None,
         tokenizer_cache: LoadCache | None = None,
     ) -> None:
         """``max_seqs`` requests hold KV at once and share one pool of ``kv_cells`` cells, or of
         what ``kv_mib`` MiB hold at the model's cost per cell (one of the two; rounded up to a
-        multiple of 256); ``n_threads`` 0 = all usable cores. With ``target_tokenizer`` the
-        GGUF's own tokenizer (read through ``tokenizer_cache`` when given) must match it id for
-        id (``ConfigError`` otherwise)."""
+        multiple of 256); ``n_threads`` 0 = all usable cores; ``window`` the most tokens of a
+        context it reads (0: all). With ``target_tokenizer`` the GGUF's own tokenizer (read
+        through ``tokenizer_cache`` when given) must match it id for id (``ConfigError``
+        otherwise)."""
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
+        if window < 0:
+            raise ValueError(f"window must be >= 0 (0 = the whole context), got {window}")
         if (kv_cells >= 1) == (kv_mib > 0):
             raise ValueError(f"give one of kv_cells (>= 1) or kv_mib (> 0), got {kv_cells} and {kv_mib}")
         if n_threads < 0:
@@ -125,9 +137,11 @@ class EdgeDrafter:
         self.n_ctx_seq: int = self._ctx.n_ctx_seq  # most positions one sequence may have (pool, trained context)
         self._slots: dict[str, _Slot] = {}
         self._free_ids = list(range(max_seqs - 1, -1, -1))  # pop() hands out the lowest id first
+        self.window = window
         self._calls = 0
         self._closed = False
-        self.last_catchup_seconds = 0.0  # of the latest propose: feeding sequences that were far behind
+        self.last_forwards: list[tuple[int, float]] = []  # (tokens, seconds) of each llama_decode of the latest propose
+        self._calibration: list[tuple[int, float]] | None = None
         self._counters = {"drafter_tokens_proposed": 0, "drafter_decode_calls": 0, "drafter_catchup_tokens": 0,
                           "drafter_propose_calls": 0, "drafter_evictions": 0, "drafter_decode_failures": 0}
 
@@ -141,6 +155,7 @@ class EdgeDrafter:
         work = self._validated(requests)  # raises before any slot is touched
         self._calls += 1
         self._counters["drafter_propose_calls"] += 1
+        self.last_forwards = []
         in_call = {req.request_id for req in requests}
         future = {slot.seq_id: len(slot.tokens) for slot in self._slots.values()}  # cells after this call
         jobs: list[_Job] = []
@@ -152,16 +167,14 @@ class EdgeDrafter:
                 jobs.append(job)
                 catch_up.append((job, missing))
         self._counters["drafter_catchup_tokens"] += sum(len(missing) for _, missing in catch_up)
-        # A sequence more than the usual bonus (and last draft) behind catches up first, in a call
-        # of its own, timed apart: a one-off per request (its prompt, or what it missed while
-        # speculation was off), which the switch must not mistake for the cost of drafting.
-        started = time.perf_counter()
+        # A sequence more than the usual bonus (and last draft) behind catches up first, in a
+        # forward of its own: a one-off per request (its prompt, or what it missed while it sat
+        # out), which the controller prices apart from drafting.
         behind = [(job, missing[:-1]) for job, missing in catch_up if len(missing) > 2]
         if behind:
             self._feed(behind)
             catch_up = [(job, missing[-1:] if len(missing) > 2 else missing) for job, missing in catch_up
                         if not job.failed]
-        self.last_catchup_seconds = time.perf_counter() - started
         self._pick(self._feed(catch_up))
         while drafting := [job for job in jobs if job.drafts and len(job.drafts) < job.n_draft and not job.failed]:
             self._pick(self._feed([(job, [job.drafts[-1]]) for job in drafting]))
@@ -170,6 +183,43 @@ class EdgeDrafter:
             probs = torch.stack(job.probs) if job.probs else None
             out[job.req.request_id] = Draft(job.drafts, probs)
             self._counters["drafter_tokens_proposed"] += len(job.drafts)
+        return out
+
+    def behind(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Tokens the next ``propose`` for this context would feed before its first draft."""
+        n = len(token_ids)
+        slot = self._slots.get(request_id)
+        if slot is None:
+            return n - self._window_start(n)
+        held = _common_prefix(slot.tokens, list(token_ids[slot.start:]))
+        fed = n - slot.start - min(held, n - slot.start - 1)
+        return min(fed, self.window) if self.window else fed
+
+    def calibrate(self) -> list[tuple[int, float]]:
+        """Forwards of 1 to 64 tokens in a scratch sequence, the faster of two each; timed once."""
+        if self._calibration is not None:
+            return self._calibration
+        if self._closed or not self._free_ids:
+            return []
+        seq_id = self._free_ids[-1]  # the next slot's id: free now, and nothing else runs meanwhile
+        out: list[tuple[int, float]] = []
+        for n in (1, 2, 4, 8, 16, 64):
+            if n > self._batch.capacity or n > self.n_ctx_seq:
+                break
+            times = []
+            for _ in range(2):
+                self._batch.clear()
+                for pos in range(n):
+                    self._batch.add(pos % self.n_vocab, pos, seq_id, pos == n - 1)
+                started = time.perf_counter()
+                rc = self._ctx.decode(self._batch)
+                times.append(time.perf_counter() - started)
+                self._ctx.seq_rm(seq_id)
+                if rc != 0:
+                    return out
+            out.append((n, min(times)))
+        self._batch.clear()
+        self._calibration = out
         return out
 
     def release(self, request_id: str) -> None:
@@ -213,8 +263,9 @@ class EdgeDrafter:
             if not ids:
                 raise ValueError(f"request {rid!r}: token_ids is empty; drafting continues at least one token")
             slot = self._slots.get(rid)
-            common = _common_prefix(slot.tokens, ids) if slot is not None else 0
-            for pos in range(common, len(ids)):  # what the slot holds was checked when it was fed
+            start = slot.start if slot is not None else 0
+            common = _common_prefix(slot.tokens, ids[start:]) if slot is not None else 0
+            for pos in range(start + common, len(ids)):  # what the slot holds was checked when it was fed
                 t = ids[pos]
                 if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.n_vocab:
                     raise ValueError(f"request {rid!r}: token id {t!r} at position {pos} is outside the "
@@ -228,36 +279,47 @@ class EdgeDrafter:
     ) -> tuple[_Job, list[int]] | None:
         """The request's job and the tokens its slot is missing, with the slot cut back; None
         when it drafts nothing this call (no room, or its context is at the limit)."""
-        n_draft = min(req.k, self.n_ctx_seq - len(ids))  # no draft at or past the last usable position
+        slot = self._slots.get(req.request_id)
+        start = slot.start if slot is not None else self._window_start(len(ids))
+        if slot is not None and self.window and (
+                len(ids) - start - min(common, len(ids) - start - 1) > self.window  # fell far behind
+                or len(ids) - start + req.k > self.n_ctx_seq):  # would outgrow its positions
+            start, common = self._window_start(len(ids)), 0  # read the last window afresh
+        n_pos = len(ids) - start  # positions the slot holds once caught up
+        n_draft = min(req.k, self.n_ctx_seq - n_pos)  # no draft at or past the last usable position
         if n_draft < 1:
             return None
-        slot = self._slots.get(req.request_id)
         if slot is None:
             if not self._free_ids and not self._evict_lru(in_call, future):
                 return None  # every sequence id belongs to a request in this call
-            slot = self._slots[req.request_id] = _Slot(self._free_ids.pop(), [], self._calls)
+            slot = self._slots[req.request_id] = _Slot(self._free_ids.pop(), [], self._calls, start)
             future[slot.seq_id] = 0
             common = 0
         slot.last_used = self._calls
-        # Cells: the last draft is not fed, so the slot ends the call holding len(ids) + n_draft - 1.
+        # Cells: the last draft is not fed, so the slot ends the call holding n_pos + n_draft - 1.
         pinned = sum(future[s.seq_id] for rid, s in self._slots.items() if rid in in_call and s is not slot)
-        if pinned + len(ids) <= self.n_ctx:  # idle slots can make room for at least one draft
-            while sum(future.values()) - future[slot.seq_id] + len(ids) + n_draft - 1 > self.n_ctx:
+        if pinned + n_pos <= self.n_ctx:  # idle slots can make room for at least one draft
+            while sum(future.values()) - future[slot.seq_id] + n_pos + n_draft - 1 > self.n_ctx:
                 if not self._evict_lru(in_call, future):
                     break
-        n_draft = min(n_draft, self.n_ctx - (sum(future.values()) - future[slot.seq_id]) - len(ids) + 1)
+        n_draft = min(n_draft, self.n_ctx - (sum(future.values()) - future[slot.seq_id]) - n_pos + 1)
         if n_draft < 1:
             if not slot.tokens:  # a slot made for this call only: give its id back
                 self.release(req.request_id)
                 del future[slot.seq_id]
             return None
-        keep = min(common, len(ids) - 1)  # the last token is re-read even if held: its logits are draft 0's
+        keep = min(common, n_pos - 1)  # the last token is re-read even if held: its logits are draft 0's
         if not self._ctx.seq_rm(slot.seq_id, keep, -1):
             self._ctx.seq_rm(slot.seq_id)
             keep = 0
         del slot.tokens[keep:]
-        future[slot.seq_id] = len(ids) + n_draft - 1
-        return _Job(req, slot, n_draft), ids[keep:]
+        slot.start = start
+        future[slot.seq_id] = n_pos + n_draft - 1
+        return _Job(req, slot, n_draft), ids[start + keep:]
+
+    def _window_start(self, n_tokens: int) -> int:
+        """Where a slot started afresh for a context of ``n_tokens`` begins."""
+        return max(0, n_tokens - self.window) if self.window else 0
 
     def _evict_lru(self, in_call: set[str], future: dict[int, int]) -> bool:
         idle = [(slot.last_used, rid) for rid, slot in self._slots.items() if rid not in in_call]
@@ -298,7 +360,9 @@ class EdgeDrafter:
         return rows
 
     def _flush(self, pending: list[tuple[_Job, list[int], int]], rows: dict[_Job, np.ndarray]) -> None:
+        started = time.perf_counter()
         rc = self._ctx.decode(self._batch)
+        self.last_forwards.append((self._batch.n_tokens, time.perf_counter() - started))
         self._counters["drafter_decode_calls"] += 1
         if rc != 0:
             # rc 1: no room in the pool (fragmentation); others: llama.cpp errors. Positions from

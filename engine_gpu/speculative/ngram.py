@@ -12,6 +12,7 @@ tokens appended since the last call, so a lookup costs O(new tokens), not O(cont
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from engine_gpu.speculative.drafter import Draft, DraftRequest
@@ -52,7 +53,6 @@ class NgramDrafter:
     """``Drafter`` by prompt lookup. Not thread-safe: the engine core calls it from one thread."""
 
     name = "ngram"
-    last_catchup_seconds = 0.0  # indexing new tokens is part of every lookup, and cheap
 
     def __init__(self, *, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
@@ -62,8 +62,12 @@ class NgramDrafter:
         self._proposed = 0
         self._lookups = 0
         self._hits = 0
+        # a propose's lookups as k "forwards" of one token per request, so that the controller's
+        # k rounds of g(requests) price the call at what it took
+        self.last_forwards: list[tuple[int, float]] = []
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        started = time.perf_counter()
         out: dict[str, Draft] = {}
         for req in requests:
             index = self._indexes.get(req.request_id)
@@ -75,7 +79,15 @@ class NgramDrafter:
             self._hits += bool(drafts)
             self._proposed += len(drafts)
             out[req.request_id] = Draft(drafts, None)
+        rounds = max((req.k for req in requests), default=1)
+        self.last_forwards = [(len(requests), (time.perf_counter() - started) / rounds)] * rounds if requests else []
         return out
+
+    def behind(self, request_id: str, token_ids: Sequence[int]) -> int:
+        return 0  # a lookup indexes what is new as part of its own (measured) cost
+
+    def calibrate(self) -> list[tuple[int, float]]:
+        return []  # no model: priced from its first lookups
 
     def release(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)

@@ -197,6 +197,51 @@ def test_kv_follows_what_the_target_accepted(path: Path, drafter: EdgeDrafter, p
     assert delta(before, drafter.stats(), "drafter_catchup_tokens") == 2
 
 
+def test_behind_counts_what_the_next_propose_feeds(drafter: EdgeDrafter, prompts: list[list[int]]) -> None:
+    context = prompts[2]
+    assert drafter.behind("a", context) == len(context)  # new: the whole prompt
+    first = drafter.propose([request("a", context)])["a"].token_ids
+    fed = sum(n for n, _ in drafter.last_forwards)
+    assert fed == len(context) + 3 and all(seconds > 0 for _, seconds in drafter.last_forwards)  # + drafts 1..3
+    assert drafter.behind("a", [*context, *first, 7]) == 2  # all accepted: the last draft and the bonus
+    assert drafter.behind("a", [*context, *first[:1], 7]) == 1  # a rejection: only the bonus
+    sat_out = [*context, *first, *range(20, 30)]
+    before = drafter.stats()
+    assert drafter.behind("a", sat_out) == 11  # the last draft and ten tokens it missed
+    drafter.propose([request("a", sat_out)])
+    assert delta(before, drafter.stats(), "drafter_catchup_tokens") == 11
+
+
+def test_a_context_past_the_window_is_drafted_from_its_last_tokens(path: Path, model: LlamaModel,
+                                                                   prompts: list[list[int]]) -> None:
+    long = [t for p in prompts for t in p]  # ~60 tokens
+    drafter = EdgeDrafter(path, max_seqs=2, kv_cells=512, n_threads=1, window=16)
+    try:
+        assert drafter.behind("w", long) == 16
+        out = drafter.propose([request("w", long, k=4)])["w"].token_ids
+        assert drafter.stats()["drafter_catchup_tokens"] == 16
+        assert drafter.stats()["drafter_kv_cells_used"] == 16 + 3
+        assert_same_up_to_near_ties(out, reference_greedy(model, [long[-16:]], 4))  # what the window says
+        # following on within the window: only the new tokens; far behind again: the window afresh
+        assert drafter.behind("w", [*long, *out, 9]) == 2
+        far = [*long, *out, *range(100, 140)]
+        assert drafter.behind("w", far) == 16
+        before = drafter.stats()
+        drafter.propose([request("w", far, k=2)])
+        after = drafter.stats()
+        assert delta(before, after, "drafter_catchup_tokens") == 16 and after["drafter_kv_cells_used"] == 16 + 1
+    finally:
+        drafter.close()
+
+
+def test_calibration_times_forwards_of_growing_size_once(drafter: EdgeDrafter) -> None:
+    forwards = drafter.calibrate()
+    assert [n for n, _ in forwards] == [1, 2, 4, 8, 16, 64]
+    assert all(seconds > 0 for _, seconds in forwards)
+    assert drafter.calibrate() is forwards  # timed once
+    assert drafter.stats()["drafter_kv_cells_used"] == 0 and drafter.stats()["drafter_slots_in_use"] == 0
+
+
 # ---- sampled drafting -----------------------------------------------------------------------------
 
 

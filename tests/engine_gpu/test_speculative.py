@@ -1,6 +1,7 @@
 """Speculative decoding in the torch engine: verification is exact (greedy output token for token,
-sampled output in distribution), blocks of rejected drafts go back at once, and the switch turns
-speculation off where it does not pay.
+sampled output in distribution), blocks of rejected drafts go back at once, and the engine drafts
+where the step's price says it pays and nowhere else (the controller's own rules:
+test_spec_controller.py).
 
 Exactness runs in float32: bfloat16 rounds a 1-token and a k-token forward differently."""
 
@@ -17,13 +18,14 @@ from tiny_engine import clear_greedy_reference, write_tiny_model
 
 from engine_gpu.config import EngineConfig, SpeculativeConfig
 from engine_gpu.engine import LLMEngine
+from engine_gpu.runner import ModelRunner
 from engine_gpu.scheduler import Scheduler
-from engine_gpu.speculative.controller import MIN_SAMPLES, SpecController
-from engine_gpu.speculative.drafter import DraftRequest
+from engine_gpu.speculative.drafter import Draft, DraftRequest
 from engine_gpu.speculative.ngram import NgramDrafter
+from engine_gpu.speculative.speculator import Speculator
 from engine_gpu.speculative.verify import accept
 from llm_shared.contract import SamplingParams
-from llm_shared.models import ModelConfig
+from llm_shared.models import ModelConfig, tokenizer_for
 
 NGRAM = SpeculativeConfig(method="ngram", num_draft_tokens=4, adaptive=False, max_batch=16, ngram_min=1, ngram_max=3)
 GREEDY = SamplingParams(temperature=0.0)
@@ -117,6 +119,63 @@ def test_abort_during_verification_frees_everything(model_cfg: ModelConfig) -> N
     assert len(aborted) == 3
     stats = engine.stats()
     assert stats["kv_blocks_in_use"] == 0 and stats["running"] == 0 and stats["drafter_requests"] == 0
+
+
+# ---- each step priced: the engine drafts where it pays, and only there --------------------------
+
+class ScriptedDrafter:
+    """Drafts the plain run's own next tokens (always accepted) and reports each forward at a set
+    cost: what the controller sees of a perfect drafter that is cheap, or one that is ruinous."""
+
+    name = "scripted"
+
+    def __init__(self, prompts: list[list[int]], plain: list[list[int]], forward_s: float) -> None:
+        self.truth = {tuple(p): out for p, out in zip(prompts, plain, strict=True)}
+        self.forward_s = forward_s
+        self.calls = 0
+        self.last_forwards: list[tuple[int, float]] = []
+
+    def propose(self, requests):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        out = {}
+        for req in requests:
+            prompt, ahead = next((p, o) for p, o in self.truth.items() if tuple(req.token_ids[: len(p)]) == p)
+            done = len(req.token_ids) - len(prompt)
+            out[req.request_id] = Draft(ahead[done : done + req.k], None)
+        self.last_forwards = [(len(requests), self.forward_s)] * max(r.k for r in requests)
+        return out
+
+    def behind(self, request_id: str, token_ids: list[int]) -> int:
+        return 0
+
+    def calibrate(self) -> list[tuple[int, float]]:
+        return [(1, self.forward_s), (64, self.forward_s)]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("forward_s", [1e-7, 10.0])
+def test_the_engine_drafts_where_the_price_says_it_pays_and_nowhere_else(
+        model_cfg: ModelConfig, plain: list[list[int]], forward_s: float) -> None:
+    prompts, max_tokens = make_prompts()
+    config = replace(BATCHED, speculative=SpeculativeConfig(method="ngram", max_batch=16))  # adaptive
+    drafter = ScriptedDrafter(prompts, plain, forward_s)
+    engine = LLMEngine(ModelRunner.from_config(model_cfg, config), tokenizer_for(model_cfg), config,
+                       speculator=Speculator(config.speculative, drafter))
+    assert run_batched(engine, prompts, greedy_params(max_tokens)) == plain
+    stats = engine.stats()
+    if forward_s < 1e-3:  # drafting is free and always right: every decoding step drafts
+        assert drafter.calls > 0 and stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0
+        assert stats["spec_predicted_gain"] > 1
+    else:  # 10 s a draft forward: priced out before a single one is asked for
+        assert drafter.calls == 0 and stats["spec_draft_tokens"] == 0 and stats["spec_off_by_gain"] > 0
 
 
 # ---- block accounting under random drafts and aborts -----------------------------------------
@@ -253,36 +312,7 @@ def test_sampled_speculation_matches_the_target_distribution() -> None:
     assert chi_square_p_value(right_q=False) < 1e-6
 
 
-# ---- the switch and draft lengths ------------------------------------------------------------
-
-def test_the_switch_turns_speculation_off_where_it_loses_and_back_on_where_it_pays() -> None:
-    ctl = SpecController(SpeculativeConfig(method="ngram", max_batch=8, probe_every=10))
-    assert not ctl.speculate(9) and not ctl.speculate(0)  # above max_batch, or nothing decoding
-
-    def run(steps: int, on_rate: float, off_rate: float) -> list[bool]:
-        choices = []
-        for _ in range(steps):
-            on = ctl.speculate(2)
-            ctl.observe_step(2, on, 100, 100 / (on_rate if on else off_rate))
-            choices.append(on)
-        return choices
-
-    run(2 * MIN_SAMPLES, on_rate=50, off_rate=100)  # explores both arms
-    losing = run(40, on_rate=50, off_rate=100)
-    assert sum(losing) <= 5 and ctl.gain(2) < 1  # off, apart from probes
-    winning = run(60, on_rate=300, off_rate=100)
-    assert sum(winning[-20:]) >= 17 and ctl.gain(2) > 1  # probes saw it pay: back on (off only to probe)
-    assert ctl.stats()["spec_enabled"] == 1.0
-
-
-def test_draft_length_follows_each_sequences_acceptance() -> None:
-    ctl = SpecController(SpeculativeConfig(method="ngram", num_draft_tokens=8, initial_cost_ratio=0.05))
-    for _ in range(20):
-        ctl.observe_round("copying", proposed=8, accepted=8)
-        ctl.observe_round("guessing", proposed=4, accepted=0)
-    assert ctl.draft_len("copying") == 8
-    assert ctl.draft_len("guessing") == 1  # the least: the switch, not k, turns drafting off
-
+# ---- drafters ---------------------------------------------------------------------------------
 
 def test_ngram_drafter_proposes_what_followed_the_last_occurrence() -> None:
     drafter = NgramDrafter(min_n=1, max_n=3)
@@ -295,36 +325,3 @@ def test_ngram_drafter_proposes_what_followed_the_last_occurrence() -> None:
     assert drafter.propose([DraftRequest("b", [1, 2, 3], 2, GREEDY, 0, 0)])["b"].token_ids == []
     drafter.release("a")
     assert drafter.stats()["drafter_requests"] == 1
-
-
-def test_draft_length_counts_what_verification_costs() -> None:
-    """Where verification costs grow with every query token, fewer drafts pay; where a wide
-    verification costs about what a narrow one does (these CPUs past 2 tokens, a GPU at small
-    batch), the most do. Measured per bucket; a sequence drafts at least one token."""
-    def controller(verify_s: dict[int, float], acceptance: float = 0.7) -> SpecController:
-        ctl = SpecController(SpeculativeConfig(method="edge", draft_model="d", num_draft_tokens=4,
-                                               initial_acceptance=acceptance))
-        ctl.observe_step(1, False, 1, 0.1)  # a plain step: 100 ms
-        for k, seconds in verify_s.items():  # drafting took 5 ms a position (c = 0.05)
-            ctl.observe_step(1, True, 2, 0.005 * k + seconds, draft_seconds=0.005 * k, draft_positions=k,
-                             verify_width=k)
-        return ctl
-
-    flat = controller({1: 0.185, 4: 0.197})  # like fp32 on these CPUs: v(1) = 1.85, v(4) = 1.97
-    assert flat.draft_len("new", 1) == 4
-    assert flat.stats()["spec_verify_cost_batch1"] == pytest.approx(1.97)
-    steep = controller({1: 0.13, 2: 0.16, 3: 0.19, 4: 0.22})  # 30% more per token
-    assert steep.draft_len("new", 1) == 2
-    assert controller({4: 0.4}, acceptance=0.1).draft_len("new", 1) == 1  # never 0: acceptance stays measured
-
-
-def test_probes_of_a_losing_arm_back_off() -> None:
-    """Each probe costs the drafter a catch-up: while speculation keeps losing, probes thin out."""
-    ctl = SpecController(SpeculativeConfig(method="ngram", probe_every=8))
-    choices = []
-    for _ in range(2000):
-        on = ctl.speculate(2)
-        ctl.observe_step(2, on, 100, 100 / (50 if on else 100))
-        choices.append(on)
-    probes = sum(choices[2 * MIN_SAMPLES:])
-    assert 3 <= probes <= 12  # 8, 16, 32, ... capped at 32 x 8 steps: ~10 in 2,000 steps, not 250
