@@ -2,7 +2,7 @@
 file-descriptor limits, machine load, and writing results (JSON, TOML configs).
 
 Every benchmark prints progress on stderr and ends its stdout with one JSON line; the full
-results go to bench/out/<name>.json.
+results go to bench/out/<name>.json (a ``--smoke`` run's to bench/out/smoke/).
 """
 
 from __future__ import annotations
@@ -24,6 +24,20 @@ from engine_gpu.config import BF16_CPU_FLAGS, resolve_dtype
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO_ROOT / "bench" / "out"
 IMG_DIR = REPO_ROOT / "docs" / "img"
+# A --smoke run (tiny sizes, to check that a benchmark still runs and prints its keys) writes its
+# results and figures here, never over a real run's.
+SMOKE_DIR = OUT_DIR / "smoke"
+SMOKE_HELP = "tiny sizes, seconds, to check that it runs and prints its keys (results and figures in bench/out/smoke/)"
+
+
+def result_path(name: str, smoke: bool) -> Path:
+    """Where a run writes its results file ``name``: bench/out/, or bench/out/smoke/ for a smoke run."""
+    return (SMOKE_DIR if smoke else OUT_DIR) / name
+
+
+def figure_path(name: str, smoke: bool) -> Path:
+    """Where a run draws its figure ``name``: docs/img/, or bench/out/smoke/ for a smoke run."""
+    return (SMOKE_DIR if smoke else IMG_DIR) / name
 
 
 def progress(message: str) -> None:

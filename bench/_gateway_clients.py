@@ -39,7 +39,8 @@ TOPICS = (
 
 
 def prompts(n: int) -> list[str]:
-    """``n`` distinct prompts asking for long answers, so that streams end by their token limit."""
+    """``n`` distinct prompts asking for long answers (bench/gateway.py's responses also ignore the
+    end-of-sequence token, so they end by their token limit whatever the model would answer)."""
     return [f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}." + (f" Part {i // len(TOPICS) + 1}."
             if i >= len(TOPICS) else "") for i in range(n)]
 
@@ -51,7 +52,8 @@ def messages_for(prompt: str) -> list[dict[str, str]]:
 
 
 def response_create(prompt: str, max_tokens: int) -> dict[str, Any]:
-    """Out-of-band (``conversation: "none"``) greedy response: the prompt never grows between turns."""
+    """Out-of-band (``conversation: "none"``) greedy response of exactly ``max_tokens`` tokens: the
+    prompt never grows between turns, and the length does not depend on where the model would stop."""
     return {
         "type": "response.create",
         "response": {
@@ -59,6 +61,7 @@ def response_create(prompt: str, max_tokens: int) -> dict[str, Any]:
             "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": prompt}]}],
             "max_output_tokens": max_tokens,
             "temperature": 0,  # our GA extension; greedy, so both arms generate the same tokens
+            "x_ignore_eos": True,  # our extension: runs to max_output_tokens (a cancel point is always reached)
         },
     }
 
@@ -220,7 +223,7 @@ async def inprocess_turn(engine: Engine, prompt: str, max_tokens: int, request_i
     generate at the same priority, consume the stream."""
     turn = Turn(sent_at=time.perf_counter())
     prompt_ids = await encode_chat(engine, messages_for(prompt))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)  # as response_create asks
     finish: FinishEvent | None = None
     async for event in engine.generate(request_id, prompt_ids, params, Priority.REALTIME):
         if isinstance(event, TokenEvent):

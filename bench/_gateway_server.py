@@ -36,11 +36,14 @@ LOG_MARKERS = (" WARNING ", " ERROR ", " CRITICAL ", "Traceback", "too slow")
 def derive_config(base: Path, directory: Path, clients: int, idle_sessions: int) -> Path:
     """Write a copy of ``base`` sized for the benchmark and return its path.
 
-    The edge engine batches ``clients`` sequences so every throughput client is served at
-    once; session and rate limits are raised so that no client is refused (the limiter still
+    Only the edge tier is served (its own model id, ``routing.edge_model``); it batches
+    ``clients`` sequences so every throughput client is served at once; session and rate limits are raised so that no client is refused (the limiter still
     runs on every request, it just never says no).
     """
     raw = tomllib.loads(base.read_text(encoding="utf-8"))
+    # The edge tier alone: what the in-process arm serves too. The default route, the cascade,
+    # would also start the torch tier's engine core on the same two cores.
+    raw.setdefault("routing", {})["default"] = "edge"
     edge = raw.setdefault("edge", {})
     edge["n_seq_max"] = clients
     edge["kv_cache_mib"] = (clients + 1) * KV_MIB_PER_SEQUENCE  # every sequence, plus the drafter

@@ -1,7 +1,9 @@
 """Does the edge tier remember the conversation? TTFT turn by turn over 8-turn chats (issue 10).
 
 Each arm starts its own ``python -m gateway serve`` subprocess on a loopback port, with a
-config derived from the base one, sends one warm-up turn, then runs conversations through the
+config derived from the base one that serves one tier alone (``[routing] default = "edge"`` or
+``"gpu"``; the sessions name that tier's own model id, ``routing.edge_model`` or
+``routing.gpu_model``), sends one warm-up turn, then runs conversations through the
 official openai SDK (``AsyncOpenAI.realtime.connect``): per turn ``conversation.item.create``
 (one user message), ``response.create`` (greedy, ``max_output_tokens``), events read until
 ``response.done``. TTFT is from sending ``response.create`` to the first
@@ -14,8 +16,8 @@ Arms (``--arms`` picks a subset):
 - ``edge-on-multi``, ``edge-off-multi``: the same with ``--sessions`` concurrent sessions on
   ``--slots`` sequence slots (``[edge] n_seq_max``), so idle conversations' KV has to leave
   its slot (host-memory snapshots) or be computed again; ``ceil(repeats / sessions)`` rounds;
-- ``gpu-1``: the torch tier (``[routing] default = "gpu"``, dtype chosen for this CPU, 2
-  threads) with its block prefix cache, one session.
+- ``gpu-1``: the torch tier (dtype chosen for this CPU, 2 threads) with its block prefix cache,
+  one session.
 
 Every conversation opens with a different name and city, so one conversation's turns never
 hit another's cache beyond the chat template's shared system prompt.
@@ -27,8 +29,9 @@ Progress goes to stderr; stdout gets a summary, then as its last line one JSON o
 Everything is written to bench/out/conversation.json and a figure to
 docs/img/conversation_ttft.png.
 
-Run: ``.venv/bin/python bench/conversation.py`` (about 10 minutes on a quiet 2-core machine);
-quick check: ``.venv/bin/python bench/conversation.py --turns 2 --max-tokens 8 --repeats 1 --arms edge-on-1``.
+Run: ``.venv/bin/python bench/conversation.py`` (about 6 minutes on a quiet 2-core machine);
+``--smoke``: every arm, 2 turns of 4 tokens, 2 sessions on 1 slot (results in bench/out/smoke/);
+one arm by hand: ``.venv/bin/python bench/conversation.py --turns 2 --max-tokens 8 --repeats 1 --arms edge-on-1``.
 """
 
 from __future__ import annotations
@@ -55,20 +58,21 @@ import uvloop
 from openai import AsyncOpenAI
 
 from bench._common import (
-    IMG_DIR,
-    OUT_DIR,
     REPO_ROOT,
+    SMOKE_HELP,
     cpu_dtype,
     cpu_facts,
     dump_toml,
+    figure_path,
     load_average,
     percentile,
     progress,
+    result_path,
     write_json,
 )
 from bench._gateway_clients import BENCH_API_KEY, DELTA, DONE, BenchError
 from bench._gateway_server import GatewayProcess
-from gateway.config import DEFAULT_CONFIG
+from gateway.config import DEFAULT_CONFIG, parse_config
 
 HOST = "127.0.0.1"
 CONNECT_TIMEOUT_S = 60.0  # opening a session and reading session.created
@@ -89,6 +93,9 @@ USER_TURNS = (
 NAMES = ("Maya", "Tom", "Aiko", "Lucas", "Fatima", "Oskar", "Priya", "Diego")
 CITIES = ("Lisbon", "Kyoto", "Edinburgh", "Vienna", "Montreal", "Seville", "Prague", "Copenhagen")
 WARMUP_TEXT = "Hello there, can you hear me?"
+# --smoke: every arm on the smallest conversation that still has a "last turn" after a first
+# one, and two sessions contending for one slot.
+SMOKE = {"turns": 2, "max_tokens": 4, "repeats": 1, "sessions": 2, "slots": 1}
 
 
 def user_turns(conversation: int, turns: int) -> list[str]:
@@ -141,6 +148,12 @@ def arm_config(base: dict[str, Any], arm: Arm, slots: int) -> dict[str, Any]:
             engine["dtype"] = cpu_dtype("auto")  # bf16 only where the CPU computes it natively
             engine["threads"] = GPU_THREADS
     return raw
+
+
+def served_model(raw: dict[str, Any], arm: Arm) -> str:
+    """The model id that names ``arm``'s tier in its config (validated as the gateway will)."""
+    routing = parse_config(raw).routing
+    return routing.edge_model if arm.tier == "edge" else routing.gpu_model
 
 
 @dataclass
@@ -225,7 +238,7 @@ async def run_arm(arm: Arm, base: dict[str, Any], args: argparse.Namespace, tmp:
     raw = arm_config(base, arm, args.slots)
     config_path = tmp / f"{arm.name}.toml"
     config_path.write_text(dump_toml(raw), encoding="utf-8")
-    model = raw["edge"]["model"] if arm.tier == "edge" else raw["engine"]["model"]
+    model = served_model(raw, arm)
     server = GatewayProcess(config_path, tmp / f"{arm.name}.log", HOST)
     rounds = math.ceil(args.repeats / arm.sessions)
     progress(f"{arm.name} ({arm.label}): starting the gateway on {server.url}")
@@ -284,7 +297,8 @@ def summarize(arm: Arm, raw: dict[str, Any], results: list[TurnResult], turns: i
         })
     inputs = sum(t.input_tokens for t in results)
     return {
-        "label": arm.label, "tier": arm.tier, "prefix_reuse": arm.reuse, "sessions": arm.sessions,
+        "label": arm.label, "tier": arm.tier, "model": parse_config(raw).routing.default_model,
+        "prefix_reuse": arm.reuse, "sessions": arm.sessions,
         "conversations": len({t.conversation for t in results}), "config": raw,
         "ttft_last_over_first": by_turn[-1]["ttft_p50_ms"] / by_turn[0]["ttft_p50_ms"],
         "input_tokens": inputs, "cached_tokens": sum(t.cached_tokens for t in results),
@@ -385,6 +399,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "command": "python bench/conversation.py " + " ".join(sys.argv[1:]), "turns": args.turns,
             "max_output_tokens": args.max_tokens, "repeats": args.repeats, "sessions": args.sessions,
             "slots": args.slots, "base_config": str(args.config), "user_turns": list(USER_TURNS[:args.turns]),
+            "smoke": args.smoke,
             "load_before": load_before, "load_after": load_average(),
         },
         "arms": results,
@@ -402,9 +417,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=4, help="edge n_seq_max of the multi-session arms")
     p.add_argument("--arms", default=",".join(all_arms(8)),
                    help="comma-separated subset of: %(default)s")
-    p.add_argument("--out", type=Path, default=OUT_DIR / "conversation.json")
-    p.add_argument("--plot", default=str(IMG_DIR / "conversation_ttft.png"), help="figure path ('' for none)")
+    p.add_argument("--out", type=Path, help="results (default: bench/out/conversation.json)")
+    p.add_argument("--plot", help="figure path ('' for none; default: docs/img/conversation_ttft.png)")
+    p.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {SMOKE}")
     args = p.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+    args.out = args.out or result_path("conversation.json", args.smoke)
+    args.plot = str(figure_path("conversation_ttft.png", args.smoke)) if args.plot is None else args.plot
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in args.arms if a not in all_arms(args.sessions)]
     if unknown or not args.arms:

@@ -1,24 +1,30 @@
 """What the WebSocket gateway costs over the engine it serves (issue 4).
 
-One run measures, against a real ``python -m gateway serve`` subprocess on a loopback port:
+One run measures, against a real ``python -m gateway serve`` subprocess on a loopback port that
+serves the llama.cpp edge tier alone (``[routing] default = "edge"``; clients name its model id,
+``routing.edge_model``):
 
 - throughput: tokens/s received by N WebSocket clients (one response each, all at once) over
   tokens/s of the same engine class, built from the same config by the same function and
-  consumed in-process with the same prompts, greedy, so both generate the same tokens. The arms
+  consumed in-process with the same prompts, greedy, so both generate the same tokens; every
+  response ignores the end-of-sequence token (``x_ignore_eos``, our extension of
+  ``response.create``; ``ignore_eos`` in-process), so each is exactly ``--max-tokens`` long. The arms
   are interleaved (in-process, SDK, raw websockets, then the reverse order, ...) and the ratio
   is taken between medians, since a shared 2-core machine drifts;
 - added inter-token latency: p50/p99 of the gaps between deltas on the WebSocket minus those
   between tokens in-process;
 - cancel latency: from sending ``response.cancel`` to reading ``response.done``, for responses
-  cancelled at random points while other sessions keep the engine busy;
+  cancelled at random points while other sessions keep the engine busy (the responses ignore the
+  end-of-sequence token, so every one is still running at its cancel point);
 - idle sessions: the server's RSS growth with 1,000 sessions open that send nothing.
 
 Progress goes to stderr; stdout gets a summary, then as its last line one JSON object with
 ``ws_vs_inprocess``, ``added_itl_p50_ms``, ``added_itl_p99_ms``, ``cancel_p99_ms``,
-``idle_sessions_per_gib``. Everything is written to bench/out/gateway.json and a figure to
-docs/img/gateway_overhead.png.
+``idle_sessions_per_gib`` and ``cpu``. Everything is written to bench/out/gateway.json and a figure
+to docs/img/gateway_overhead.png.
 
-Run: ``.venv/bin/python bench/gateway.py`` (about 5 minutes on a quiet 2-core machine).
+Run: ``.venv/bin/python bench/gateway.py`` (about 5 minutes on a quiet 2-core machine);
+``--smoke``: 4 streams, 200 idle sessions, a few cancels (results in bench/out/smoke/).
 """
 
 from __future__ import annotations
@@ -44,15 +50,16 @@ import psutil  # noqa: E402
 import uvloop  # noqa: E402
 
 from bench._common import (  # noqa: E402
-    IMG_DIR,
-    OUT_DIR,
     REPO_ROOT,
+    SMOKE_HELP,
     cpu_facts,
+    figure_path,
     load_average,
     machine_busy_s,
     percentile,
     progress,
     raise_nofile_limit,
+    result_path,
     write_json,
 )
 from bench._gateway_clients import (  # noqa: E402
@@ -81,6 +88,10 @@ HOST = "127.0.0.1"
 IDLE_CONNECT_CONCURRENCY = 64  # handshakes in flight while opening the idle sessions
 WARMUP_TOKENS = 8
 GIB = 1 << 30
+# --smoke: every phase on a handful of sessions (200 idle ones: fewer would not grow the RSS
+# above its noise, and the phase refuses a run whose RSS did not grow).
+SMOKE = {"clients": 4, "max_tokens": 16, "rounds": 2, "cancels": 4, "cancel_sessions": 2, "cancel_max_cut": 4,
+         "cancel_max_tokens": 16, "idle_sessions": 200}
 
 
 class CpuMeter:
@@ -284,7 +295,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await server.wait_ready()
             engine = await loading
             progress(f"gateway ready (RSS {server.rss() / 2**20:.0f} MiB); in-process engine loaded")
-            clients = Clients(server.url, config.edge.model)
+            clients = Clients(server.url, config.routing.edge_model)
             try:
                 # Idle sessions first, on a fresh heap: memory freed by earlier phases would be
                 # reused by new sessions without growing the RSS, hiding their cost.
@@ -315,6 +326,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "setup": {
             "command": "python bench/gateway.py " + " ".join(sys.argv[1:]), "clients": args.clients,
             "max_output_tokens": args.max_tokens, "rounds": args.rounds, "base_config": str(args.config),
+            "model": config.routing.edge_model, "ignore_eos": True, "smoke": args.smoke,
             "edge": {"backend": config.edge.backend, "n_seq_max": config.edge.n_seq_max, "kv_cache_mib": config.edge.kv_cache_mib},
             "cpus": os.cpu_count(), "load_before": load_before, "load_after": load_average(),
         },
@@ -340,9 +352,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cancel-max-tokens", type=int, default=256)
     p.add_argument("--idle-sessions", type=int, default=1000)
     p.add_argument("--seed", type=int, default=4)
-    p.add_argument("--out", type=Path, default=OUT_DIR / "gateway.json")
-    p.add_argument("--plot", default=str(IMG_DIR / "gateway_overhead.png"), help="figure path ('' for none)")
+    p.add_argument("--out", type=Path, help="results (default: bench/out/gateway.json)")
+    p.add_argument("--plot", help="figure path ('' for none; default: docs/img/gateway_overhead.png)")
+    p.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {SMOKE}")
     args = p.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+    args.out = args.out or result_path("gateway.json", args.smoke)
+    args.plot = str(figure_path("gateway_overhead.png", args.smoke)) if args.plot is None else args.plot
     if not 1 <= args.clients <= 64:
         p.error("--clients must be in 1..64 (the edge engine's n_seq_max range)")
     if args.rounds < 2:
