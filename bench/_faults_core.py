@@ -1,7 +1,8 @@
 """Arm ``core_kill`` of bench/faults.py: SIGKILL the torch engine's core process under load.
 
 A gateway serving the torch tier alone (``[routing] default = "gpu"``, speculation off) gets
-``streams`` concurrent out-of-band responses of up to ``MAX_TOKENS`` tokens. Once every one has
+``streams`` concurrent out-of-band responses of ``MAX_TOKENS`` tokens (``x_ignore_eos``: none
+ends before the kill, whatever the model would answer). Once every one has
 streamed its first delta, the core process (the gateway's child whose command line holds
 ``engine_gpu.core_process``) is killed. Measured from the kill: each stream's ``response.done``
 (it must come, status ``failed``, goal under a second; one that does not come within
@@ -131,7 +132,8 @@ async def run_core_kill(base: Path, tmp: Path, streams: int) -> dict[str, Any]:
             for prompt in prompts(streams):
                 ws = await connect(url)
                 sockets.append(ws)
-                await send(ws, out_of_band(prompt, MAX_TOKENS))
+                # ignoring the end-of-sequence token: every stream is still running at the kill
+                await send(ws, out_of_band(prompt, MAX_TOKENS, ignore_eos=True))
             readers = [asyncio.create_task(read_stream(ws, s, STREAM_START_TIMEOUT_S + END_TIMEOUT_S))
                        for ws, s in zip(sockets, state, strict=True)]
             await asyncio.wait_for(asyncio.gather(*(s.first_delta.wait() for s in state)), STREAM_START_TIMEOUT_S)

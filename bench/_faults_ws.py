@@ -189,10 +189,11 @@ def user_item(text: str) -> dict[str, Any]:
             "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}
 
 
-def out_of_band(text: str, max_tokens: int) -> dict[str, Any]:
-    """A greedy response to one user message, outside the conversation (``conversation: "none"``)."""
+def out_of_band(text: str, max_tokens: int, *, ignore_eos: bool = False) -> dict[str, Any]:
+    """A greedy response to one user message, outside the conversation (``conversation: "none"``);
+    ``ignore_eos`` (our ``x_ignore_eos``): it runs to ``max_tokens`` whatever the model would answer."""
     return {"type": "response.create", "response": {
-        "conversation": "none", "max_output_tokens": max_tokens, "temperature": 0,
+        "conversation": "none", "max_output_tokens": max_tokens, "temperature": 0, "x_ignore_eos": ignore_eos,
         "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}]}}
 
 

@@ -24,7 +24,8 @@ Figures (the last stdout line is one JSON object with these keys, plus ``cpu``):
 
 Results go to bench/out/cascade.json, plots to docs/img/cascade_ttft.png and
 docs/img/cascade_calibration.png. Run: ``.venv/bin/python bench/cascade.py`` (about 6 minutes
-on a quiet 2-core machine).
+on a quiet 2-core machine). ``--smoke``: the first prompt of each category, 12 tokens each (past
+the 8-token hold window), results and figures in bench/out/smoke/.
 """
 
 from __future__ import annotations
@@ -44,7 +45,17 @@ from typing import Any
 
 import aiohttp
 
-from bench._common import IMG_DIR, OUT_DIR, REPO_ROOT, cpu_facts, median, progress, write_json
+from bench._common import (
+    IMG_DIR,
+    REPO_ROOT,
+    SMOKE_DIR,
+    SMOKE_HELP,
+    cpu_facts,
+    median,
+    progress,
+    result_path,
+    write_json,
+)
 from gateway.cascade.calibrate import (
     DEFAULT_PROMPTS,
     Prompt,
@@ -60,6 +71,8 @@ from gateway.config import DEFAULT_CONFIG, Config, load_config
 from gateway.engines import close_engines, load_engines
 from gateway.server import create_app, start_server
 from gateway.state import STATE
+
+SMOKE_MAX_TOKENS = 12  # past the hold window (8), so a confident turn also streams after its release
 
 
 @dataclass
@@ -160,10 +173,20 @@ def plot_ttft(direct: list[Turn], cascaded: list[Turn], path: Path, title: str) 
     plt.close(fig)
 
 
+def first_of_each_category(prompts: list[Prompt]) -> list[Prompt]:
+    """One prompt per category, in the set's order: the smoke run's set."""
+    firsts: dict[str, Prompt] = {}
+    for prompt in prompts:
+        firsts.setdefault(prompt.category, prompt)
+    return list(firsts.values())
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     base = load_config(args.config)
     config = cascade_config(base)
     prompts = load_prompts(Path(args.prompts))
+    if args.smoke:
+        prompts = first_of_each_category(prompts)
     progress(f"calibrating on {len(prompts)} prompts ({args.max_tokens} tokens each, both tiers)")
     samples = await calibrate(config, prompts, args.max_tokens)
     threshold = pick_threshold([s.confidence for s in samples], args.target_escalation)
@@ -200,7 +223,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "held_tokens": {"accepted": accepted, "rejected": rejected},
     }
     result = {"headline": headline, "details": details, "config": {
-        "prompts": str(Path(args.prompts)), "max_tokens": args.max_tokens, "target_escalation": args.target_escalation,
+        "prompts": str(Path(args.prompts)), "prompt_count": len(prompts), "smoke": args.smoke,
+        "max_tokens": args.max_tokens, "target_escalation": args.target_escalation,
         "hold_tokens": config.cascade.hold_tokens, "scorer": config.cascade.scorer,
         "speculative": config.engine.speculative.method, "torch_dtype": config.engine.dtype},
         "calibration_samples": [asdict(s) for s in samples],
@@ -215,10 +239,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     parser.add_argument("--target-escalation", type=float, default=0.3)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=OUT_DIR / "cascade.json")
-    parser.add_argument("--plot-dir", type=Path, default=IMG_DIR, help="where the two figures go ('' for none)")
+    parser.add_argument("--out", type=Path, help="results (default: bench/out/cascade.json)")
+    parser.add_argument("--plot-dir", help="where the two figures go ('' for none; default: docs/img)")
     parser.add_argument("--from-json", type=Path, default=None, help="report and plot a saved run instead of running")
-    return parser.parse_args(argv)
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"{SMOKE_HELP}: one prompt per category, {SMOKE_MAX_TOKENS} tokens each")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.max_tokens = SMOKE_MAX_TOKENS
+    args.out = args.out or result_path("cascade.json", args.smoke)
+    # a str until here: Path("") would be "." and draw the figures into the working directory
+    args.plot_dir = (SMOKE_DIR if args.smoke else IMG_DIR) if args.plot_dir is None else args.plot_dir
+    args.plot_dir = Path(args.plot_dir) if str(args.plot_dir) else None
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, result)
     h, d = result["headline"], result["details"]
     cpu = result["cpu"]["model"]
-    if str(args.plot_dir):
+    if args.plot_dir is not None:
         plot_calibration(result["calibration_curve"], d["calibration"], args.plot_dir / "cascade_calibration.png",
                          f"cascade_prompts.jsonl, {len(result['turns']['cascade'])} prompts, {cpu}")
         turns = result["turns"]

@@ -30,7 +30,9 @@ The last stdout line is one JSON object with ``scale_2_over_1`` (goal >= 1.7),
 plus ``kill_max_end_s``, ``machine_2_over_1`` (what two pinned CPUs give over one on a
 decode-like load with no engine at all: the ceiling of ``scale_2_over_1`` on this machine) and
 ``cpu``. Full results: bench/out/cluster.json. Run: ``.venv/bin/python bench/cluster.py``
-(about 8 minutes on a quiet 2-core machine; needs `pip install -e '.[cluster]'`).
+(about 8 minutes on a quiet 2-core machine; needs `pip install -e '.[cluster]'`). ``--smoke``:
+every phase at tiny sizes (``SMOKE``), results and figure in bench/out/smoke/; the cluster's and
+the replicas' start-up still take most of a minute or more.
 """
 
 from __future__ import annotations
@@ -49,7 +51,18 @@ import tomllib
 from dataclasses import replace
 from typing import Any
 
-from bench._common import IMG_DIR, OUT_DIR, REPO_ROOT, cpu_facts, dump_toml, median, percentile, progress, write_json
+from bench._common import (
+    REPO_ROOT,
+    SMOKE_HELP,
+    cpu_facts,
+    dump_toml,
+    figure_path,
+    median,
+    percentile,
+    progress,
+    result_path,
+    write_json,
+)
 from engine_cluster.local import delete_app, deploy, kill_replica, running_replicas, start_local, stop_local
 from engine_cluster.pool import RayMembership, ReplicaPool
 from gateway.config import load_config
@@ -57,6 +70,8 @@ from llm_shared.contract import FinishEvent, Priority, SamplingParams, TokenEven
 from llm_shared.models import tokenizer_for
 
 START_S = 600.0
+SMOKE = {"clients": 2, "tokens": 8, "seconds": 3.0, "conversations": 2, "turns": 2, "step_clients": 12,
+         "ceiling_seconds": 1.0, "kill_tokens": 96, "after_scale_up_s": 1.0}
 
 
 def write_config(out: Path, app_name: str, **cluster: Any) -> str:
@@ -204,11 +219,12 @@ async def conversations(path: str, route: str, args: argparse.Namespace) -> dict
     return result
 
 
-async def kill_one(path: str) -> dict[str, Any]:
-    """Two replicas, four long streams each, all past their first token; one replica's actor is
-    killed: how long its streams take to end, and whether the others and the next turn are fine."""
+async def kill_one(path: str, tokens: int) -> dict[str, Any]:
+    """Two replicas, four long streams each (``tokens`` long, ignoring the end-of-sequence token so
+    they are still running at the kill), all past their first token; one replica's actor is killed:
+    how long its streams take to end, and whether the others and the next turn are fine."""
     pool = await open_pool(path, "least_loaded")
-    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     try:
         await _until(lambda: len(pool.live()) == 2, START_S)
         streams = [pool.generate(f"kill-{i}", chat(pool, "Be brief.", f"Long story {i}."), params, Priority.REALTIME)
@@ -244,7 +260,7 @@ async def affinity(path: str, args: argparse.Namespace) -> dict[str, Any]:
     await asyncio.to_thread(deploy, path, 2)
     try:
         out = {route: await conversations(path, route, args) for route in ("prefix", "round_robin")}
-        out["kill"] = await kill_one(path)
+        out["kill"] = await kill_one(path, args.kill_tokens)
     finally:
         await asyncio.to_thread(delete_app, load_config(path).cluster.app_name)
     out["gain"] = out["round_robin"]["ttft_p50_s"] / out["prefix"]["ttft_p50_s"]
@@ -290,7 +306,7 @@ async def scale_up(path: str, args: argparse.Namespace) -> dict[str, Any]:
         await _until(lambda: bool(second_serving), START_S)
         scale_up_s = second_serving[0] - step_at
         progress(f"scale-up: the second replica served {scale_up_s:.1f} s after the load step")
-        await asyncio.sleep(10.0)
+        await asyncio.sleep(args.after_scale_up_s)  # both replicas serving the step's load for a while
         stop.set()
         await asyncio.gather(*clients)
         load_end = time.perf_counter() - t0
@@ -345,14 +361,14 @@ async def _until(predicate: Any, timeout_s: float) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    out = OUT_DIR / "cluster"
+    out = result_path("cluster", args.smoke)
     out.mkdir(parents=True, exist_ok=True)
     fixed = write_config(out, "bench-fixed")
     auto = write_config(out, "bench-auto", upscale_delay_s=2.0, downscale_delay_s=10.0, look_back_period_s=2.0)
     start_local(fixed, num_cpus=os.cpu_count())
     try:
         progress("phase 1/3: throughput with one replica, then two")
-        ceiling = hardware_ceiling()
+        ceiling = hardware_ceiling(args.ceiling_seconds)
         one = await throughput(fixed, 1, args)
         two = await throughput(fixed, 2, args)
         progress("phase 2/3: prefix-affine against round-robin routing on multi-turn conversations; a replica killed")
@@ -361,7 +377,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         scale = await scale_up(auto, args)
     finally:
         stop_local()
-    plot(scale, IMG_DIR / "cluster_scale.png")
+    plot(scale, figure_path("cluster_scale.png", args.smoke))
     return {"throughput": {"one": one, "two": two, "hardware": ceiling}, "affinity": aff, "scale": scale,
             "figures": {"scale_2_over_1": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
                         "affinity_ttft_gain": round(aff["gain"], 3), "scale_up_s": round(scale["scale_up_s"], 2),
@@ -377,11 +393,19 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=7)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--step-clients", type=int, default=12)
+    parser.add_argument("--ceiling-seconds", type=float, default=10.0, help="each run of the hardware ceiling")
+    parser.add_argument("--kill-tokens", type=int, default=400, help="length of the streams a replica kill ends")
+    parser.add_argument("--after-scale-up-s", type=float, default=10.0,
+                        help="the step's load goes on this long after the second replica served")
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {SMOKE}")
     args = parser.parse_args()
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
     started = time.perf_counter()
     result = asyncio.run(main_async(args))
     result.update(cpu=cpu_facts(), args=vars(args), wall_s=round(time.perf_counter() - started, 1))
-    write_json(OUT_DIR / "cluster.json", result)
+    write_json(result_path("cluster.json", args.smoke), result)
     print(json.dumps({**result["figures"], "cpu": result["cpu"]}))
 
 

@@ -5,27 +5,37 @@ Batch-1 decoding reads every weight once per token, so its ceiling is
 with numpy sums over a 512 MiB array, on one thread and on as many threads as llama.cpp
 uses, best of several runs; the roofline takes the higher. Progress goes to stderr; the last
 line on stdout is one JSON object with decode_tok_s_1, decode_tok_s_8, roofline_tok_s and
-roofline_ratio (at one sequence), plus the bandwidths and the ratio against one thread's.
+roofline_ratio (at one sequence), plus the bandwidths, the ratio against one thread's, the
+weight bytes and cpu. Streams ignore the end-of-sequence token, so each is exactly --tokens long.
 
-    .venv/bin/python bench/edge.py [--tokens 256] [--repeats 3]
+    .venv/bin/python bench/edge.py [--tokens 256] [--repeats 3] [--smoke]
+
+--smoke: 16 tokens a stream, one run per arm, a 64 MiB bandwidth array (seconds; figures meaningless).
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
 import sys
-import threading
-import time
 from pathlib import Path
 
-import numpy as np
+# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
 
-from engine_edge.config import EdgeConfig
-from engine_edge.llama_cpp_backend import LlamaCppBackend
-from llm_shared.contract import SamplingParams, TokenEvent
-from llm_shared.modelfile import default_gguf_path
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from bench._common import SMOKE_HELP, cpu_facts  # noqa: E402
+from engine_edge.config import EdgeConfig  # noqa: E402
+from engine_edge.llama_cpp_backend import LlamaCppBackend  # noqa: E402
+from llm_shared.contract import SamplingParams, TokenEvent  # noqa: E402
+from llm_shared.modelfile import default_gguf_path  # noqa: E402
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper.",
@@ -37,6 +47,8 @@ PROMPTS = [
     "Write a letter to a friend about your holiday.",
     "What makes a good cup of tea?",
 ]
+BANDWIDTH_MIB = 512  # far beyond the CPU's caches
+SMOKE = {"tokens": 16, "repeats": 1, "bandwidth_mib": 64}
 
 
 def progress(message: str) -> None:
@@ -94,7 +106,7 @@ async def decode_rate(engine: LlamaCppBackend, n_seqs: int, n_tokens: int, run: 
     return tokens / (end - start)
 
 
-async def measure(model_path: Path, n_tokens: int, repeats: int) -> dict[str, float | int]:
+async def measure(model_path: Path, n_tokens: int, repeats: int, bandwidth_mib: int) -> dict[str, float | int]:
     progress(f"loading {model_path.name}")
     engine = LlamaCppBackend(model_path, EdgeConfig(n_seq_max=8))
     try:
@@ -111,7 +123,7 @@ async def measure(model_path: Path, n_tokens: int, repeats: int) -> dict[str, fl
         n_threads = engine.n_threads
     finally:
         await engine.close()
-    single, bandwidth = memory_bandwidth(n_threads)
+    single, bandwidth = memory_bandwidth(n_threads, mib=bandwidth_mib)
     # The roofline uses the best bandwidth the machine showed (llama.cpp reads with all its
     # threads); the ratio against a one-thread numpy sum is reported beside it.
     roofline = bandwidth / weight_bytes
@@ -132,12 +144,17 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the embedded SmolLM2)")
     parser.add_argument("--tokens", type=int, default=256, help="tokens generated per sequence")
     parser.add_argument("--repeats", type=int, default=3, help="runs per concurrency level; the best counts")
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {SMOKE}")
     args = parser.parse_args()
+    args.bandwidth_mib = BANDWIDTH_MIB
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
     if args.tokens < 8 or args.repeats < 1:
         parser.error("--tokens must be >= 8 and --repeats >= 1")
-    result = asyncio.run(measure(args.model or default_gguf_path(), args.tokens, args.repeats))
+    result = asyncio.run(measure(args.model or default_gguf_path(), args.tokens, args.repeats, args.bandwidth_mib))
     progress(f"roofline {result['roofline_tok_s']} tok/s; batch-1 decode reaches {result['roofline_ratio']:.0%} of it")
-    print(json.dumps(result), flush=True)
+    print(json.dumps({**result, "cpu": cpu_facts()["model"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@ Uses the embedded SmolLM2-135M GGUF (bfloat16 where the CPU computes it natively
 pool; every arm gets a fresh scheduler). Progress goes to stderr; full results to
 bench/out/engine.json and a plot to docs/img/engine_concurrency.png; the last stdout line is one
 JSON object with throughput_vs_hf, throughput_vs_static, kv_waste, prefix_ttft_ratio,
-prefix_nohit_overhead and chunked_p99_itl_ratio.
+prefix_nohit_overhead, chunked_p99_itl_ratio, dtype and cpu. Every request ignores the
+end-of-sequence token, so output lengths are the workload's, whatever the model would answer.
 
-    .venv/bin/python bench/engine.py [--dtype auto] [--hf-requests 8] [--repeats 6] [--pairs 3]
+    .venv/bin/python bench/engine.py [--dtype auto] [--hf-requests 8] [--repeats 6] [--pairs 3] [--smoke]
+
+``--smoke``: every arm on a few requests of a few tokens (``SMOKE_SIZES``; under a minute, figures
+meaningless), results and plot in bench/out/smoke/.
 """
 
 from __future__ import annotations
@@ -25,11 +29,22 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
-from dataclasses import replace  # noqa: E402
+from dataclasses import asdict, dataclass, replace  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench._common import IMG_DIR, OUT_DIR, cpu_dtype, cpu_facts, load_average, median, percentile, progress, write_json  # noqa: E402
+from bench._common import (  # noqa: E402
+    SMOKE_HELP,
+    cpu_dtype,
+    cpu_facts,
+    figure_path,
+    load_average,
+    median,
+    percentile,
+    progress,
+    result_path,
+    write_json,
+)
 from bench._engine_drive import (  # noqa: E402
     KVPeak,
     Req,
@@ -47,8 +62,37 @@ from gateway.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from llm_shared.models import tokenizer_for  # noqa: E402
 
 NUM_REQUESTS = 32
-STATIC_BATCH = 16
-CONCURRENCY = (1, 4, 16, 32)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Every arm's workload size: the full run's, or ``SMOKE_SIZES`` (tiny, to check that each arm runs)."""
+
+    static_batch: int = 16  # rows of a static batch, and the cap of the "continuous (max 16)" reference
+    prompt_len: tuple[int, int] = (32, 512)  # the main workload's
+    output_len: tuple[int, int] = (16, 256)
+    system_tokens: int = 500  # the shared system prompt of the prefix-caching TTFT arm
+    prefix_users: int = 8  # its requests after the priming one
+    nohit_requests: int = 12  # prefix caching on vs off with nothing shared
+    nohit_prompt_len: tuple[int, int] = (32, 512)
+    nohit_output_len: tuple[int, int] = (16, 64)
+    chunk_streams: int = 16  # decoding while the long prompts arrive
+    chunk_stream_tokens: int = 200
+    chunk_longs: int = 4
+    chunk_long_tokens: int = 1500
+    chunk_first_s: float = 1.0  # the first long prompt's arrival, then one every chunk_every_s
+    chunk_every_s: float = 1.2
+    concurrency: tuple[int, ...] = (1, 4, 16, 32)
+    conc_prompt_len: tuple[int, int] = (64, 256)
+    conc_output: int = 64
+
+
+# The long prompt (600) still spans several 256-token chunks, so the chunked arm chunks.
+SMOKE_SIZES = Sizes(static_batch=2, prompt_len=(16, 48), output_len=(4, 8), system_tokens=48, prefix_users=2,
+                    nohit_requests=3, nohit_prompt_len=(16, 48), nohit_output_len=(4, 4), chunk_streams=2,
+                    chunk_stream_tokens=12, chunk_longs=1, chunk_long_tokens=600, chunk_first_s=0.2,
+                    chunk_every_s=0.5, concurrency=(1, 2), conc_prompt_len=(16, 32), conc_output=4)
+SMOKE_ARGS = {"requests": 4, "hf_requests": 1, "repeats": 1, "pairs": 1}
 
 
 class Bench:
@@ -122,14 +166,14 @@ def run_continuous(b: Bench, reqs: list[Req], tag: str, peak: KVPeak | None = No
     return tps(output_tokens(traces), secs)
 
 
-def run_static(b: Bench, reqs: list[Req], tag: str, *, padded: bool) -> float:
-    """Batches of STATIC_BATCH run one after another, nobody joining a running batch. Padded:
+def run_static(b: Bench, reqs: list[Req], tag: str, *, padded: bool, rows: int) -> float:
+    """Batches of ``rows`` run one after another, nobody joining a running batch. Padded:
     every row keeps its slot (and computes) until the batch's longest member finishes, as in a
     fixed-shape batch; compacted: finished rows leave. Only requested tokens count."""
-    engine = b.engine(max_num_seqs=STATIC_BATCH)
+    engine = b.engine(max_num_seqs=rows)
     useful, total_secs = 0, 0.0
-    for k in range(0, len(reqs), STATIC_BATCH):
-        batch = reqs[k:k + STATIC_BATCH]
+    for k in range(0, len(reqs), rows):
+        batch = reqs[k:k + rows]
         lens = [max(r.output_len for r in batch)] * len(batch) if padded else None
         _, secs = run_all_at_once(engine, batch, f"{tag}-{k}", max_tokens=lens)
         useful += sum(r.output_len for r in batch)
@@ -137,9 +181,9 @@ def run_static(b: Bench, reqs: list[Req], tag: str, *, padded: bool) -> float:
     return tps(useful, total_secs)
 
 
-def arm_continuous_and_static(b: Bench, reqs: list[Req], pairs: int) -> dict:
+def arm_continuous_and_static(b: Bench, reqs: list[Req], pairs: int, rows: int) -> dict:
     progress(f"continuous batching ({len(reqs)} requests at once, max_num_seqs {b.base.max_num_seqs}) vs padded "
-             f"static batching (batches of {STATIC_BATCH}, no refill): {pairs} interleaved pairs")
+             f"static batching (batches of {rows}, no refill): {pairs} interleaved pairs")
     peak = KVPeak()
     cont, static = [], []
     for k in range(pairs):
@@ -147,13 +191,13 @@ def arm_continuous_and_static(b: Bench, reqs: list[Req], pairs: int) -> dict:
             if arm == "cont":
                 cont.append(run_continuous(b, reqs, f"cont{k}", peak if k == 0 else None))
             else:
-                static.append(run_static(b, reqs, f"static{k}", padded=True))
+                static.append(run_static(b, reqs, f"static{k}", padded=True, rows=rows))
         progress(f"  pair {k + 1}: continuous {cont[-1]:.1f} tok/s, static {static[-1]:.1f} tok/s")
     progress(f"  KV at peak: {peak.blocks} blocks for {peak.tokens} tokens, waste {peak.waste:.2%}")
-    progress("for reference: compacted static batching, and continuous batching capped at 16 running")
-    compacted = run_static(b, reqs, "compacted", padded=False)
-    cont16 = run_continuous(b, reqs, "cont16", max_num_seqs=STATIC_BATCH)
-    progress(f"  compacted static {compacted:.1f} tok/s, continuous (max 16) {cont16:.1f} tok/s")
+    progress(f"for reference: compacted static batching, and continuous batching capped at {rows} running")
+    compacted = run_static(b, reqs, "compacted", padded=False, rows=rows)
+    cont16 = run_continuous(b, reqs, "cont16", max_num_seqs=rows)
+    progress(f"  compacted static {compacted:.1f} tok/s, continuous (max {rows}) {cont16:.1f} tok/s")
     return {
         "continuous_tok_s": cont, "static_padded_tok_s": static,
         "continuous_vs_static": median([c / s for c, s in zip(cont, static, strict=True)]),
@@ -190,11 +234,12 @@ def arm_hf(b: Bench, reqs: list[Req], n: int, engine_tps: float) -> dict:
             "first_token_agree": first, "first16_agree": first16, "ratio": engine_tps / hf_tps}
 
 
-def arm_prefix(b: Bench, repeats: int) -> dict:
+def arm_prefix(b: Bench, repeats: int, sizes: Sizes) -> dict:
     rng = random.Random(11)
-    system = [rng.randrange(3, b.vocab) for _ in range(500)]
-    users = make_requests(9, 12, prompt_len=(24, 24), output_len=(4, 4), vocab=b.vocab, prefix=system)
-    progress("prefix caching: TTFT at concurrency 1 with a shared 500-token system prompt")
+    system = [rng.randrange(3, b.vocab) for _ in range(sizes.system_tokens)]
+    users = make_requests(sizes.prefix_users + 1, 12, prompt_len=(24, 24), output_len=(4, 4), vocab=b.vocab,
+                          prefix=system)
+    progress(f"prefix caching: TTFT at concurrency 1 with a shared {sizes.system_tokens}-token system prompt")
     cold_engine = b.engine(enable_prefix_caching=False)
     warm_engine = b.engine(enable_prefix_caching=True, own_kv=True)  # interleaved with the cold one below
     run_closed(warm_engine, users[-1:], 1, "prime")  # the system prompt enters the cache
@@ -207,7 +252,8 @@ def arm_prefix(b: Bench, repeats: int) -> dict:
              f"(hits: {warm_engine.stats()['prefix_cache_hits']:.0f} tokens)")
 
     progress(f"prefix caching on vs off with no shared prefix: throughput, {repeats} interleaved pairs")
-    reqs = make_requests(12, 13, prompt_len=(32, 512), output_len=(16, 64), vocab=b.vocab)
+    reqs = make_requests(sizes.nohit_requests, 13, prompt_len=sizes.nohit_prompt_len,
+                         output_len=sizes.nohit_output_len, vocab=b.vocab)
     on, off = [], []
     for k in range(repeats):
         # A fresh scheduler per run (no hits across runs); the order alternates so that neither
@@ -227,13 +273,16 @@ def arm_prefix(b: Bench, repeats: int) -> dict:
     }
 
 
-def arm_chunked(b: Bench, pairs: int) -> dict:
-    streams = make_requests(16, 21, prompt_len=(64, 128), output_len=(200, 200), vocab=b.vocab)
-    longs = make_requests(4, 22, prompt_len=(1500, 1500), output_len=(1, 1), vocab=b.vocab)
+def arm_chunked(b: Bench, pairs: int, sizes: Sizes) -> dict:
+    n, tokens, long_tokens = sizes.chunk_streams, sizes.chunk_stream_tokens, sizes.chunk_long_tokens
+    streams = make_requests(n, 21, prompt_len=(64, 128), output_len=(tokens, tokens), vocab=b.vocab)
+    longs = make_requests(sizes.chunk_longs, 22, prompt_len=(long_tokens, long_tokens), output_len=(1, 1), vocab=b.vocab)
     arrivals = [(0.0, f"s{k}", r.prompt, r.params()) for k, r in enumerate(streams)]
-    arrivals += [(1.0 + 1.2 * k, f"long{k}", r.prompt, r.params()) for k, r in enumerate(longs)]
+    arrivals += [(sizes.chunk_first_s + sizes.chunk_every_s * k, f"long{k}", r.prompt, r.params())
+                 for k, r in enumerate(longs)]
     arms = {"unchunked": {"max_num_batched_tokens": 2048, "long_prefill_threshold": 2048}, "chunked": {}}
-    progress(f"chunked prefill: 16 decoding streams while four 1,500-token prompts arrive, {pairs} interleaved pairs "
+    progress(f"chunked prefill: {n} decoding streams while {len(longs)} {long_tokens:,}-token prompts arrive, "
+             f"{pairs} interleaved pairs "
              f"(chunked = the default budget {b.base.max_num_batched_tokens}, prompt chunks of at most "
              f"{b.base.long_prefill_threshold} while others decode; unchunked = one 2,048-token step)")
     result: dict = {name: [] for name in arms}
@@ -250,10 +299,11 @@ def arm_chunked(b: Bench, pairs: int) -> dict:
     return result
 
 
-def arm_concurrency(b: Bench) -> dict:
+def arm_concurrency(b: Bench, sizes: Sizes) -> dict:
     rows = {}
-    for c in CONCURRENCY:
-        reqs = make_requests(max(4, 2 * c), 30 + c, prompt_len=(64, 256), output_len=(64, 64), vocab=b.vocab)
+    for c in sizes.concurrency:
+        reqs = make_requests(max(4, 2 * c), 30 + c, prompt_len=sizes.conc_prompt_len,
+                             output_len=(sizes.conc_output, sizes.conc_output), vocab=b.vocab)
         traces, secs = run_closed(b.engine(), reqs, c, f"conc{c}")
         rows[c] = {"tok_s": tps(output_tokens(traces), secs), "ttft_p50_s": median([t.ttft for t in traces.values()]),
                    "requests": len(reqs)}
@@ -261,7 +311,7 @@ def arm_concurrency(b: Bench) -> dict:
     return rows
 
 
-def plot(rows: dict, path: Path, dtype: str) -> None:
+def plot(rows: dict, path: Path, dtype: str, sizes: Sizes) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -276,7 +326,9 @@ def plot(rows: dict, path: Path, dtype: str) -> None:
     for ax in (left, right):
         ax.set_xticks(xs, [str(c) for c in xs])
         ax.grid(alpha=0.3)
-    fig.suptitle(f"Torch engine, SmolLM2-135M {dtype} on 2 CPU cores (prompts 64-256, 64 output tokens)")
+    low, high = sizes.conc_prompt_len
+    fig.suptitle(f"Torch engine, SmolLM2-135M {dtype} on 2 CPU cores (prompts {low}-{high}, "
+                 f"{sizes.conc_output} output tokens)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -292,31 +344,36 @@ def main() -> None:
                         help="requests in the main workload (fewer for a quick comparison on a slow CPU)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                         help="auto: bfloat16 where the CPU computes it natively (AVX-512 bf16, AMX), else float32")
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {SMOKE_ARGS} and SMOKE_SIZES")
     args = parser.parse_args()
+    sizes = SMOKE_SIZES if args.smoke else Sizes()
+    if args.smoke:
+        for key, value in SMOKE_ARGS.items():
+            setattr(args, key, value)
     started = time.perf_counter()
     load_before = load_average()
     progress(f"load average {load_before[0]:.2f}")
     cpu = cpu_facts()
     progress(f"CPU: {cpu['model']}, {cpu['cores']} cores, flags {cpu['flags']}")
     b = Bench(args.threads, cpu_dtype(args.dtype))
-    reqs = make_requests(args.requests, 1, prompt_len=(32, 512), output_len=(16, 256), vocab=b.vocab)
+    reqs = make_requests(args.requests, 1, prompt_len=sizes.prompt_len, output_len=sizes.output_len, vocab=b.vocab)
     progress("warming up")
     b.engine().generate([r.prompt for r in reqs[:4]], Req([], 8).params(), prefix="warmup")
 
     load = OtherLoad()
-    main_arms = arm_continuous_and_static(b, reqs, args.pairs)
+    main_arms = arm_continuous_and_static(b, reqs, args.pairs, sizes.static_batch)
     load.lap("batching")
     cont_tps = median(main_arms["continuous_tok_s"])
     hf = arm_hf(b, reqs, args.hf_requests, cont_tps)
     load.lap("hf")
-    prefix = arm_prefix(b, args.repeats)
+    prefix = arm_prefix(b, args.repeats, sizes)
     load.lap("prefix")
-    chunked = arm_chunked(b, args.pairs)
+    chunked = arm_chunked(b, args.pairs, sizes)
     load.lap("chunked")
-    rows = arm_concurrency(b)
+    rows = arm_concurrency(b, sizes)
     load.lap("concurrency")
-    img = IMG_DIR / "engine_concurrency.png"
-    plot(rows, img, b.base.dtype)
+    img = figure_path("engine_concurrency.png", args.smoke)
+    plot(rows, img, b.base.dtype, sizes)
 
     summary = {
         "throughput_vs_hf": round(hf["ratio"], 2),
@@ -330,8 +387,9 @@ def main() -> None:
     }
     results = {
         "summary": summary,
-        "workload": {"requests": args.requests, "prompt_len": [32, 512], "output_len": [16, 256], "seed": 1,
-                     "ignore_eos": True},
+        "workload": {"requests": args.requests, "prompt_len": list(sizes.prompt_len),
+                     "output_len": list(sizes.output_len), "seed": 1, "ignore_eos": True},
+        "sizes": asdict(sizes), "smoke": args.smoke,
         "engine_config": {k: getattr(b.base, k) for k in ("dtype", "block_size", "max_num_batched_tokens",
                                                           "max_num_seqs", "long_prefill_threshold", "threads")},
         "kv_blocks_total": b.runner.num_blocks,
@@ -344,9 +402,10 @@ def main() -> None:
         "hypervisor_steal_share": load.steal,
         "seconds": time.perf_counter() - started,
     }
-    write_json(OUT_DIR / "engine.json", results)
+    out = result_path("engine.json", args.smoke)
+    write_json(out, results)
     progress(f"done in {results['seconds']:.0f} s; load average {results['load_average_after'][0]:.2f}; "
-             f"results in bench/out/engine.json, plot in {results['plot']}")
+             f"results in {out.relative_to(_HERE.parent)}, plot in {results['plot']}")
     print(json.dumps(summary))
 
 

@@ -42,7 +42,8 @@ status is then 1.
 
 Run: ``.venv/bin/python bench/faults.py`` (about 15 minutes on a quiet 2-core machine, most of it
 the 10,000 cancels); quick check, all arms small (under 2 minutes):
-``.venv/bin/python bench/faults.py --quick``; one arm: ``--arms fuzz``.
+``.venv/bin/python bench/faults.py --quick``; smaller still, to check that every arm runs and
+prints its keys: ``--smoke`` (results in bench/out/smoke/); one arm: ``--arms fuzz``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,16 @@ from typing import Any
 
 import uvloop
 
-from bench._common import OUT_DIR, REPO_ROOT, cpu_facts, load_average, progress, raise_nofile_limit, write_json
+from bench._common import (
+    REPO_ROOT,
+    SMOKE_HELP,
+    cpu_facts,
+    load_average,
+    progress,
+    raise_nofile_limit,
+    result_path,
+    write_json,
+)
 from bench._faults_cancels import WAYS, run_cancels
 from bench._faults_core import run_core_kill
 from bench._faults_fuzz import run_fuzz
@@ -73,6 +83,7 @@ from gateway.config import DEFAULT_CONFIG
 ARMS = ("cancels", "fuzz", "core_kill")
 FULL = {"turns": 10_000, "frames": 100_000, "streams": 8}
 QUICK = {"turns": 300, "frames": 5_000, "streams": 8}
+SMOKE = {"turns": 30, "frames": 500, "streams": 2, "sessions": 6, "fuzz_connections": 2}
 # Both tiers on two cores: one thread each (see the module docstring), no speculative decoding.
 CANCELS_CHANGES: dict[str, dict[str, Any]] = {
     "engine.speculative": {"method": "off"}, "engine": {"threads": 1}, "edge": {"n_threads": 1}}
@@ -104,6 +115,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "headline": headline(arms),
         "setup": {"command": "python bench/faults.py " + " ".join(sys.argv[1:]), "quick": args.quick,
+                  "smoke": args.smoke,
                   "turns": args.turns, "sessions": args.sessions, "ways": WAYS, "frames": args.frames,
                   "fuzz_connections": args.fuzz_connections, "streams": args.streams, "seed": args.seed,
                   "base_config": str(args.config), "load_before": load_before, "load_after": load_average()},
@@ -164,22 +176,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"small counts for a check by hand: {QUICK} unless given (full: {FULL})")
     p.add_argument("--turns", type=int, help="cancels: turns in all")
-    p.add_argument("--sessions", type=int, default=24, help="cancels: concurrent sessions")
+    p.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {SMOKE} unless given")
+    p.add_argument("--sessions", type=int, help="cancels: concurrent sessions (default 24)")
     p.add_argument("--models", help="cancels: comma-separated subset of the served model ids (default: all)")
     p.add_argument("--frames", type=int, help="fuzz: frames to send")
-    p.add_argument("--fuzz-connections", type=int, default=4, help="fuzz: concurrent fuzzing connections")
+    p.add_argument("--fuzz-connections", type=int, help="fuzz: concurrent fuzzing connections (default 4)")
     p.add_argument("--streams", type=int, help="core_kill: concurrent streams at the kill")
     p.add_argument("--seed", type=int, default=14)
-    p.add_argument("--out", type=Path, default=OUT_DIR / "faults.json")
+    p.add_argument("--out", type=Path, help="results (default: bench/out/faults.json)")
     args = p.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown or not args.arms:
         p.error(f"--arms: unknown {unknown}; choose from {','.join(ARMS)}")
-    sizes = QUICK if args.quick else FULL
+    if args.quick and args.smoke:
+        p.error("--quick and --smoke are two sizes: choose one")
+    sizes = {"sessions": 24, "fuzz_connections": 4} | (SMOKE if args.smoke else QUICK if args.quick else FULL)
     for key, value in sizes.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.out = args.out or result_path("faults.json", args.smoke)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     if min(args.turns, args.sessions, args.frames, args.fuzz_connections, args.streams) < 1:
         p.error("--turns, --sessions, --frames, --fuzz-connections and --streams must be >= 1")

@@ -5,9 +5,12 @@ the model's whole context) llama.cpp's attention runs over every used cell of th
 ``per_sequence`` streams each sequence attends over its own cells only. Both arms decode the
 same ``--seqs`` prompts of ``--context`` tokens together, ``--repeats`` times interleaved;
 progress on stderr, the last stdout line one JSON object with both rates, their ratio
-(``shared_over_per_sequence``) and the CPU.
+(``shared_over_per_sequence``) and the CPU. Streams ignore the end-of-sequence token, so each
+decodes exactly ``--tokens``.
 
-    .venv/bin/python bench/kv_layout.py [--seqs 4] [--context 2000] [--tokens 64] [--repeats 2]
+    .venv/bin/python bench/kv_layout.py [--seqs 4] [--context 2000] [--tokens 64] [--repeats 2] [--smoke]
+
+``--smoke``: 2 sequences of 64 tokens, 8 decoded, one run per layout (seconds; figures meaningless).
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
-from bench._common import cpu_facts, median, progress  # noqa: E402
+from bench._common import SMOKE_HELP, cpu_facts, median, progress  # noqa: E402
 from engine_edge.config import EdgeConfig  # noqa: E402
 from engine_edge.llama_cpp_backend import LlamaCppBackend  # noqa: E402
 from llm_shared.contract import SamplingParams, TokenEvent  # noqa: E402
 from llm_shared.modelfile import default_gguf_path  # noqa: E402
 
 CELL_BYTES = 23040  # SmolLM2-135M in llama.cpp: 30 layers x (K, V) x 3 heads x 64 x f16
+SMOKE = {"seqs": 2, "context": 64, "tokens": 8, "repeats": 1}
 
 
 async def decode_rate(engine: LlamaCppBackend, prompts: list[list[int]], n_tokens: int, run: int) -> float:
@@ -55,7 +59,11 @@ async def main() -> None:
     parser.add_argument("--context", type=int, default=2000)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {SMOKE}")
     args = parser.parse_args()
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
     cpu = cpu_facts()
     progress(f"CPU: {cpu['model']}, {cpu['cores']} cores, flags {cpu['flags']}")
     # per_sequence: each of seqs + 1 streams (the drafter's too) holds a context plus the output

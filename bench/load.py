@@ -56,7 +56,10 @@ Progress on stderr; a summary and, as the last line, one JSON object with
 ``slow_reader_rss_mib``, the cascade, burst and lane figures and ``cpu``. Everything goes to
 bench/out/load.json.
 
-Run: ``.venv/bin/python bench/load.py`` (about 8 minutes on a 2-core machine).
+Run: ``.venv/bin/python bench/load.py`` (about 8 minutes on a 2-core machine). ``--smoke``: every
+arm at tiny sizes (``SMOKE_SIZES``, ``SMOKE_ARGS``: 20 streams, a 1 s window, the floor at 50
+streams, overload against a capacity of 10), under a minute; the figures mean nothing then (the
+``floor_2000_writer_cores`` key holds the floor at 50 streams), results in bench/out/smoke/.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ import socket  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import tomllib  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
 import psutil  # noqa: E402
@@ -86,14 +90,15 @@ import uvloop  # noqa: E402
 import websockets  # noqa: E402
 
 from bench._common import (  # noqa: E402
-    OUT_DIR,
     REPO_ROOT,
+    SMOKE_HELP,
     cpu_facts,
     dump_toml,
     free_port,
     percentile,
     progress,
     raise_nofile_limit,
+    result_path,
     write_json,
 )
 from bench._gateway_clients import BenchError  # noqa: E402
@@ -114,6 +119,24 @@ EVENT_TIMEOUT_S = 60.0
 MEASURE_S = 6.0  # the window each streams level is measured over, after one response of warm-up
 OVERLOAD_TOKENS = 20  # a response holds its stream ~1 s
 OVERLOAD_SECONDS = 8.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How long and how wide each arm runs: the full run's, or ``SMOKE_SIZES``."""
+
+    stream_tokens: int = STREAM_TOKENS  # a sustained stream's response
+    measure_s: float = MEASURE_S
+    lane_streams: int = LANE_STREAMS
+    lane_pairs: int = 3
+    floor_streams: int = FLOOR_STREAMS
+    floor_s: float = 5.0
+    overload_s: float = OVERLOAD_SECONDS
+
+
+SMOKE_SIZES = Sizes(stream_tokens=10, measure_s=1.0, lane_streams=20, lane_pairs=1, floor_streams=50, floor_s=1.0,
+                    overload_s=1.5)
+SMOKE_ARGS = {"steps": [20], "cascade_steps": [20], "capacity": 10, "slow_clients": 5, "slow_seconds": 2.0}
 
 
 def synthetic_config(directory: Path, name: str, *, max_streams: int, rate: float = TOKENS_PER_S,
@@ -173,23 +196,24 @@ class CpuWatch:
         return {"server_cores": (after[1] - before[1]) / wall, "clients_cores": (after[2] - before[2]) / wall}
 
 
-async def arm_lane(directory: Path, pairs: int = 3) -> dict[str, Any]:
-    """The fast lane against the writer task at LANE_STREAMS streams, alternated ``pairs`` times
-    (one run of each differs from the next by ±20% on a shared machine): the median ratio of the
-    gateway's CPU per delta."""
+async def arm_lane(directory: Path, sizes: Sizes) -> dict[str, Any]:
+    """The fast lane against the writer task at ``sizes.lane_streams`` streams, alternated
+    ``sizes.lane_pairs`` times (one run of each differs from the next by ±20% on a shared machine):
+    the median ratio of the gateway's CPU per delta."""
     runs: dict[str, list[dict[str, Any]]] = {"fast_lane": [], "writer_task": []}
+    pairs, streams = sizes.lane_pairs, sizes.lane_streams
     for _ in range(pairs):
         for name, direct in (("fast_lane", True), ("writer_task", False)):
-            arm = await arm_streams(directory, (LANE_STREAMS,), {}, direct_writes=direct)
+            arm = await arm_streams(directory, (streams,), {}, sizes, direct_writes=direct)
             runs[name].append(arm["levels"][0])
     ratios = sorted(task["server_us_per_delta"] / fast["server_us_per_delta"]
                     for fast, task in zip(runs["fast_lane"], runs["writer_task"], strict=True))
     ratio = ratios[len(ratios) // 2]
     fast_us = sorted(lv["server_us_per_delta"] for lv in runs["fast_lane"])[pairs // 2]
     task_us = sorted(lv["server_us_per_delta"] for lv in runs["writer_task"])[pairs // 2]
-    progress(f"at {LANE_STREAMS} streams, median of {pairs} alternated pairs: the fast lane {fast_us:.0f} µs of "
+    progress(f"at {streams} streams, median of {pairs} alternated pairs: the fast lane {fast_us:.0f} µs of "
              f"server CPU a delta, the writer task {task_us:.0f} µs (ratio {ratio:.2f}; pairs {[round(r, 2) for r in ratios]})")
-    return {"streams": LANE_STREAMS, "runs": runs, "ratios": ratios, "writer_task_over_fast_lane_us": ratio,
+    return {"streams": streams, "runs": runs, "ratios": ratios, "writer_task_over_fast_lane_us": ratio,
             "fast_lane_us_per_delta": fast_us, "writer_task_us_per_delta": task_us}
 
 
@@ -254,15 +278,15 @@ def sustained(level: dict[str, Any]) -> bool:
             and level["completed"] == level["responses"])
 
 
-async def sustain(session: LeanSession, first_at: float, stop_at: float, out: list[Stream]) -> None:
-    """One session streaming responses back to back from ``first_at`` until ``stop_at``."""
+async def sustain(session: LeanSession, first_at: float, stop_at: float, out: list[Stream], tokens: int) -> None:
+    """One session streaming responses of ``tokens`` back to back from ``first_at`` until ``stop_at``."""
     await asyncio.sleep(max(0.0, first_at - time.perf_counter()))
     while time.perf_counter() < stop_at:
-        out.append(await stream_once(session, STREAM_TOKENS))
+        out.append(await stream_once(session, tokens))
 
 
-async def arm_streams(directory: Path, steps: tuple[int, ...], slo: dict[str, float], direct_writes: bool = True,
-                      cascade_threshold: float | None = None) -> dict[str, Any]:
+async def arm_streams(directory: Path, steps: tuple[int, ...], slo: dict[str, float], sizes: Sizes,
+                      direct_writes: bool = True, cascade_threshold: float | None = None) -> dict[str, Any]:
     """Sustained streams at each level of ``steps`` on the edge route, or on the cascade with
     ``cascade_threshold``."""
     route = "edge" if cascade_threshold is None else f"cascade (threshold {cascade_threshold:g})"
@@ -272,7 +296,7 @@ async def arm_streams(directory: Path, steps: tuple[int, ...], slo: dict[str, fl
     server.start()
     levels = []
     sessions: list[LeanSession] = []
-    response_s = STREAM_TOKENS / TOKENS_PER_S
+    response_s, measure_s = sizes.stream_tokens / TOKENS_PER_S, sizes.measure_s
     try:
         await server.wait_ready()
         url = f"ws://127.0.0.1:{server.port}/v1/realtime"
@@ -283,9 +307,9 @@ async def arm_streams(directory: Path, steps: tuple[int, ...], slo: dict[str, fl
             # response's length, so N streams run at any moment and starts are spread evenly.
             # Measured over a window after that warm-up.
             now = time.perf_counter()
-            start, end = now + response_s + 0.5, now + response_s + 0.5 + MEASURE_S
+            start, end = now + response_s + 0.5, now + response_s + 0.5 + measure_s
             streams: list[Stream] = []
-            runners = asyncio.gather(*(sustain(ws, now + response_s * i / n, end, streams)
+            runners = asyncio.gather(*(sustain(ws, now + response_s * i / n, end, streams, sizes.stream_tokens)
                                        for i, ws in enumerate(sessions)))
             await asyncio.sleep(max(0.0, start - time.perf_counter()))
             before, gc_before = watch.read(), await asyncio.to_thread(server.gc_pauses)
@@ -296,10 +320,10 @@ async def arm_streams(directory: Path, steps: tuple[int, ...], slo: dict[str, fl
             figures = window_figures(streams, start, end)
             routes = collections.Counter(f"{s.tier}/{s.route}" if s.route else s.tier for s in streams)
             in_window = [s for s in streams if start <= s.sent < end]
-            level = {"streams": n, **figures, **request_figures(in_window, MEASURE_S, slo), "routes": dict(routes),
+            level = {"streams": n, **figures, **request_figures(in_window, measure_s, slo), "routes": dict(routes),
                      "completed": sum(s.status in ("completed", "incomplete") for s in streams),
                      "responses": len(streams), "rss_mib": server.rss() / 2**20, **cpu, "gc": gc_window}
-            level["server_us_per_delta"] = cpu["server_cores"] * MEASURE_S / max(1, figures["deltas"]) * 1e6
+            level["server_us_per_delta"] = cpu["server_cores"] * measure_s / max(1, figures["deltas"]) * 1e6
             levels.append(level)
             progress(f"{route} streams {n:5d}: step gap mean {level['step_gap_mean_ms']:.1f} ms, ITL p50 {level['itl_p50_ms']:.0f} ms, p99 {level['itl_p99_ms']:.0f} ms, "
                      f"TTFT p99 {level['ttft_p99_ms']:.0f} ms, TPOT mean {level['tpot_mean_ms']:.1f} ms, "
@@ -318,13 +342,13 @@ async def arm_streams(directory: Path, steps: tuple[int, ...], slo: dict[str, fl
             "max_streams_itl_p99_under_100ms": max(passing, default=0)}
 
 
-async def arm_cascade(directory: Path, steps: tuple[int, ...], slo: dict[str, float],
+async def arm_cascade(directory: Path, steps: tuple[int, ...], slo: dict[str, float], sizes: Sizes,
                       edge: dict[str, Any] | None) -> dict[str, Any]:
     """The streams arm on the cascade, confident and escalated; each route's CPU per delta over the
     edge route's (``edge``: the streams arm of this run) at the largest level all sustained."""
     result: dict[str, Any] = {}
     for name, threshold in CASCADE_THRESHOLDS.items():
-        arm = await arm_streams(directory, steps, slo, cascade_threshold=threshold)
+        arm = await arm_streams(directory, steps, slo, sizes, cascade_threshold=threshold)
         expected = {"confident": "edge/confident", "escalated": "gpu/escalated"}[name]
         for level in arm["levels"]:
             if set(level["routes"]) != {expected}:
@@ -373,7 +397,7 @@ async def poisson(sessions: list[LeanSession], rate: float, seconds: float, max_
     return done
 
 
-async def arm_overload(directory: Path, capacity: int, slo: dict[str, float]) -> dict[str, Any]:
+async def arm_overload(directory: Path, capacity: int, slo: dict[str, float], seconds: float) -> dict[str, Any]:
     """Offered load at 10x what the engine serves, sustained (Poisson arrivals), against a baseline
     at 0.8x; then the same 10x as one burst (every request at the same instant)."""
     server = GatewayProcess(synthetic_config(directory, "overload", max_streams=capacity), directory / "overload.log",
@@ -386,15 +410,15 @@ async def arm_overload(directory: Path, capacity: int, slo: dict[str, float]) ->
         await server.wait_ready()
         url = f"ws://127.0.0.1:{server.port}/v1/realtime"
         sessions = await open_sessions(url, capacity * 15)
-        base = await poisson(sessions, 0.8 * served_per_s, OVERLOAD_SECONDS, OVERLOAD_TOKENS)
+        base = await poisson(sessions, 0.8 * served_per_s, seconds, OVERLOAD_TOKENS)
         base_ttft = [s.first - s.sent for s in base if s.first is not None]
-        base_requests = request_figures(base, OVERLOAD_SECONDS, slo)
-        progress(f"overload baseline: {0.8 * served_per_s:.0f} requests/s for {OVERLOAD_SECONDS:g} s, "
+        base_requests = request_figures(base, seconds, slo)
+        progress(f"overload baseline: {0.8 * served_per_s:.0f} requests/s for {seconds:g} s, "
                  f"{len(base_ttft)} served ({sum(s.status == 'failed' for s in base)} refused), "
                  f"TTFT p99 {percentile(base_ttft, 99) * 1e3:.0f} ms")
         gc_before = await asyncio.to_thread(server.gc_pauses)
-        over = await poisson(sessions, 10 * served_per_s, OVERLOAD_SECONDS, OVERLOAD_TOKENS)
-        sustained = overload_figures(over, base_ttft) | request_figures(over, OVERLOAD_SECONDS, slo)
+        over = await poisson(sessions, 10 * served_per_s, seconds, OVERLOAD_TOKENS)
+        sustained = overload_figures(over, base_ttft) | request_figures(over, seconds, slo)
         sustained["gc"] = gc_delta(gc_before, await asyncio.to_thread(server.gc_pauses))
         progress(f"overload 10x sustained ({10 * served_per_s:.0f} requests/s): {sustained['accepted']} admitted, "
                  f"{sustained['refused']} refused ({sustained['refused_codes']}), refusal p99 "
@@ -408,7 +432,7 @@ async def arm_overload(directory: Path, capacity: int, slo: dict[str, float]) ->
         progress(f"overload 10x burst ({len(burst_sessions)} at once): {at_once['accepted']} admitted, "
                  f"{at_once['refused']} refused, refusal p99 {at_once['reject_p99_ms']:.0f} ms, admitted TTFT p99 "
                  f"{at_once['accepted_ttft_p99_ms']:.0f} ms ({at_once['accepted_ttft_p99_ratio']:.2f}x)")
-        return {"capacity": capacity, "served_per_s": served_per_s, "seconds": OVERLOAD_SECONDS,
+        return {"capacity": capacity, "served_per_s": served_per_s, "seconds": seconds,
                 "baseline_requests": len(base), "baseline_refused": sum(s.status == "failed" for s in base),
                 "baseline_ttft_p99_ms": percentile(base_ttft, 99) * 1e3, "baseline": base_requests,
                 "sustained": sustained, "burst": at_once,
@@ -568,21 +592,23 @@ async def arm_slow_readers(directory: Path, clients: int, seconds: float) -> dic
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    raise_nofile_limit(4 * max(*args.steps, *args.cascade_steps) + 1000)
+    sizes: Sizes = args.sizes
+    raise_nofile_limit(4 * max(*args.steps, *args.cascade_steps, sizes.floor_streams) + 1000)
     slo = parse_goodput(args.goodput)
-    result: dict[str, Any] = {"slo_ms": slo}
+    result: dict[str, Any] = {"slo_ms": slo, "sizes": asdict(sizes), "smoke": args.smoke}
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
         directory = Path(tmp)
         if "streams" in args.arms:
-            result["streams"] = await arm_streams(directory, tuple(args.steps), slo)
+            result["streams"] = await arm_streams(directory, tuple(args.steps), slo, sizes)
         if "cascade" in args.arms:
-            result["cascade"] = await arm_cascade(directory, tuple(args.cascade_steps), slo, result.get("streams"))
+            result["cascade"] = await arm_cascade(directory, tuple(args.cascade_steps), slo, sizes,
+                                                  result.get("streams"))
         if "lane" in args.arms:
-            result["lane"] = await arm_lane(directory)
+            result["lane"] = await arm_lane(directory, sizes)
         if "floor" in args.arms:
-            result["floor"] = await arm_floor(FLOOR_STREAMS)
+            result["floor"] = await arm_floor(sizes.floor_streams, sizes.floor_s)
         if "overload" in args.arms:
-            result["overload"] = await arm_overload(directory, args.capacity, slo)
+            result["overload"] = await arm_overload(directory, args.capacity, slo, sizes.overload_s)
         if "slow_readers" in args.arms:
             result["slow_readers"] = await arm_slow_readers(directory, args.slow_clients, args.slow_seconds)
     return result
@@ -640,9 +666,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="SLOs for goodput, as vllm bench serve takes them (ttft, tpot, e2el in ms)")
     parser.add_argument("--slow-clients", type=int, default=100)
     parser.add_argument("--slow-seconds", type=float, default=20.0)
-    parser.add_argument("--out", type=Path, default=OUT_DIR / "load.json")
-    parser.add_argument("--plot", type=Path, default=OUT_DIR / "load_streams.png")
+    parser.add_argument("--out", type=Path, help="results (default: bench/out/load.json)")
+    parser.add_argument("--plot", type=Path, help="figure (default: bench/out/load_streams.png)")
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {SMOKE_ARGS} and SMOKE_SIZES")
     args = parser.parse_args(argv)
+    args.sizes = SMOKE_SIZES if args.smoke else Sizes()
+    if args.smoke:
+        for key, value in SMOKE_ARGS.items():
+            setattr(args, key, value)
+    args.out = args.out or result_path("load.json", args.smoke)
+    args.plot = args.plot or result_path("load_streams.png", args.smoke)
     result = uvloop.run(run(args))
     result["cpu"] = cpu_facts()
     write_json(args.out, result)

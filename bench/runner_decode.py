@@ -1,25 +1,40 @@
 """Decode step time of the torch engine's ModelRunner on the embedded SmolLM2 GGUF.
 
-    .venv/bin/python bench/runner_decode.py [--context 128] [--steps 16] [--batch 1 8 32] [--threads N]
+    .venv/bin/python bench/runner_decode.py [--context 128] [--steps 16] [--batch 1 8 32] [--threads N] [--smoke]
 
 Prefills ``batch`` random prompts of ``context`` tokens, then times greedy decode steps of the
-whole batch through the paged path (no scheduler). Prints the median step time and tokens/s.
+whole batch through the paged path (no scheduler). Prints the median step time and tokens/s per
+batch size, then as its last line one JSON object: ``decode_step_ms`` and ``decode_tok_s`` (by
+batch size), ``prefill_tok_s`` (by batch size), ``dtype``, ``threads``, ``context`` and ``cpu``.
+``--smoke``: 16-token prompts, 2 steps, batches 1 and 2 (seconds; figures meaningless).
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
-import torch
+# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
 
-from engine_gpu.kv_cache import PagedKVCache
-from engine_gpu.runner import DTYPES, ModelRunner
-from engine_gpu.sched_output import ScheduledSeq
-from llm_shared.contract import SamplingParams
-from llm_shared.llama.loader import load_gguf
-from llm_shared.modelfile import default_gguf_path
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench._common import SMOKE_HELP, cpu_facts  # noqa: E402
+from engine_gpu.kv_cache import PagedKVCache  # noqa: E402
+from engine_gpu.runner import DTYPES, ModelRunner  # noqa: E402
+from engine_gpu.sched_output import ScheduledSeq  # noqa: E402
+from llm_shared.contract import SamplingParams  # noqa: E402
+from llm_shared.llama.loader import load_gguf  # noqa: E402
+from llm_shared.modelfile import default_gguf_path  # noqa: E402
+
+SMOKE = {"context": 16, "steps": 2, "batch": [1, 2]}
 
 
 def main() -> None:
@@ -30,7 +45,11 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {SMOKE}")
     args = parser.parse_args()
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
@@ -44,6 +63,8 @@ def main() -> None:
     runner = ModelRunner(model, cache, device="cpu", dtype=dtype, attention_backend="torch")
     greedy = SamplingParams(temperature=0.0)
     g = torch.Generator().manual_seed(0)
+    step_ms: dict[str, float] = {}
+    prefill_tok_s: dict[str, float] = {}
     for batch in args.batch:
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
         prompts = [torch.randint(0, model.args.vocab_size, (args.context,), generator=g).tolist() for _ in range(batch)]
@@ -62,8 +83,16 @@ def main() -> None:
             times.append(time.perf_counter() - started)
             last = [out[f"r{i}"][0].token_id for i in range(batch)]
         median = statistics.median(times)
-        print(f"batch {batch:3d}: prefill {batch * args.context / prefill:7.0f} tok/s; "
+        step_ms[str(batch)], prefill_tok_s[str(batch)] = median * 1e3, batch * args.context / prefill
+        print(f"batch {batch:3d}: prefill {prefill_tok_s[str(batch)]:7.0f} tok/s; "
               f"decode step median {median * 1e3:6.1f} ms (min {min(times) * 1e3:.1f}) -> {batch / median:5.0f} tok/s")
+    print(json.dumps({
+        "decode_step_ms": {b: round(ms, 2) for b, ms in step_ms.items()},
+        "decode_tok_s": {b: round(int(b) / ms * 1e3, 1) for b, ms in step_ms.items()},
+        "prefill_tok_s": {b: round(v, 1) for b, v in prefill_tok_s.items()},
+        "dtype": args.dtype, "threads": torch.get_num_threads(), "context": args.context,
+        "cpu": cpu_facts()["model"],
+    }))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ one (goal: within 5%). Turns that did not end with ``response.done`` are counted
 Progress on stderr, a summary, and as the last line one JSON object with ``soak_rss_growth``,
 ``soak_turns``, ``soak_hung``, ``soak_leaked_kv`` and ``cpu``. Results in bench/out/soak.json.
 
-Run: ``.venv/bin/python bench/soak.py`` (10 minutes; ``--seconds`` shortens it).
+Run: ``.venv/bin/python bench/soak.py`` (10 minutes; ``--seconds`` shortens it). ``--smoke``: 20
+sessions for 6 s with pauses of 0.1 to 0.5 s (the figures mean nothing; results in bench/out/smoke/).
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ from typing import Any  # noqa: E402
 import uvloop  # noqa: E402
 import websockets  # noqa: E402
 
-from bench._common import OUT_DIR, cpu_facts, progress, raise_nofile_limit, write_json  # noqa: E402
+from bench._common import SMOKE_HELP, cpu_facts, progress, raise_nofile_limit, result_path, write_json  # noqa: E402
 from bench._gateway_server import GatewayProcess  # noqa: E402
 from bench.load import synthetic_config  # noqa: E402
 
 EVENT_TIMEOUT_S = 60.0
 WARMUP_S = 60.0
+PAUSE_S = (5.0, 15.0)  # a client's pause between turns (and the spread of the sessions' first turns)
+SMOKE = {"sessions": 20, "seconds": 6.0, "pause_s": (0.1, 0.5)}
 
 
 async def recv_until(ws: Any, kind: str) -> dict[str, Any]:
@@ -53,10 +56,11 @@ async def recv_until(ws: Any, kind: str) -> dict[str, Any]:
             return event
 
 
-async def session_loop(url: str, deadline: float, rng: random.Random, counts: Counter[str]) -> None:
+async def session_loop(url: str, deadline: float, rng: random.Random, counts: Counter[str],
+                       pause_s: tuple[float, float]) -> None:
     ws = await websockets.connect(url, max_size=None, open_timeout=EVENT_TIMEOUT_S, ping_interval=None)
     await recv_until(ws, "session.created")
-    await asyncio.sleep(rng.uniform(0, 15))  # spread the sessions' turns over time
+    await asyncio.sleep(rng.uniform(0, pause_s[1]))  # spread the sessions' turns over time
     try:
         while time.monotonic() < deadline:
             action = rng.choices(["turn", "cancel", "truncate", "reopen"], [84, 8, 5, 3])[0]
@@ -90,7 +94,7 @@ async def session_loop(url: str, deadline: float, rng: random.Random, counts: Co
             if output:
                 await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": output[0]["id"]}))
             await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": user_id}))
-            await asyncio.sleep(rng.uniform(5, 15))
+            await asyncio.sleep(rng.uniform(*pause_s))
     finally:
         await ws.close()
 
@@ -109,7 +113,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             deadline = start + args.seconds
             counts: Counter[str] = Counter()
             rng = random.Random(args.seed)
-            tasks = [asyncio.create_task(session_loop(url, deadline, random.Random(rng.random()), counts))
+            tasks = [asyncio.create_task(session_loop(url, deadline, random.Random(rng.random()), counts,
+                                                      args.pause_s))
                      for _ in range(args.sessions)]
             samples: list[tuple[float, float]] = []
             while not all(t.done() for t in tasks):
@@ -125,7 +130,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             leaked = server.metric('engine_kv_blocks_in_use{tier="edge"}')
         finally:
             server.stop()
-    return {"sessions": args.sessions, "seconds": args.seconds, "counts": dict(counts),
+    return {"sessions": args.sessions, "seconds": args.seconds, "pause_s": args.pause_s, "smoke": args.smoke,
+            "counts": dict(counts),
             "session_errors": [repr(e) for e in errors[:10]], "rss_samples": samples,
             "rss_after_warmup_mib": baseline, "rss_end_mib": end, "rss_peak_mib": max(r for _, r in samples),
             "soak_rss_growth": end / baseline - 1.0, "soak_turns": counts["turns"], "soak_hung": counts["hung"],
@@ -137,8 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=OUT_DIR / "soak.json")
+    parser.add_argument("--out", type=Path, help="results (default: bench/out/soak.json)")
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {SMOKE}")
     args = parser.parse_args(argv)
+    args.pause_s = PAUSE_S
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+    args.out = args.out or result_path("soak.json", args.smoke)
     result = uvloop.run(run(args))
     result["cpu"] = cpu_facts()
     write_json(args.out, result)
