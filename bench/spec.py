@@ -17,19 +17,22 @@ arms share the KV pool, and one scheduler's cached blocks would be overwritten b
    and the same per whole request, with the target's prefill and the drafter's catch-up on the
    prompt (a request's first drafting step feeds it all to llama.cpp), which the formula leaves out.
 3. the n-gram drafter on prompts whose answer copies the prompt (repeat a text, fix a typo).
-4. throughput with the adaptive edge drafter (self-disable switch, default max_batch) vs none
-   at 4..32 requests added at once; concurrency 1 is arm 1's adaptive figure.
+4. throughput with the edge drafter as configured by default (every step priced from measured
+   costs, default max_batch) vs none at 2..32 requests added at once; concurrency 1 is arm 1's
+   adaptive figure. Each arm is a fresh engine (a server just started): its speculator
+   calibrates, then learns, within the run.
 
 Progress on stderr; full results in bench/out/spec.json, a plot in docs/img/spec_speedup.png; the
 last stdout line is one JSON object (speedup_c1, acceptance_rate, mean_accepted_len, cost_ratio,
-predicted_speedup_c1, efficiency_vs_predicted, ngram_speedup_copy, speedup_c32, cpu, ...).
-A --quick run writes bench/out/spec_quick.json and bench/out/spec_quick.png instead.
+predicted_speedup_c1, efficiency_vs_predicted, ngram_speedup_copy, speedup_c32,
+speedup_min_over_concurrency, cpu, ...). A --quick run writes bench/out/spec_quick.json and
+bench/out/spec_quick.png instead; a --smoke run (seconds) writes under bench/out/smoke/.
 
     .venv/bin/python bench/spec.py [--k 4] [--prompts 6] [--tokens 96] [--copy-prompts 3]
-        [--copy-tokens 96] [--concurrency 1 4 8 16 32] [--conc-tokens 64] [--pairs 3] [--quick]
+        [--copy-tokens 96] [--concurrency 1 2 4 8 16 32] [--conc-tokens 64] [--pairs 3] [--quick | --smoke]
 
 About 8 minutes on an idle 2-core AVX2 machine (fp32 decode ~75 ms/step at batch 1); --quick
-runs tiny sizes in about a minute.
+runs small sizes in about a minute, --smoke tiny ones to check that it runs.
 """
 
 from __future__ import annotations
@@ -49,7 +52,18 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, replace  # noqa: E402
 
-from bench._common import IMG_DIR, OUT_DIR, cpu_dtype, cpu_facts, load_average, median, progress, write_json  # noqa: E402
+from bench._common import (  # noqa: E402
+    OUT_DIR,
+    SMOKE_HELP,
+    cpu_dtype,
+    cpu_facts,
+    figure_path,
+    load_average,
+    median,
+    progress,
+    result_path,
+    write_json,
+)
 from bench._spec_drive import (  # noqa: E402
     Run,
     TimedDrafter,
@@ -161,7 +175,7 @@ def arm_c1(s: Setup, prompts: list[list[int]], tokens: int, k: int, verify_reps:
         progress(f"  {name}: {out[name]['tok_s']:.1f} tok/s vs {out['plain']['tok_s']:.1f}, speedup "
                  f"{out[name]['speedup']:.2f} (aggregate {out[name]['speedup_aggregate']:.2f}); acceptance "
                  f"{st['spec_acceptance_rate']:.2f}, {st['spec_mean_accepted_len']:.2f} tokens per round; drafting "
-                 f"{out[name]['propose_s']:.1f} s in {out[name]['propose_calls']} calls; switch off by gain "
+                 f"{out[name]['propose_s']:.1f} s in {out[name]['propose_calls']} calls; priced out "
                  f"{st['spec_off_by_gain']:.0f} steps; outputs identical to plain: {out[name]['outputs_identical_to_plain']}")
 
     out["model"] = prediction(s, runs, timed(engines["edge_fixed"]), out["edge_fixed"], prompts[0], k, verify_reps)
@@ -240,7 +254,7 @@ def arm_concurrency(s: Setup, levels: list[int], tokens: int, pairs: int, k: int
     edge = SpeculativeConfig(method="edge", draft_model=DRAFT_MODEL, num_draft_tokens=k)
     arms = {"plain": OFF, "edge_adaptive": edge}
     progress(f"concurrency sweep {levels}: {tokens} tokens per request, all added at once, no speculation vs the "
-             f"adaptive edge drafter (off above {edge.max_batch} decoding), {pairs} pair(s) each")
+             f"edge drafter with every step priced (none above {edge.max_batch} decoding), {pairs} pair(s) each")
     warm_up(s, arms, chat_prompts(s.tokenizer, 1)[0], batch=max(levels))  # the largest shapes, once
     rows: dict[int, dict] = {}
     for n, c in enumerate(levels):
@@ -258,13 +272,15 @@ def arm_concurrency(s: Setup, levels: list[int], tokens: int, pairs: int, k: int
                 "plain_tok_s": plain.tok_s, "spec_tok_s": spec.tok_s, "speedup": spec.tok_s / plain.tok_s,
                 "outputs_identical_to_plain": f"{sum(a == b for a, b in zip(spec.outputs, plain.outputs, strict=True))}/{c}",
                 "switch": {key: st.get(key, 0.0) for key in ("spec_enabled", "spec_off_by_batch", "spec_off_by_gain",
+                                                             "spec_predicted_gain",
                                                              "spec_rounds", "propose_calls", "propose_s")},
                 "stats": st,
             })
             sw = pair_rows[-1]["switch"]
             progress(f"  concurrency {c:2d} pair {p + 1}: plain {plain.tok_s:.1f} tok/s, speculative {spec.tok_s:.1f} "
                      f"-> {spec.tok_s / plain.tok_s:.3f}; switch: enabled {sw['spec_enabled']:.0f}, off by batch "
-                     f"{sw['spec_off_by_batch']:.0f} steps, off by gain {sw['spec_off_by_gain']:.0f}; "
+                     f"{sw['spec_off_by_batch']:.0f} steps, priced out {sw['spec_off_by_gain']:.0f} (predicted gain "
+                     f"{sw['spec_predicted_gain']:.2f}); "
                      f"{sw['propose_calls']:.0f} drafting steps took {sw['propose_s']:.1f} s, "
                      f"{st['drafter_catchup_tokens']:.0f} tokens fed to catch up")
         rows[c] = {"speedup": median([r["speedup"] for r in pair_rows]), "pairs": pair_rows}
@@ -279,17 +295,22 @@ def main() -> None:
     parser.add_argument("--copy-prompts", type=int, default=3)
     parser.add_argument("--copy-tokens", type=int, default=96)
     parser.add_argument("--ngram-k", type=int, default=4, help="the n-gram drafter's most drafts per round")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--conc-tokens", type=int, default=64, help="output tokens per request in the sweep")
     parser.add_argument("--pairs", type=int, default=3, help="paired runs per concurrency level in the sweep")
     parser.add_argument("--verify-reps", type=int, default=12, help="timed runner calls per draft count")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that it runs (~1-2 min)")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help="small sizes (~1-2 min)")
+    sizes.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.tokens, args.copy_prompts, args.copy_tokens = 2, 16, 1, 24
-        args.concurrency, args.conc_tokens, args.pairs, args.verify_reps = [1, 4, 32], 6, 1, 3
+        args.concurrency, args.conc_tokens, args.pairs, args.verify_reps = [1, 2, 4, 32], 6, 1, 3
+    if args.smoke:
+        args.prompts, args.tokens, args.copy_prompts, args.copy_tokens = 1, 8, 1, 8
+        args.concurrency, args.conc_tokens, args.pairs, args.verify_reps = [1, 2, 16], 4, 1, 1
     started = time.perf_counter()
     load_before = load_average()
     cpu = cpu_facts()
@@ -308,9 +329,9 @@ def main() -> None:
     model = c1["model"]
     title = (f"Speculative decoding, SmolLM2-135M {s.base.dtype} target\n{cpu['model']}, {cpu['cores']} cores "
              f"({', '.join(cpu['flags'])})")
-    # a quick run writes beside the full results, never over them
-    img = OUT_DIR / "spec_quick.png" if args.quick else IMG_DIR / "spec_speedup.png"
-    out_path = OUT_DIR / ("spec_quick.json" if args.quick else "spec.json")
+    # a quick or smoke run writes beside the full results, never over them
+    img = OUT_DIR / "spec_quick.png" if args.quick else figure_path("spec_speedup.png", args.smoke)
+    out_path = OUT_DIR / "spec_quick.json" if args.quick else result_path("spec.json", args.smoke)
     plot(by_conc, c1["edge_fixed"]["speedup"], SpeculativeConfig().max_batch, args.k, title, img)
     top = max(sweep) if sweep else 1
     summary = {
@@ -329,14 +350,16 @@ def main() -> None:
         "v_k": round(model["v_k"], 3),
         "speedup_c1_adaptive": round(c1["edge_adaptive"]["speedup"], 3),
         "speedup_by_concurrency": {str(c): round(v, 3) for c, v in sorted(by_conc.items())},
+        "speedup_min_over_concurrency": round(min(by_conc.values()), 3),
         f"speedup_c{top}": round(by_conc[top], 3),
         "quick": args.quick,
+        "smoke": args.smoke,
     }
     results = {
         "summary": summary,
         "settings": {k: getattr(args, k) for k in ("k", "prompts", "tokens", "copy_prompts", "copy_tokens", "ngram_k",
                                                    "concurrency", "conc_tokens", "pairs", "verify_reps", "threads",
-                                                   "quick")},
+                                                   "quick", "smoke")},
         "engine_config": {k: v for k, v in asdict(s.base).items() if k != "speculative"},
         "speculative_defaults": asdict(SpeculativeConfig()),
         "drafter_threads": args.threads,
