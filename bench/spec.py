@@ -333,7 +333,6 @@ def main() -> None:
     img = OUT_DIR / "spec_quick.png" if args.quick else figure_path("spec_speedup.png", args.smoke)
     out_path = OUT_DIR / "spec_quick.json" if args.quick else result_path("spec.json", args.smoke)
     plot(by_conc, c1["edge_fixed"]["speedup"], SpeculativeConfig().max_batch, args.k, title, img)
-    top = max(sweep) if sweep else 1
     summary = {
         "speedup_c1": round(c1["edge_fixed"]["speedup"], 3),
         "acceptance_rate": round(model["acceptance_rate"], 3),
@@ -351,7 +350,6 @@ def main() -> None:
         "speedup_c1_adaptive": round(c1["edge_adaptive"]["speedup"], 3),
         "speedup_by_concurrency": {str(c): round(v, 3) for c, v in sorted(by_conc.items())},
         "speedup_min_over_concurrency": round(min(by_conc.values()), 3),
-        f"speedup_c{top}": round(by_conc[top], 3),
         "quick": args.quick,
         "smoke": args.smoke,
     }
