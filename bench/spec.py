@@ -29,7 +29,7 @@ speedup_min_over_concurrency, cpu, ...). A --quick run writes bench/out/spec_qui
 bench/out/spec_quick.png instead; a --smoke run (seconds) writes under bench/out/smoke/.
 
     .venv/bin/python bench/spec.py [--k 4] [--prompts 6] [--tokens 96] [--copy-prompts 3]
-        [--copy-tokens 96] [--concurrency 1 2 4 8 16 32] [--conc-tokens 64] [--pairs 3] [--quick | --smoke]
+        [--copy-tokens 96] [--concurrency 1 2 4 8 16 32] [--conc-tokens 64] [--pairs 5] [--quick | --smoke]
 
 About 8 minutes on an idle 2-core AVX2 machine (fp32 decode ~75 ms/step at batch 1); --quick
 runs small sizes in about a minute, --smoke tiny ones to check that it runs.
@@ -297,7 +297,7 @@ def main() -> None:
     parser.add_argument("--ngram-k", type=int, default=4, help="the n-gram drafter's most drafts per round")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--conc-tokens", type=int, default=64, help="output tokens per request in the sweep")
-    parser.add_argument("--pairs", type=int, default=3, help="paired runs per concurrency level in the sweep")
+    parser.add_argument("--pairs", type=int, default=5, help="paired runs per concurrency level in the sweep")
     parser.add_argument("--verify-reps", type=int, default=12, help="timed runner calls per draft count")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")

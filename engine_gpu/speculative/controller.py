@@ -4,10 +4,12 @@ Each step the controller compares two ways of taking it, priced with what the en
 (``costs.CostCurve``: ``f(n)`` seconds of a target forward of ``n`` tokens, ``g(n)`` of a drafter
 forward). Plain: one token for each of the ``b`` decoding sequences, in ``f(b)``. Speculative:
 a set ``S`` of them, best acceptance rate first, drafts ``k`` tokens each, in ``k`` drafter
-forwards of ``|S|`` tokens and one target forward of ``b + k|S|`` tokens, for
-``(b - |S|) + sum E(a_i, k)`` tokens, where ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` is a round's
-expected tokens at acceptance rate ``a`` (Leviathan et al., 2023). The best ``(S, k)`` is taken
-if its tokens per second beat plain steps by ``min_gain``; otherwise the step is plain.
+forwards (the first feeds each sequence what it lacks, the target's last token and often the
+previous round's last draft; the others one token per sequence) and one target forward of
+``b + k|S|`` tokens, for ``(b - |S|) + sum E(a_i, k)`` tokens, where
+``E(a, k) = (1 - a^(k+1)) / (1 - a)`` is a round's expected tokens at acceptance rate ``a``
+(Leviathan et al., 2023). The best ``(S, k)`` is taken if its tokens per second beat plain
+steps by ``min_gain``; otherwise the step is plain.
 
 A sequence the drafter has not followed (a new request's prompt, tokens it missed while it sat
 out) must first be fed to the drafter: a one-off cost, at most ``draft_window`` tokens, that
@@ -16,7 +18,9 @@ pays only over the sequence's remaining tokens, so it enters the price spread ov
 catch-up to find that out (the cost that made a bandit switch lose 30-45% at 4 and 8 requests),
 and a request with few tokens left is not caught up for them.
 
-Acceptance is measured per sequence; a new one starts from the running mean of all. The curves
+Acceptance is measured per sequence, starting from the running mean of all; while a sequence
+sits out, its estimate drifts back towards that mean, so one bad round (a draft that missed at
+the start of an answer) does not shut it out for the rest of the request. The curves
 start from a calibration at engine start and follow every forward after it, so a price that was
 wrong is corrected by the step that paid it. Above ``max_batch`` decoding sequences nothing is
 priced: a full batch already uses what verification would need.
@@ -24,7 +28,8 @@ priced: a full batch already uses what verification would need.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine_gpu.config import SpeculativeConfig
@@ -32,6 +37,7 @@ from engine_gpu.speculative.costs import CostCurve
 
 ACCEPT_EMA = 0.3  # weight of the newest round in a sequence's acceptance rate
 PRIOR_EMA = 0.05  # weight of a round in the acceptance rate new sequences start from
+RELAX = 0.1  # a step sitting out moves a sequence's acceptance this far back towards the prior
 LENGTH_EMA = 0.1  # weight of a finished request in the expected output length
 MAX_ACCEPTANCE = 0.99  # E(a, k) is finite only below 1
 EXPECTED_OUTPUT_PRIOR = 128  # output tokens a request is assumed to run to, until some have finished
@@ -101,6 +107,10 @@ class SpecController:
             self.draft_seconds(c.behind - 1) / max(1.0, min(float(c.remaining), self._expected_output))
             if c.behind > USUAL_BEHIND else 0.0 for c in ranked]
         draft_round = [0.0, *(self.draft_seconds(j) for j in range(1, len(ranked) + 1))]
+        # the first round's tokens for the first j sequences: what each lacks, 1 after a catch-up
+        first_round = list(itertools.accumulate((c.behind if c.behind <= USUAL_BEHIND else 1 for c in ranked),
+                                                initial=0))
+        first_round_s = {n: self.draft_seconds(n) for n in set(first_round[1:])}
         target: dict[int, float] = {}
         best_rate, best = 0.0, (0, 0)
         for k in range(1, cfg.num_draft_tokens + 1):
@@ -113,17 +123,27 @@ class SpecController:
                 catch_up += catch_up_per_token[j - 1] * gained
                 if rows not in target:
                     target[rows] = self.target(rows)
-                rate = tokens / (target[rows] + k * draft_round[j] + catch_up)
+                drafting = first_round_s[first_round[j]] + (k - 1) * draft_round[j]
+                rate = tokens / (target[rows] + drafting + catch_up)
                 if rate > best_rate:
                     best_rate, best = rate, (k, j)
         self.predicted_gain = best_rate / plain_rate
         if best_rate < plain_rate * cfg.min_gain:
             self.disabled_by_gain += 1
             self.enabled = False
+            self._relax(c.request_id for c in ranked)
             return {}
         self.enabled = True
         k, j = best
+        self._relax(c.request_id for c in ranked[j:])
         return {c.request_id: min(k, c.room) for c in ranked[:j]}
+
+    def _relax(self, sitting_out: Iterable[str]) -> None:
+        prior = self._prior_acceptance
+        for request_id in sitting_out:
+            rate = self._acceptance.get(request_id)
+            if rate is not None:
+                self._acceptance[request_id] = rate + RELAX * (prior - rate)
 
     def acceptance(self, request_id: str) -> float:
         return self._acceptance.get(request_id, self._prior_acceptance)
@@ -148,8 +168,8 @@ class SpecController:
             return
         self.rounds += 1
         rate = accepted / proposed
-        old = self._acceptance.get(request_id)
-        self._acceptance[request_id] = rate if old is None else (1 - ACCEPT_EMA) * old + ACCEPT_EMA * rate
+        old = self._acceptance.get(request_id, self._prior_acceptance)
+        self._acceptance[request_id] = (1 - ACCEPT_EMA) * old + ACCEPT_EMA * rate
         self._prior_acceptance += PRIOR_EMA * (rate - self._prior_acceptance)
 
     def observe_finished(self, request_id: str, output_tokens: int) -> None:

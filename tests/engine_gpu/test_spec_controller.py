@@ -89,6 +89,16 @@ def test_sequences_the_drafter_guesses_badly_sit_out_while_the_others_draft() ->
     assert 0.35 < ctl.stats()["spec_prior_acceptance"] < 0.7  # new sequences start from the mean of all
 
 
+def test_a_bad_first_round_does_not_shut_a_sequence_out_for_the_rest_of_its_answer() -> None:
+    ctl = controller(CPU_TARGET, CPU_DRAFTER, acceptance=0.95)
+    ctl.observe_round("r0", proposed=4, accepted=0)  # the answer's first drafts all missed
+    plans = [ctl.plan(caught_up(1)) for _ in range(30)]
+    assert plans[0] or any(plans[1:10])  # sits out a few steps at most, then drafts again
+    for _ in range(5):
+        ctl.observe_round("r0", proposed=4, accepted=0)  # a sequence the drafter keeps missing...
+    assert ctl.plan(caught_up(1)) == {}  # ...sits out
+
+
 def test_a_wrong_price_is_corrected_by_the_steps_that_paid_it() -> None:
     ctl = controller(GPU_TARGET, GPU_DRAFTER)
     assert ctl.plan(caught_up(4)) == {f"r{i}": 4 for i in range(4)}
