@@ -111,6 +111,7 @@ class LlamaWorker:
         self._tokenizer = tokenizer
         self._commands = commands
         self._free_slots = list(range(n_slots))
+        self._n_slots = n_slots
         self._cache = PrefixCache(n_slots, snapshot_budget_bytes, enabled=prefix_reuse)
         self._separate_streams = ctx.separate_streams  # one KV stream per slot: no slot takes another's cells
         self._draft_slot = n_slots
@@ -502,6 +503,7 @@ class LlamaWorker:
         self.snapshot = {
             "running": float(len(self._running)),
             "waiting": float(len(self._waiting_cmds) + len(self._preempted)),
+            "max_running": float(self._n_slots),  # turns that can run at once (llm_shared.contract.engine_backlog)
             "kv_cells_used": float(cells),  # held by running work
             "kv_cells_cached": float(cache.resident_tokens),  # kept by idle slots for their conversations
             "kv_cells_total": float(self._ctx.n_ctx),

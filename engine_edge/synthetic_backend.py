@@ -209,7 +209,8 @@ class SyntheticEngine:
     def stats(self) -> dict[str, float]:
         """The edge tier's keys, and the torch tier's KV blocks (the cascade's load-aware threshold reads them)."""
         held = [s.prompt_tokens + s.produced for s in self._streams.values()]
-        return {"running": float(len(self._streams)), "waiting": 0.0, "kv_cells_used": float(sum(held)),
+        return {"running": float(len(self._streams)), "waiting": 0.0, "max_running": float(self._max_streams),
+                "kv_cells_used": float(sum(held)),
                 "kv_cells_total": float(self._max_streams * CONTEXT_TOKENS),
                 "kv_blocks_in_use": float(sum(-(-cells // KV_BLOCK_CELLS) for cells in held)),
                 "kv_blocks_total": float(self._max_streams * CONTEXT_TOKENS // KV_BLOCK_CELLS),

@@ -103,8 +103,11 @@ class EngineClient:
 
     @classmethod
     async def start(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
-                    draft_model_cfg: ModelConfig | None = None, startup_timeout: float = 600.0) -> EngineClient:
-        """Spawn a core process for these configs, wait until its model (and drafter) is loaded, connect."""
+                    draft_model_cfg: ModelConfig | None = None, startup_timeout: float = 600.0,
+                    environment: Mapping[str, str] | None = None) -> EngineClient:
+        """Spawn a core process for these configs, wait until its model (and drafter) is loaded,
+        connect. ``environment``: variables the core gets on top of this process's (those set
+        here already win)."""
         from engine_gpu.core_process import config_args  # the module is torch-free until main() runs
 
         env = dict(os.environ)
@@ -112,6 +115,8 @@ class EngineClient:
         # The configured secret (other clients may need it, e.g. over TCP), else a fresh one per core;
         # in its environment, never on its command line, which other users can read.
         secret = env[engine_cfg.secret_env] = env.get(engine_cfg.secret_env) or secrets.token_urlsafe(32)
+        for key, value in (environment or {}).items():
+            env.setdefault(key, value)
         # stdin is a pipe the core watches: if this process dies, the core sees EOF and exits.
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "engine_gpu.core_process", *config_args(model_cfg, engine_cfg, draft_model_cfg),

@@ -193,7 +193,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         out = self.scheduler.stats().as_dict()
-        out.update(step_time_ms=self._last_step_s * 1e3, step_time_ms_avg=self._avg_step_s * 1e3,
+        out.update(max_running=float(self.config.max_num_seqs),  # turns that can run at once (engine_backlog)
+                   step_time_ms=self._last_step_s * 1e3, step_time_ms_avg=self._avg_step_s * 1e3,
                    steps=float(self._steps), generated_tokens=float(self._generated))
         if self.speculator is not None:
             out.update(self.speculator.stats())

@@ -17,6 +17,7 @@ from engine_cluster.config import ClusterConfig
 from engine_edge.config import EdgeConfig
 from engine_gpu.config import EngineConfig, check_engine_models, parse_engine_table
 from gateway.cascade.config import CascadeConfig, RoutingConfig
+from gateway.host import HostConfig
 from llm_shared.configtools import build, read_toml, require
 from llm_shared.errors import ConfigError
 from llm_shared.models import REPO_ROOT, ModelConfig, parse_models, require_model
@@ -120,6 +121,7 @@ class Config:
     routing: RoutingConfig
     cascade: CascadeConfig = field(default_factory=CascadeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the torch tier on Ray Serve replicas
+    host: HostConfig = field(default_factory=HostConfig)  # the CPU budget every compute pool here shares
     path: Path | None = None
 
     def __post_init__(self) -> None:
@@ -150,7 +152,7 @@ def load_config(path: str | Path = DEFAULT_CONFIG) -> Config:
 
 
 def parse_config(raw: dict, path: Path | None = None) -> Config:
-    known = {"server", "models", "edge", "engine", "routing", "cascade", "cluster"}
+    known = {"server", "models", "edge", "engine", "routing", "cascade", "cluster", "host"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown}; known sections: {sorted(known)}")
@@ -162,6 +164,7 @@ def parse_config(raw: dict, path: Path | None = None) -> Config:
         routing=build(RoutingConfig, raw.get("routing", {}), "routing"),
         cascade=build(CascadeConfig, raw.get("cascade", {}), "cascade"),
         cluster=build(ClusterConfig, raw.get("cluster", {}), "cluster"),
+        host=build(HostConfig, raw.get("host", {}), "host"),
         path=path,
     )
 

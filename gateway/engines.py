@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from gateway.auth import cache_salts
@@ -19,6 +20,7 @@ from gateway.cascade.engine import CascadeEngine
 from gateway.cascade.health import HealthMonitor
 from gateway.cascade.router import Router
 from gateway.config import Config
+from gateway.host import ThreadPlan, apply_plan, plan_threads
 from gateway.metrics import GatewayMetrics
 from gateway.supervisor import SupervisedEngine
 from llm_shared.contract import Engine
@@ -34,6 +36,21 @@ INLINE_TOKENIZE_CHARS = 16_384
 
 def needed_tiers(config: Config) -> tuple[str, ...]:
     return config.routing.tiers
+
+
+def host_plan(config: Config) -> ThreadPlan:
+    """The threads of each compute pool this host runs for ``config`` (``gateway.host``)."""
+    tiers = needed_tiers(config)
+    return plan_threads(config.host, config.edge if "edge" in tiers else None,
+                        config.engine if "gpu" in tiers and not config.cluster.enabled else None)
+
+
+def with_host_plan(config: Config) -> Config:
+    """``config`` with every "all cores" thread count replaced by its share of the host's budget."""
+    plan = host_plan(config)
+    log.info("threads: %s", plan.describe())
+    edge, engine = apply_plan(plan, config.edge, config.engine)
+    return replace(config, edge=edge, engine=engine)
 
 
 def edge_model_path(config: Config) -> Path:
@@ -66,8 +83,14 @@ async def build_gpu_engine(config: Config) -> Engine:
     spec = config.engine.speculative
     draft = config.model(spec.draft_model) if spec.method == "edge" else None
 
+    # On a host it shares with the edge tier, torch's OpenMP threads must not spin between ops
+    # on cores the edge's threads need (unless the environment says otherwise).
+    shared = host_plan(config).edge > 0
+    environment = {"OMP_WAIT_POLICY": "PASSIVE"} if shared else {}
+
     async def start() -> EngineClient:
-        return await EngineClient.start(config.model(config.engine.model), config.engine, draft_model_cfg=draft)
+        return await EngineClient.start(config.model(config.engine.model), config.engine, draft_model_cfg=draft,
+                                        environment=environment)
 
     return SupervisedEngine(await start(), start)  # a core that dies is started again
 
@@ -100,7 +123,9 @@ async def build_cluster_engine(config: Config) -> Engine:
 
 
 async def load_engines(config: Config) -> dict[str, Engine]:
-    """Build every needed tier off the event loop; on failure close the ones already built."""
+    """Build every needed tier off the event loop, each with its share of the host's CPU budget;
+    on failure close the ones already built."""
+    config = with_host_plan(config)
     engines: dict[str, Engine] = {}
     try:
         for tier in needed_tiers(config):
@@ -135,9 +160,12 @@ def build_router(config: Config, engines: Mapping[str, Engine], metrics: Gateway
     edge, gpu = engines["edge"], engines["gpu"]
     check_same_tokenizer(gpu.tokenizer, edge.tokenizer, config.edge.model, role="cascade edge model")
     cascade_cfg = config.cascade
-    health = HealthMonitor(engines, interval_s=cascade_cfg.probe_interval_s, timeout_s=cascade_cfg.probe_timeout_s,
-                           slow_probes_to_down=cascade_cfg.slow_probes_to_down,
-                           on_change=lambda tier, up: metrics.tier_up.labels(tier).set(1.0 if up else 0.0))
+    def tier_changed(tier: str, up: bool) -> None:
+        metrics.tier_up.labels(tier).set(1.0 if up else 0.0)
+        metrics.tier_transitions.labels(tier).inc()
+
+    health = HealthMonitor(engines, interval_s=cascade_cfg.probe_interval_s,
+                           stall_timeout_s=cascade_cfg.stall_timeout_s, on_change=tier_changed)
     for tier in engines:
         metrics.tier_up.labels(tier).set(1.0)
     cascade = CascadeEngine(edge, gpu, cascade_cfg, build_scorer(cascade_cfg), health, metrics)

@@ -84,11 +84,14 @@ async def readyz(request: web.Request) -> web.Response:
     if (refused := _operator_check(request, state)) is not None:
         return refused
     tiers = state.router.tiers_up() if state.router is not None else {}
+    down = state.router.why_down() if state.router is not None else {}
     if state.ready:
         # degraded: the cascade serves on one tier while the other is down
-        return web.json_response({"status": "ready", "tiers": tiers, "degraded": not all(tiers.values())})
+        return web.json_response({"status": "ready", "tiers": tiers, "degraded": not all(tiers.values()),
+                                  "down": down})
     status = "shutting_down" if state.shutting_down else ("loading" if not state.engines else "engine_down")
-    return web.json_response({"status": status, "tiers": tiers}, status=503)
+    return web.json_response({"status": status, "tiers": tiers, "down": down, "message": state.unavailable_message()},
+                             status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -181,8 +184,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         key_id = authorize(request, state)
         body = await _read_json(request)
         if not state.ready or state.router is None:  # before the model check: no models are known while loading
-            raise HttpError(503, "engine_unavailable", "the model is not ready (loading or shutting down); "
-                            "retry shortly", type_="server_error", headers={"Retry-After": "1"})
+            raise HttpError(503, "engine_unavailable", state.unavailable_message(), type_="server_error",
+                            headers={"Retry-After": "1"})
         req = parse_chat_request(body, state.models, state.config.server)
         try:
             state.limiter.admit(key_id)

@@ -127,7 +127,10 @@ class GatewayMetrics:
         # The cascade (gateway/cascade): how turns reach their tier, and what escalation costs.
         self.cascade_turns = Counter(
             "gateway_cascade_turns", "Turns by serving tier and route (model, confident, escalated, pre_routed, "
-            "fallback)", ["api", "tier", "route"], registry=r)
+            "fallback, spilled)", ["api", "tier", "route"], registry=r)
+        self.cascade_spills = Counter(
+            "gateway_cascade_spills", "Turns the cascade sent to the tier that could start them now: edge_busy (to "
+            "the torch tier), gpu_busy (kept on the edge)", ["reason"], registry=r)
         self.cascade_degraded = Counter(
             "gateway_cascade_degraded_turns", "Turns the edge served because the torch tier was down or full",
             ["api", "reason"], registry=r)
@@ -142,7 +145,12 @@ class GatewayMetrics:
             ["outcome"], registry=r)
         self.cascade_threshold = Gauge(
             "gateway_cascade_threshold", "The cascade's effective (load-aware) confidence threshold", registry=r)
-        self.tier_up = Gauge("gateway_tier_up", "1 while the tier's health probes answer", ["tier"], registry=r)
+        self.tier_up = Gauge("gateway_tier_up", "1 while the tier is up (down: not ready, refusing, or stalled with "
+                             "work)", ["tier"], registry=r)
+        self.host_threads = Gauge("gateway_host_threads", "Threads of each compute pool on this host, from its CPU "
+                                  "budget (gateway.host)", ["pool"], registry=r)
+        self.tier_transitions = Counter("gateway_tier_transitions", "Up/down changes of a tier's health", ["tier"],
+                                        registry=r)
         self.gc_pause = Histogram(
             "gateway_gc_pause_seconds", "Event-loop pauses of Python's cyclic garbage collector (every stream "
             "waits them out)", ["generation"], buckets=GC_PAUSE_BUCKETS, registry=r)

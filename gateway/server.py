@@ -118,8 +118,7 @@ async def realtime(request: web.Request) -> web.StreamResponse:
         if state.shutting_down:
             raise AuthError(503, "server_shutting_down", "the server is shutting down", "server_error")
         if not state.ready or state.router is None:
-            raise AuthError(503, "engine_unavailable", "the model is not ready (loading); retry shortly",
-                            "server_error")
+            raise AuthError(503, "engine_unavailable", state.unavailable_message(), "server_error")
         model = request.query.get("model") or state.default_model
         if model not in state.models:
             raise AuthError(404, "model_not_found", f"The model '{model}' does not exist; available: "

@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.auth import Authenticator, Clock, RateLimiter, SessionSlots, limiter_from_config
 from gateway.cascade.router import Router
 from gateway.config import Config
-from gateway.engines import build_router
+from gateway.engines import build_router, host_plan
 from gateway.metrics import GatewayMetrics
 from llm_shared.contract import Engine
 
@@ -62,6 +62,10 @@ class GatewayState:
         """Route over ``engines``; inside a running loop the router's probes start now, else
         when the app starts (``start_router``)."""
         self.engines = dict(engines)
+        plan = host_plan(self.config)
+        for pool, threads in (("cpus", plan.cpus), ("edge", plan.edge), ("torch", plan.engine),
+                              ("drafter", plan.drafter)):
+            self.metrics.host_threads.labels(pool).set(threads)
         self.router = build_router(self.config, self.engines, self.metrics)
         self.models = dict(self.router.routes)
         self.owns_engines = owned
@@ -86,6 +90,14 @@ class GatewayState:
     @property
     def ready(self) -> bool:
         return not self.shutting_down and not self.draining and self.router is not None and self.router.ready
+
+    def unavailable_message(self) -> str:
+        """Why a new turn cannot be served now (call when ``ready`` is False)."""
+        if self.shutting_down or self.draining:
+            return "the server is shutting down; retry shortly"
+        if self.router is None:
+            return "the models are still loading; retry shortly"
+        return self.router.unavailable_message()
 
     @property
     def busy(self) -> bool:

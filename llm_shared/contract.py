@@ -220,3 +220,21 @@ def engine_saturated(engine: object) -> bool:
     generating; either way ``generate`` has the last word."""
     saturated = getattr(engine, "saturated", None)
     return bool(saturated()) if callable(saturated) else False
+
+
+def engine_backlog(engine: object) -> float | None:
+    """How full ``engine`` is for one more turn: (running + waiting + 1) / the turns it runs at
+    once, from its stats (``running``, ``waiting``, ``max_running``); at most 1 means it would
+    start that turn at its next step, more means the turn would queue behind others. None where
+    the tier does not say how many it runs at once. Cheap (a stats read), no I/O."""
+    stats = getattr(engine, "stats", None)
+    if not callable(stats):
+        return None
+    try:
+        numbers = stats()
+        limit = float(numbers.get("max_running", 0.0))
+        if limit <= 0:
+            return None
+        return (float(numbers.get("running", 0.0)) + float(numbers.get("waiting", 0.0)) + 1.0) / limit
+    except (TypeError, ValueError):
+        return None

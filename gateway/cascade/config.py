@@ -64,9 +64,14 @@ class CascadeConfig:
     kv_relax_from: float = 0.7  # torch-tier KV use (fraction) where relaxation starts; complete at 1.0
     escalate_prompt_tokens: int = 0  # longer prompts go straight to the torch tier (0: only what the edge cannot hold)
     escalate_keywords: tuple[str, ...] = ()  # regexes (case-insensitive) on the last user message
-    probe_interval_s: float = 2.0  # health probe of each tier
-    probe_timeout_s: float = 1.0  # a probe that takes longer counts as slow
-    slow_probes_to_down: int = 3  # slow probes in a row that mark a tier down (a failed one does at once)
+    probe_interval_s: float = 2.0  # each tier's stats looked at, and a probe kept in flight, this often
+    # a tier with work whose step counter has not moved this long, or a probe unanswered this long,
+    # is down (how fast it answers otherwise is not evidence: a busy host makes steps slow)
+    stall_timeout_s: float = 30.0
+    # spill: a turn the edge cannot start now (no free sequence slot) goes straight to the torch
+    # tier when that one can, and a turn that would escalate stays on the edge while the torch tier
+    # cannot start it now
+    spill: bool = True
 
     def __post_init__(self) -> None:
         require(1 <= self.hold_tokens <= MAX_PREFIX_DRAFT_TOKENS,
@@ -85,6 +90,6 @@ class CascadeConfig:
                 re.compile(pattern)
             except re.error as e:
                 raise ConfigError(f"cascade.escalate_keywords: {pattern!r} is not a valid regex ({e})") from e
-        require(self.slow_probes_to_down >= 1, "cascade.slow_probes_to_down must be >= 1")
-        require(0 < self.probe_timeout_s <= self.probe_interval_s,
-                "cascade.probe_timeout_s must be > 0 and <= probe_interval_s")
+        require(0 < self.probe_interval_s <= 3600, "cascade.probe_interval_s must be in (0, 3600]")
+        require(self.probe_interval_s <= self.stall_timeout_s <= 86_400,
+                "cascade.stall_timeout_s must be >= probe_interval_s (and at most a day)")

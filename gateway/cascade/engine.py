@@ -10,8 +10,11 @@ never sees a held token the torch tier did not produce or verify.
 
 Availability comes first: a prompt the edge cannot hold (or a pre-routing rule) goes straight
 to the torch tier; with the torch tier down or overloaded the edge serves the turn, marked
-degraded; with the edge down the torch tier serves it. Before its first token the stream
-yields a ``RouteInfo`` saying which of these happened. ``abort`` frees the request in both
+degraded; with the edge down the torch tier serves it. Then load (``spill``): a turn the edge
+cannot start now (every sequence slot taken, or others waiting) goes straight to the torch
+tier when that one is less full (``engine_backlog``), and a turn that would escalate stays on
+the edge while the torch tier cannot start it now: the idle tier serves instead of the queue.
+Before its first token the stream yields a ``RouteInfo`` saying which of these happened. ``abort`` frees the request in both
 tiers, whichever holds it, including in the gap between aborting the edge and starting the
 torch tier.
 """
@@ -38,6 +41,7 @@ from llm_shared.contract import (
     SamplingParams,
     StreamEvent,
     TokenEvent,
+    engine_backlog,
     engine_saturated,
 )
 from llm_shared.errors import DuplicateRequestError, EngineError, EngineUnavailableError, OverloadedError
@@ -300,13 +304,16 @@ class CascadeEngine:
                 raise EngineUnavailableError("this prompt is too long for the edge tier and the torch tier is "
                                              "unavailable; retry shortly")
         if not edge_up and not gpu_up:
-            raise EngineUnavailableError("no engine tier is available; retry shortly")
+            raise EngineUnavailableError(self.health.unavailable_message())
         if not gpu_up or rule:  # the torch tier is wanted but down: the edge answers, degraded
             info, engine = RouteInfo("edge", "fallback", degraded=True, reason="gpu_unavailable"), self.edge
         elif not edge_up:
             info, engine = RouteInfo("gpu", "fallback", reason="edge_unavailable"), self.gpu
         else:
             info, engine = None, None
+        if info is None and self.config.spill and self._edge_busy():
+            info, engine = RouteInfo("gpu", "spilled", reason="edge_busy"), self.gpu
+            self._metrics.cascade_spills.labels("edge_busy").inc()
         if info is not None and engine is not None:
             yield info
             yield self._stage(flight, engine, rid, prompt, params, ask)
@@ -340,8 +347,14 @@ class CascadeEngine:
         ok = finish is None or finish.reason != "error"
         confidence = self.scorer.score([t.logprob for t in held]) if held and ok else 0.0
         self._metrics.cascade_confidence.observe(confidence)
+        keep: RouteInfo | None = None
         if confidence >= threshold:
-            yield RouteInfo("edge", "confident", confidence, threshold)
+            keep = RouteInfo("edge", "confident", confidence, threshold)
+        elif ok and self.config.spill and not _can_start(self.gpu):
+            keep = RouteInfo("edge", "spilled", confidence, threshold, reason="gpu_busy")
+            self._metrics.cascade_spills.labels("gpu_busy").inc()
+        if keep is not None:
+            yield keep
             if finish is not None:
                 yield _Forward(None, [*held, finish])
             else:
@@ -369,6 +382,14 @@ class CascadeEngine:
         yield RouteInfo("gpu", "escalated", confidence, threshold)
         agreement = _DraftAgreement(drafts, self._metrics)
         yield _Forward(gpu_stream, [first], on_event=agreement.seen, at_end=agreement.record)
+
+    def _edge_busy(self) -> bool:
+        """The edge cannot start a turn now and the torch tier is less full: spill to it."""
+        edge = engine_backlog(self.edge)
+        if edge is None or edge <= 1.0:
+            return False
+        gpu = engine_backlog(self.gpu)
+        return gpu is not None and gpu < edge
 
     def _pre_route(self, prompt: list[int]) -> str:
         if len(prompt) > self.edge_max_prompt_tokens:
@@ -424,3 +445,8 @@ class CascadeEngine:
             except (EngineError, RuntimeError) as e:  # a broken stream has nothing left to free
                 log.debug("closing the %s stream of %s: %s", engine.tier if engine else "?", rid, e)
 
+
+def _can_start(engine: Engine) -> bool:
+    """The tier would start one more turn at its next step (unknown capacity: assume so)."""
+    backlog = engine_backlog(engine)
+    return backlog is None or backlog <= 1.0

@@ -20,7 +20,9 @@ from llm_shared.contract import Engine
 #   escalated  ... below it: the torch tier took over, verifying the held tokens first
 #   pre_routed a rule sent it straight to the torch tier (prompt length, keyword)
 #   fallback   the tier the cascade wanted was down; the other served it
-RouteName = Literal["model", "confident", "escalated", "pre_routed", "fallback"]
+#   spilled    the tier the cascade wanted could not start it now; the other could (reason
+#              edge_busy: sent straight to the torch tier; gpu_busy: kept on the edge)
+RouteName = Literal["model", "confident", "escalated", "pre_routed", "fallback", "spilled"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class RouteInfo:
     confidence: float | None = None  # the edge's score, when the cascade scored it
     threshold: float | None = None  # the effective (load-aware) threshold it was compared with
     degraded: bool = False  # the torch tier was wanted but down: the edge answered instead
-    reason: str = ""  # which rule pre-routed it, or why the fallback happened
+    reason: str = ""  # which rule pre-routed it, or why the fallback or spill happened
 
     @property
     def escalated(self) -> bool:

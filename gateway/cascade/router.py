@@ -70,6 +70,20 @@ class Router:
             return self.cascade.ready
         return bool(self.engines) and all(engine.ready for engine in self.engines.values())
 
+    def unavailable_message(self) -> str:
+        """Why no turn can be served now (call when ``ready`` is False): each tier and why."""
+        if self.cascade is not None:
+            return self.cascade.health.unavailable_message()
+        down = [engine.tier for engine in self.engines.values() if not engine.ready]
+        return f"the {' and '.join(down) or 'configured'} engine is not ready (its process is gone or restarting); retry shortly"
+
+    def why_down(self) -> dict[str, str]:
+        """Tier -> why it is down, for the tiers that are."""
+        health = self.health
+        if health is not None:
+            return {tier: health.why_down(tier) for tier in self.engines if not health.up(tier)}
+        return {tier: "not ready" for tier, engine in self.engines.items() if not engine.ready}
+
     def tiers_up(self) -> dict[str, bool]:
         health = self.health
         return {tier: health.up(tier) if health is not None else engine.ready for tier, engine in self.engines.items()}
@@ -103,7 +117,7 @@ class Router:
             if cascade.health.up("edge"):
                 return Route(cascade.edge, RouteInfo("edge", "fallback", degraded=True, reason="gpu_unavailable"))
         if not cascade.ready:
-            raise EngineUnavailableError("no engine tier is available; retry shortly")
+            raise EngineUnavailableError(cascade.health.unavailable_message())
         return Route(cascade, RouteInfo("edge", "confident"))  # refined by the cascade's own RouteInfo
 
 

@@ -81,7 +81,9 @@ class Cascade:
 async def cascade_gateway(edge: FakeEngine, gpu: FakeEngine, **cascade: Any) -> AsyncIterator[Cascade]:
     config = make_config()
     config = replace(config, routing=replace(config.routing, default="cascade"),
-                     cascade=replace(config.cascade, **{"probe_interval_s": 0.05, "probe_timeout_s": 0.05, **cascade}))
+                     cascade=replace(config.cascade, **{"probe_interval_s": 0.05,
+                                                        "stall_timeout_s": max(5.0, cascade.get("probe_interval_s", 0)),
+                                                        **cascade}))
     server = await start_server(create_app(config, {"edge": edge, "gpu": gpu}))
     try:
         yield Cascade(server, edge, gpu)
@@ -142,7 +144,8 @@ def test_a_scorer_can_be_plugged_in_by_path_and_a_bad_one_is_a_config_error() ->
 
 def test_cascade_config_is_validated() -> None:
     for bad in ({"hold_tokens": 0}, {"hold_tokens": 65}, {"threshold": 1.5}, {"min_threshold": 0.5, "threshold": 0.4},
-                {"escalate_keywords": ("(unclosed",)}, {"probe_timeout_s": 5.0, "probe_interval_s": 1.0}):
+                {"escalate_keywords": ("(unclosed",)}, {"stall_timeout_s": 0.5, "probe_interval_s": 1.0},
+                {"probe_interval_s": 0.0}):
         with pytest.raises(ConfigError):
             CascadeConfig(**bad)
 
@@ -259,7 +262,8 @@ async def test_with_the_torch_tier_down_the_edge_answers_marked_degraded() -> No
         async with aiohttp.ClientSession(cascade.server.url) as http:
             ready = await http.get("/readyz")
             assert ready.status == 200 and await ready.json() == {
-                "status": "ready", "tiers": {"edge": True, "gpu": False}, "degraded": True}
+                "status": "ready", "tiers": {"edge": True, "gpu": False}, "degraded": True,
+                "down": {"gpu": "not ready (its process is gone or restarting)"}}
         text, response = await one_turn(cascade)
         assert text == "".join(EDGE_REPLY)
         meta = response["metadata"]
@@ -302,22 +306,93 @@ async def test_with_the_edge_down_turns_go_to_the_torch_tier_and_with_both_down_
             gpu.is_ready = False
             await cascade.health.wait_rounds(1)
             _, response = await realtime_turn(ws)
-            assert response["status"] == "failed" and response["status_details"]["error"]["code"] == "engine_unavailable"
+            error = response["status_details"]["error"]
+            assert response["status"] == "failed" and error["code"] == "engine_unavailable"
+            assert "the edge tier is down: not ready" in error["message"] and "the gpu tier is down" in error["message"]
         async with aiohttp.ClientSession(cascade.server.url) as http:
-            assert (await http.get("/readyz")).status == 503
+            ready = await http.get("/readyz")
+            assert ready.status == 503 and set((await ready.json())["down"]) == {"edge", "gpu"}
+            chat = await http.post("/v1/chat/completions", json={"model": CASCADE,
+                                                                "messages": [{"role": "user", "content": "hi"}]})
+            body = await chat.json()
+            assert chat.status == 503 and body["error"]["code"] == "engine_unavailable"
+            assert "the edge tier is down" in body["error"]["message"]  # not "loading"
 
 
-async def test_a_wedged_tier_is_marked_down_by_its_probe_timeout() -> None:
+async def until(predicate: Any, monitor: HealthMonitor, timeout_s: float = 30.0) -> None:
+    async def wait() -> None:
+        while not predicate():
+            await monitor.wait_rounds(1)
+    await asyncio.wait_for(wait(), timeout_s)
+
+
+async def test_a_wedged_tier_is_marked_down_when_its_probe_goes_unanswered_and_back_when_one_answers() -> None:
     edge, gpu = tiers()
-    async with cascade_gateway(edge, gpu) as cascade:
+    async with cascade_gateway(edge, gpu, stall_timeout_s=0.3) as cascade:
         gpu.probe_hangs = True
-        await cascade.health.wait_rounds(1)
-        assert cascade.health.up("gpu")  # one slow probe is a busy machine, not a dead tier
-        await cascade.health.wait_rounds(3)
-        assert not cascade.health.up("gpu") and "probes in a row took over" in cascade.health.state("gpu").reason
+        await until(lambda: not cascade.health.up("gpu"), cascade.health)
+        assert "has not answered a probe" in cascade.health.why_down("gpu")
         gpu.probe_hangs = False
-        await cascade.health.wait_rounds(1)
-        assert cascade.health.up("gpu")
+        await until(lambda: cascade.health.up("gpu"), cascade.health)
+
+
+class SlowProbes(FakeEngine):
+    """A busy tier: its probes wait behind steps that take several probe intervals."""
+
+    async def probe(self) -> None:
+        await asyncio.sleep(0.25)
+        await super().probe()
+
+
+async def test_a_tier_whose_probes_answer_slowly_is_never_marked_down_and_no_turn_is_refused() -> None:
+    tokenizer = FakeTokenizer()
+    edge = SlowProbes(tier="edge", tokenizer=tokenizer, reply=edge_reply, logprob=UNSURE, n_ctx=4096)
+    gpu = SlowProbes(tier="gpu", tokenizer=tokenizer, reply=gpu_reply, tokens_per_second=200.0)
+    async with cascade_gateway(edge, gpu) as cascade:  # probes every 50 ms, each answered after 250
+        results = await asyncio.gather(*(one_turn(cascade, f"turn {i}") for i in range(12)))
+        await cascade.health.wait_rounds(3)
+        assert all(response["status"] == "completed" for _, response in results)
+        assert cascade.health.transitions() == 0 and cascade.metric("gateway_tier_transitions_total", tier="gpu") == 0
+        assert cascade.metric("gateway_tier_up", tier="gpu") == 1.0
+
+
+# ---- spilling to the tier that can start the turn now ------------------------------------------
+
+async def test_a_turn_the_edge_cannot_start_now_goes_to_the_torch_tier_that_can() -> None:
+    edge, gpu = tiers(edge_logprob=SURE)
+    edge.extra_stats.update(running=2.0, max_running=2.0)  # every slot taken: the turn would queue
+    gpu.extra_stats.update(max_running=8.0)
+    async with cascade_gateway(edge, gpu) as cascade:
+        text, response = await one_turn(cascade)
+        meta = response["metadata"]
+        assert text == "".join(GPU_REPLY) and meta["x_tier"] == "gpu"
+        assert (meta["x_route"], meta["x_route_reason"], meta["x_degraded"]) == ("spilled", "edge_busy", "false")
+        assert cascade.metric("gateway_cascade_spills_total", reason="edge_busy") == 1
+        assert cascade.metric("gateway_cascade_turns_total", api="realtime", tier="gpu", route="spilled") == 1
+        _, pinned = await one_turn(cascade, model=EDGE)  # a pinned id stays pinned, busy or not
+        assert pinned["metadata"] == {"x_tier": "edge"}
+        gpu.extra_stats.update(running=8.0, waiting=8.0)  # the torch tier is fuller still: the turn waits for the edge
+        _, response = await one_turn(cascade)
+        assert response["metadata"]["x_route"] == "confident"
+    async with cascade_gateway(edge, gpu, spill=False) as cascade:
+        _, response = await one_turn(cascade)
+        assert response["metadata"]["x_route"] == "confident"
+
+
+async def test_an_unsure_turn_stays_on_the_edge_while_the_torch_tier_cannot_start_it() -> None:
+    edge, gpu = tiers(edge_logprob=UNSURE)
+    gpu.extra_stats.update(running=4.0, max_running=4.0)
+    async with cascade_gateway(edge, gpu) as cascade:
+        text, response = await one_turn(cascade)
+        meta = response["metadata"]
+        assert text == "".join(EDGE_REPLY) and meta["x_tier"] == "edge" and gpu.started == []
+        assert (meta["x_route"], meta["x_route_reason"]) == ("spilled", "gpu_busy")
+        assert float(meta["x_confidence"]) < float(meta["x_threshold"])
+        assert cascade.metric("gateway_cascade_spills_total", reason="gpu_busy") == 1
+        async with aiohttp.ClientSession(cascade.server.url) as http:
+            chat = await (await http.post("/v1/chat/completions", json={
+                "model": CASCADE, "messages": [{"role": "user", "content": "hi"}]})).json()
+        assert chat["x_route"]["route"] == "spilled" and chat["x_route"]["reason"] == "gpu_busy"
 
 
 # ---- cancel frees both tiers -------------------------------------------------------------------
