@@ -260,12 +260,17 @@ async def report_progress(stats: FuzzStats, total: int, stop: asyncio.Event) -> 
             mark = (stats.sent // step + 1) * step
 
 
-async def run_fuzz(base: Path, tmp: Path, frames: int, connections: int, seed: int) -> dict[str, Any]:
-    changes = {"routing": {"default": "edge"},
-               "edge": {"backend": "synthetic", "synthetic_tokens_per_s": TOKENS_PER_S},
-               "server": {"max_frame_bytes": MAX_FRAME_BYTES}}
-    config = derive_config(base, tmp, "fuzz", changes)
-    server = await start_gateway(config, tmp, "fuzz")
+async def run_fuzz(base: Path, tmp: Path, frames: int, connections: int, seed: int, *,
+                   real: bool = False) -> dict[str, Any]:
+    """``real``: the base config's own route and models (the shipped cascade over the real
+    tiers: fuzzing while the healthy session's turns compute); else the synthetic edge alone."""
+    changes: dict[str, dict[str, Any]] = {"server": {"max_frame_bytes": MAX_FRAME_BYTES}}
+    if not real:
+        changes |= {"routing": {"default": "edge"},
+                    "edge": {"backend": "synthetic", "synthetic_tokens_per_s": TOKENS_PER_S}}
+    name = "fuzz_real" if real else "fuzz"
+    config = derive_config(base, tmp, name, changes)
+    server = await start_gateway(config, tmp, name)
     stats = FuzzStats()
     stop = asyncio.Event()
     url = ws_url(server)

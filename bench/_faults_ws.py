@@ -31,7 +31,6 @@ CONNECT_TIMEOUT_S = 60.0  # handshake plus session.created, on a busy 2-core mac
 HTTP_TIMEOUT_S = 10.0
 DELTA = "response.output_text.delta"
 DONE = "response.done"
-ENGINE_THREADS = 2  # torch intra-op threads in the engine core: the machine's two cores
 SETTLE_TIMEOUT_S = 60.0  # for every session and engine request to end once the clients are done
 SETTLE_POLL_S = 0.5
 
@@ -67,9 +66,6 @@ def derive_config(base: Path, directory: Path, name: str, changes: Mapping[str, 
     server.update({"api_keys": [], "api_keys_env": "", "max_sessions_per_key": 10_000,
                    "requests_per_minute": 10_000_000, "tokens_per_minute": 1_000_000_000,
                    "max_concurrent_requests_per_key": 10_000})
-    engine = raw.setdefault("engine", {})
-    if engine.get("device", "cpu") == "cpu":
-        engine["threads"] = ENGINE_THREADS
     for dotted, table in changes.items():
         target = raw
         for part in dotted.split("."):

@@ -1,6 +1,6 @@
 """Does the gateway survive what clients and crashes do to it? Cancels, fuzzing, a killed core (issue 14).
 
-Three arms, each against its own ``python -m gateway serve`` subprocess on a loopback port with
+Four arms, each against its own ``python -m gateway serve`` subprocess on a loopback port with
 a config derived from the base one (no API keys; session, rate and concurrency limits raised so
 that no bench client is refused):
 
@@ -16,9 +16,9 @@ that no bench client is refused):
   (running work, ``engine_kv_blocks_in_use{tier="edge"}``) + the edge's cells kept for
   sessions' next turns (``engine_kv_cells_cached``: every session has ended, so none should
   remain). Goal 0. Every turn but a disconnect must end with ``response.done``; one that does
-  not within two minutes is a hang, counted. Speculative decoding is off and each tier gets
-  one thread: on two cores the tiers' default thread pools (all cores each) fight, measured at
-  2 turns/s against 7.
+  not within two minutes is a hang, counted. The shipped config as users run it: speculation
+  on, each tier's threads from the host's CPU budget (one each on two cores; before the budget,
+  every pool on all cores made the tiers fight: 2 turns/s against 7).
 - ``fuzz`` (bench/_faults_fuzz.py, frames from bench/_faults_frames.py): the synthetic edge
   backend (50 tokens/s a stream, no model arithmetic). ``--frames`` hostile frames over
   ``--fuzz-connections`` connections, JSON text and msgpack binary (``x-openai-realtime-msgpack``):
@@ -28,6 +28,10 @@ that no bench client is refused):
   reopens). Meanwhile one healthy session takes turns that must complete, and the HTTP
   endpoints are probed (a hostile chat completion among them). ``fuzz_cases`` = frames sent;
   ``fuzz_crashes`` = server deaths + failed healthy turns + 1011 closes + HTTP 5xx.
+- ``fuzz_real``: the same against the base config's own route with the real models (the
+  shipped cascade), sized for two cores (``--real-frames``): the healthy session's turns
+  compute on both tiers while the fuzzers hammer the event loop. ``fuzz_real_cases``,
+  ``fuzz_real_crashes``.
 - ``core_kill`` (bench/_faults_core.py): the torch tier alone, ``--streams`` concurrent
   400-token streams; once all stream, SIGKILL to the engine core process.
   ``core_kill_max_end_s`` = the longest time from the kill to a stream's ``response.done``
@@ -35,8 +39,9 @@ that no bench client is refused):
   ``/readyz`` is 200 again and a new turn has completed.
 
 Progress goes to stderr; stdout gets a summary, then as its last line one JSON object with
-``leaked_kv_after_cancels``, ``fuzz_cases``, ``fuzz_crashes``, ``core_kill_max_end_s``,
-``core_restore_s`` and ``cpu`` (null for arms not run or failed). Everything is written to
+``leaked_kv_after_cancels``, ``fuzz_cases``, ``fuzz_crashes``, ``fuzz_real_cases``,
+``fuzz_real_crashes``, ``core_kill_max_end_s``, ``core_restore_s`` and ``cpu`` (null for arms
+not run or failed). Everything is written to
 bench/out/faults.json. An arm that fails is reported there and the next one runs; the exit
 status is then 1.
 
@@ -80,14 +85,17 @@ from bench._faults_core import run_core_kill
 from bench._faults_fuzz import run_fuzz
 from gateway.config import DEFAULT_CONFIG
 
-ARMS = ("cancels", "fuzz", "core_kill")
-FULL = {"turns": 10_000, "frames": 100_000, "streams": 8}
-QUICK = {"turns": 300, "frames": 5_000, "streams": 8}
-SMOKE = {"turns": 30, "frames": 500, "streams": 2, "sessions": 6, "fuzz_connections": 2}
-# Both tiers on two cores: one thread each (see the module docstring), no speculative decoding.
-CANCELS_CHANGES: dict[str, dict[str, Any]] = {
-    "engine.speculative": {"method": "off"}, "engine": {"threads": 1}, "edge": {"n_threads": 1}}
-HEADLINE = ("leaked_kv_after_cancels", "fuzz_cases", "fuzz_crashes", "core_kill_max_end_s", "core_restore_s")
+ARMS = ("cancels", "fuzz", "fuzz_real", "core_kill")
+FULL = {"turns": 10_000, "frames": 100_000, "real_frames": 10_000, "streams": 8}
+QUICK = {"turns": 300, "frames": 5_000, "real_frames": 1_000, "streams": 8}
+SMOKE = {"turns": 30, "frames": 500, "real_frames": 100, "streams": 2, "sessions": 6, "fuzz_connections": 2}
+# The cancels run on the shipped config as users run it: both tiers on the host's CPU budget
+# (gateway/host.py: one thread each on two cores), speculation as shipped.
+CANCELS_CHANGES: dict[str, dict[str, Any]] = {}
+HEADLINE_BY_ARM = {"cancels": ("leaked_kv_after_cancels",), "fuzz": ("fuzz_cases", "fuzz_crashes"),
+                   "fuzz_real": ("fuzz_real_cases", "fuzz_real_crashes"),
+                   "core_kill": ("core_kill_max_end_s", "core_restore_s")}
+HEADLINE = tuple(key for keys in HEADLINE_BY_ARM.values() for key in keys)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,6 +109,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "cancels": lambda: run_cancels(args.config, tmp, args.turns, args.sessions, CANCELS_CHANGES, args.seed,
                                            args.models),
             "fuzz": lambda: run_fuzz(args.config, tmp, args.frames, args.fuzz_connections, args.seed),
+            "fuzz_real": lambda: real_fuzz(args.config, tmp, args.real_frames, args.fuzz_connections, args.seed),
             "core_kill": lambda: run_core_kill(args.config, tmp, args.streams),
         }
         for name in args.arms:
@@ -123,10 +132,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def real_fuzz(base: Path, tmp: Path, frames: int, connections: int, seed: int) -> dict[str, Any]:
+    """The fuzz arm against the base config's own route with the real models."""
+    result = await run_fuzz(base, tmp, frames, connections, seed, real=True)
+    return {**result, "fuzz_real_cases": result["fuzz_cases"], "fuzz_real_crashes": result["fuzz_crashes"]}
+
+
 def headline(arms: dict[str, dict[str, Any]]) -> dict[str, float | int | None]:
     out: dict[str, float | int | None] = dict.fromkeys(HEADLINE)
-    for arm in arms.values():
-        for key in HEADLINE:
+    for name, arm in arms.items():
+        for key in HEADLINE_BY_ARM[name]:
             if key in arm:
                 out[key] = arm[key]
     return out
@@ -154,11 +169,13 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         if c["unexpected_errors"] or c["late_events"] or c["handshakes_refused"]:
             lines.append(f"  unexpected error events {c['unexpected_errors']}, events after response.done "
                          f"{c['late_events']}, handshakes refused {c['handshakes_refused']}")
-    f = arms.get("fuzz", {})
-    if "fuzz_cases" in f:
-        lines.append(f"fuzz: {f['fuzz_cases']} frames over {f['connections_opened']} connections in {f['wall_s']:.0f} "
-                     f"s ({f['frames_per_s']:.0f}/s); closes {f['close_codes']}; {f['healthy_turns']} healthy turns; "
-                     f"crashes {f['fuzz_crashes']} {f['crashes']}; server_error events {f['server_error_events']}")
+    for name in ("fuzz", "fuzz_real"):
+        f = arms.get(name, {})
+        if "fuzz_cases" in f:
+            lines.append(f"{name}: {f['fuzz_cases']} frames over {f['connections_opened']} connections in "
+                         f"{f['wall_s']:.0f} s ({f['frames_per_s']:.0f}/s); closes {f['close_codes']}; "
+                         f"{f['healthy_turns']} healthy turns; crashes {f['fuzz_crashes']} {f['crashes']}; "
+                         f"server_error events {f['server_error_events']}")
     k = arms.get("core_kill", {})
     if "core_restore_s" in k:
         end = k["core_kill_max_end_s"]
@@ -180,6 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sessions", type=int, help="cancels: concurrent sessions (default 24)")
     p.add_argument("--models", help="cancels: comma-separated subset of the served model ids (default: all)")
     p.add_argument("--frames", type=int, help="fuzz: frames to send")
+    p.add_argument("--real-frames", type=int, help="fuzz_real: frames to send")
     p.add_argument("--fuzz-connections", type=int, help="fuzz: concurrent fuzzing connections (default 4)")
     p.add_argument("--streams", type=int, help="core_kill: concurrent streams at the kill")
     p.add_argument("--seed", type=int, default=14)
@@ -197,7 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     args.out = args.out or result_path("faults.json", args.smoke)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
-    if min(args.turns, args.sessions, args.frames, args.fuzz_connections, args.streams) < 1:
+    if min(args.turns, args.sessions, args.frames, args.real_frames, args.fuzz_connections, args.streams) < 1:
         p.error("--turns, --sessions, --frames, --fuzz-connections and --streams must be >= 1")
     if not args.config.is_file():
         p.error(f"--config {args.config} not found")

@@ -1,20 +1,32 @@
-"""A 10-minute soak of one gateway process (issue 14): does memory stay flat over thousands of turns?
+"""Soaks of one gateway process (issue 14, issue 26): does memory stay flat over thousands of turns?
 
-A ``python -m gateway serve`` subprocess with the synthetic edge backend (20 tokens/s per stream,
-see bench/load.py) and 1,000 Realtime sessions open for the whole run. Each session loops: one
-turn in its conversation (a user item, then a 20-token response), both items deleted again (a
-client keeping a window of its conversation, so that a session's state does not grow by design),
-a pause of 5 to 15 s; now and then a cancel mid-stream, a truncate, or a session closed and opened
-again, so that every path that allocates runs many times. The server's RSS is sampled throughout;
-``soak_rss_growth`` is the RSS at the end over the RSS after the first minute (the warm-up), minus
-one (goal: within 5%). Turns that did not end with ``response.done`` are counted as hung
-(goal 0), and the KV cells still in use once every session has closed are read from ``/metrics``.
+Two arms, one after the other, each against its own ``python -m gateway serve`` subprocess:
+
+- ``synthetic``: the synthetic edge backend (20 tokens/s per stream, see bench/load.py) and
+  1,000 Realtime sessions open for the whole run (``--seconds``, 9 minutes): the gateway's own
+  memory, thousands of sessions at once.
+- ``real``: the shipped default config, the cascade over the real SmolLM2-135M tiers on this
+  CPU (``--real-sessions`` 16 sessions for ``--real-seconds``, 5 minutes, short pauses): the
+  product's own path under sustained load; RSS is the gateway's plus its engine core's.
+
+Each session loops: one turn in its conversation (a user item, then a response of a few dozen
+tokens), both items deleted again (a client keeping a window of its conversation, so that a
+session's state does not grow by design), a pause; now and then a cancel mid-stream, a
+truncate, or a session closed and opened again, so that every path that allocates runs many
+times. RSS is sampled throughout; the growth is the RSS at the end over the RSS after the
+warm-up (the first minute, or a quarter of a short run), minus one (goal: within 5%). A turn
+that does not end with ``response.done`` is hung (goal 0); a turn that ends ``failed`` or a
+session that breaks counts as failed (goal 0); the KV still held once every session has
+closed is read from ``/metrics`` (goal 0).
 
 Progress on stderr, a summary, and as the last line one JSON object with ``soak_rss_growth``,
-``soak_turns``, ``soak_hung``, ``soak_leaked_kv`` and ``cpu``. Results in bench/out/soak.json.
+``soak_turns``, ``soak_hung``, ``soak_leaked_kv`` (the synthetic arm), ``soak_real_rss_growth``,
+``soak_real_turns``, ``soak_real_failed``, ``soak_real_leaked_kv`` (the real arm),
+``python_ref_ms`` and ``cpu``. Results in bench/out/soak.json.
 
-Run: ``.venv/bin/python bench/soak.py`` (10 minutes; ``--seconds`` shortens it). ``--smoke``: 20
-sessions for 6 s with pauses of 0.1 to 0.5 s (the figures mean nothing; results in bench/out/smoke/).
+Run: ``.venv/bin/python bench/soak.py`` (about 15 minutes; ``--arms real`` alone about 6).
+``--smoke``: a few sessions for seconds each (the figures mean nothing; results in
+bench/out/smoke/).
 """
 
 from __future__ import annotations
@@ -40,24 +52,37 @@ import uvloop  # noqa: E402
 import websockets  # noqa: E402
 
 from bench._common import SMOKE_HELP, cpu_facts, progress, raise_nofile_limit, result_path, write_json  # noqa: E402
+from bench._faults_ws import derive_config  # noqa: E402
 from bench._gateway_server import GatewayProcess  # noqa: E402
 from bench.load import synthetic_config  # noqa: E402
+from gateway.config import DEFAULT_CONFIG  # noqa: E402
 
 EVENT_TIMEOUT_S = 60.0
+REAL_EVENT_TIMEOUT_S = 300.0  # real models on a busy 2-core host: a turn may wait behind others
 WARMUP_S = 60.0
 PAUSE_S = (5.0, 15.0)  # a client's pause between turns (and the spread of the sessions' first turns)
-SMOKE = {"sessions": 20, "seconds": 6.0, "pause_s": (0.1, 0.5)}
+REAL_PAUSE_S = (0.2, 1.0)  # the real arm keeps its 16 sessions busy
+SYNTHETIC_TOKENS = 20
+REAL_TOKENS = 32
+ARMS = ("synthetic", "real")
+SMOKE = {"sessions": 20, "seconds": 6.0, "pause_s": (0.1, 0.5), "real_sessions": 2, "real_seconds": 8.0}
+# KV a tier still holds once every session has closed: the torch tier's blocks, the edge's cells
+# of running work and those kept for conversations' next turns (every conversation has ended)
+# (the edge's kv_cells_used is exported as engine_kv_blocks_in_use{tier="edge"}), and the drafter's
+REAL_KV_METRICS = ('engine_kv_blocks_in_use{tier="gpu"}', 'engine_kv_blocks_in_use{tier="edge"}',
+                   'engine_kv_cells_cached{tier="edge"}', 'engine_drafter_kv_cells_used{tier="gpu"}')
 
 
-async def recv_until(ws: Any, kind: str) -> dict[str, Any]:
+async def recv_until(ws: Any, kind: str, timeout: float = EVENT_TIMEOUT_S) -> dict[str, Any]:
     while True:
-        event = json.loads(await asyncio.wait_for(ws.recv(), EVENT_TIMEOUT_S))
+        event = json.loads(await asyncio.wait_for(ws.recv(), timeout))
         if event["type"] == kind:
             return event
 
 
 async def session_loop(url: str, deadline: float, rng: random.Random, counts: Counter[str],
-                       pause_s: tuple[float, float]) -> None:
+                       pause_s: tuple[float, float], tokens: int = SYNTHETIC_TOKENS,
+                       timeout: float = EVENT_TIMEOUT_S) -> None:
     ws = await websockets.connect(url, max_size=None, open_timeout=EVENT_TIMEOUT_S, ping_interval=None)
     await recv_until(ws, "session.created")
     await asyncio.sleep(rng.uniform(0, pause_s[1]))  # spread the sessions' turns over time
@@ -74,12 +99,12 @@ async def session_loop(url: str, deadline: float, rng: random.Random, counts: Co
             await ws.send(json.dumps({"type": "conversation.item.create", "item": {
                 "id": user_id, "type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": "Tell me more."}]}}))
-            await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 20}}))
+            await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": tokens}}))
             try:
                 if action == "cancel":
-                    await recv_until(ws, "response.output_text.delta")
+                    await recv_until(ws, "response.output_text.delta", timeout)
                     await ws.send(json.dumps({"type": "response.cancel"}))
-                done = await recv_until(ws, "response.done")
+                done = await recv_until(ws, "response.done", timeout)
             except TimeoutError:
                 counts["hung"] += 1
                 continue
@@ -99,49 +124,78 @@ async def session_loop(url: str, deadline: float, rng: random.Random, counts: Co
         await ws.close()
 
 
+def tree_rss(server: GatewayProcess) -> float:
+    """MiB resident in the gateway and every process it started (the engine core)."""
+    process = server.process
+    return sum(p.memory_info().rss for p in (process, *process.children(recursive=True))) / 2**20
+
+
+async def soak(server: GatewayProcess, sessions: int, seconds: float, pause_s: tuple[float, float], seed: int,
+               tokens: int, timeout: float, kv_metrics: tuple[str, ...], name: str) -> dict[str, Any]:
+    """``sessions`` looping sessions for ``seconds`` against a started gateway."""
+    await server.wait_ready()
+    url = f"ws://127.0.0.1:{server.port}/v1/realtime"
+    start = time.monotonic()
+    deadline = start + seconds
+    counts: Counter[str] = Counter()
+    rng = random.Random(seed)
+    tasks = [asyncio.create_task(session_loop(url, deadline, random.Random(rng.random()), counts, pause_s, tokens,
+                                              timeout))
+             for _ in range(sessions)]
+    samples: list[tuple[float, float]] = []
+    while not all(t.done() for t in tasks):
+        samples.append((time.monotonic() - start, tree_rss(server)))
+        if len(samples) % 60 == 0:
+            progress(f"{name} {samples[-1][0]:.0f} s: RSS {samples[-1][1]:.0f} MiB, {counts['turns']} turns, "
+                     f"{counts['hung']} hung, {counts['failed']} failed")
+        await asyncio.sleep(1.0)
+    errors = [t.exception() for t in tasks if t.exception() is not None]
+    warm = [rss for t, rss in samples if t >= min(WARMUP_S, seconds / 4)] or [samples[-1][1]]
+    baseline, end = warm[0], samples[-1][1]
+    await asyncio.sleep(2.0)
+    leaked = sum(server.metric(metric) for metric in kv_metrics)
+    return {"sessions": sessions, "seconds": seconds, "pause_s": pause_s, "tokens": tokens, "counts": dict(counts),
+            "session_errors": [repr(e) for e in errors[:10]], "session_error_count": len(errors),
+            "rss_samples": samples, "rss_after_warmup_mib": baseline, "rss_end_mib": end,
+            "rss_peak_mib": max(r for _, r in samples), "rss_growth": end / baseline - 1.0,
+            "turns": counts["turns"], "hung": counts["hung"], "failed": counts["failed"] + len(errors),
+            "leaked_kv": leaked}
+
+
+async def run_arm(args: argparse.Namespace, arm: str, directory: Path) -> dict[str, Any]:
+    if arm == "synthetic":
+        config = synthetic_config(directory, "soak", max_streams=20_000)
+    else:
+        config = derive_config(DEFAULT_CONFIG, directory, "soak-real", {"server": {"idle_timeout_s": 3600.0}})
+    server = GatewayProcess(config, directory / f"soak-{arm}.log", "127.0.0.1")
+    server.start()
+    try:
+        if arm == "synthetic":
+            return await soak(server, args.sessions, args.seconds, args.pause_s, args.seed, SYNTHETIC_TOKENS,
+                              EVENT_TIMEOUT_S, ('engine_kv_blocks_in_use{tier="edge"}',), arm)
+        return await soak(server, args.real_sessions, args.real_seconds, REAL_PAUSE_S if not args.smoke else (0.1, 0.3),
+                          args.seed, REAL_TOKENS, REAL_EVENT_TIMEOUT_S, REAL_KV_METRICS, arm)
+    finally:
+        server.stop()
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     raise_nofile_limit(4 * args.sessions + 1000)
+    arms = {}
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
-        directory = Path(tmp)
-        server = GatewayProcess(synthetic_config(directory, "soak", max_streams=20_000), directory / "soak.log",
-                                "127.0.0.1")
-        server.start()
-        try:
-            await server.wait_ready()
-            url = f"ws://127.0.0.1:{server.port}/v1/realtime"
-            start = time.monotonic()
-            deadline = start + args.seconds
-            counts: Counter[str] = Counter()
-            rng = random.Random(args.seed)
-            tasks = [asyncio.create_task(session_loop(url, deadline, random.Random(rng.random()), counts,
-                                                      args.pause_s))
-                     for _ in range(args.sessions)]
-            samples: list[tuple[float, float]] = []
-            while not all(t.done() for t in tasks):
-                samples.append((time.monotonic() - start, server.rss() / 2**20))
-                if len(samples) % 60 == 0:
-                    progress(f"soak {samples[-1][0]:.0f} s: RSS {samples[-1][1]:.0f} MiB, {counts['turns']} turns, "
-                             f"{counts['hung']} hung")
-                await asyncio.sleep(1.0)
-            errors = [t.exception() for t in tasks if t.exception() is not None]
-            warm = [rss for t, rss in samples if t >= min(WARMUP_S, args.seconds / 4)]
-            baseline, end = warm[0], samples[-1][1]
-            await asyncio.sleep(2.0)
-            leaked = server.metric('engine_kv_blocks_in_use{tier="edge"}')
-        finally:
-            server.stop()
-    return {"sessions": args.sessions, "seconds": args.seconds, "pause_s": args.pause_s, "smoke": args.smoke,
-            "counts": dict(counts),
-            "session_errors": [repr(e) for e in errors[:10]], "rss_samples": samples,
-            "rss_after_warmup_mib": baseline, "rss_end_mib": end, "rss_peak_mib": max(r for _, r in samples),
-            "soak_rss_growth": end / baseline - 1.0, "soak_turns": counts["turns"], "soak_hung": counts["hung"],
-            "soak_leaked_kv": leaked}
+        for arm in args.arms:
+            progress(f"{arm}: starting")
+            arms[arm] = await run_arm(args, arm, Path(tmp))
+    return {"arms": arms, "smoke": args.smoke}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sessions", type=int, default=1000)
-    parser.add_argument("--seconds", type=float, default=600.0)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--sessions", type=int, default=1000, help="synthetic arm: sessions open at once")
+    parser.add_argument("--seconds", type=float, default=540.0, help="synthetic arm: duration")
+    parser.add_argument("--real-sessions", type=int, default=16, help="real arm: sessions (each one turn at a time)")
+    parser.add_argument("--real-seconds", type=float, default=300.0, help="real arm: duration")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, help="results (default: bench/out/soak.json)")
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {SMOKE}")
@@ -154,15 +208,23 @@ def main(argv: list[str] | None = None) -> int:
     result = uvloop.run(run(args))
     result["cpu"] = cpu_facts()
     write_json(args.out, result)
-    print(f"{result['sessions']} sessions for {result['seconds']:.0f} s: {result['soak_turns']} turns "
-          f"({result['counts']}), {result['soak_hung']} hung, {len(result['session_errors'])} session errors")
-    print(f"RSS {result['rss_after_warmup_mib']:.0f} MiB after warm-up -> {result['rss_end_mib']:.0f} MiB at the end "
-          f"(peak {result['rss_peak_mib']:.0f}): {result['soak_rss_growth'] * 100:+.1f}%; KV cells in use after: "
-          f"{result['soak_leaked_kv']:.0f}")
-    figures = {k: result[k] for k in ("soak_rss_growth", "soak_turns", "soak_hung", "soak_leaked_kv")}
-    print(json.dumps({**{k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()},
-                      "cpu": result["cpu"]["model"],
-                      "python_ref_ms": result["cpu"]["python_ref_ms"]}))
+    figures: dict[str, Any] = dict.fromkeys(("soak_rss_growth", "soak_turns", "soak_hung", "soak_leaked_kv",
+                                             "soak_real_rss_growth", "soak_real_turns", "soak_real_failed",
+                                             "soak_real_leaked_kv"))
+    for arm, r in result["arms"].items():
+        print(f"{arm}: {r['sessions']} sessions for {r['seconds']:.0f} s: {r['turns']} turns ({r['counts']}), "
+              f"{r['hung']} hung, {r['failed']} failed; RSS {r['rss_after_warmup_mib']:.0f} MiB after warm-up -> "
+              f"{r['rss_end_mib']:.0f} MiB at the end (peak {r['rss_peak_mib']:.0f}): {r['rss_growth'] * 100:+.1f}%; "
+              f"KV held after: {r['leaked_kv']:.0f}")
+        prefix = "soak" if arm == "synthetic" else "soak_real"
+        figures[f"{prefix}_rss_growth"] = round(r["rss_growth"], 4)
+        figures[f"{prefix}_turns"] = r["turns"]
+        figures[f"{prefix}_leaked_kv"] = r["leaked_kv"]
+        if arm == "synthetic":
+            figures["soak_hung"] = r["hung"]
+        else:
+            figures["soak_real_failed"] = r["failed"] + r["hung"]
+    print(json.dumps({**figures, "cpu": result["cpu"]["model"], "python_ref_ms": result["cpu"]["python_ref_ms"]}))
     return 0
 
 
