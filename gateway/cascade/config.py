@@ -72,6 +72,10 @@ class CascadeConfig:
     # tier when that one can, and a turn that would escalate stays on the edge while the torch tier
     # cannot start it now
     spill: bool = True
+    # ...and a turn also goes straight to the torch tier while the edge, busy with others, would take
+    # over this many times as long to decide it (its recent hold-and-score time, scaled by its queue)
+    # as the torch tier to start one (1: whichever answers first; larger keeps more turns cascading)
+    spill_slack: float = 1.0
 
     def __post_init__(self) -> None:
         require(1 <= self.hold_tokens <= MAX_PREFIX_DRAFT_TOKENS,
@@ -90,6 +94,7 @@ class CascadeConfig:
                 re.compile(pattern)
             except re.error as e:
                 raise ConfigError(f"cascade.escalate_keywords: {pattern!r} is not a valid regex ({e})") from e
+        require(1.0 <= self.spill_slack <= 1000.0, "cascade.spill_slack must be in [1, 1000]")
         require(0 < self.probe_interval_s <= 3600, "cascade.probe_interval_s must be in (0, 3600]")
         require(self.probe_interval_s <= self.stall_timeout_s <= 86_400,
                 "cascade.stall_timeout_s must be >= probe_interval_s (and at most a day)")

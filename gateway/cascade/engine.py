@@ -220,6 +220,10 @@ class CascadeEngine:
         self.health = health
         self._metrics = metrics
         self._flights: dict[str, _Flight] = {}
+        # Recent waits, smoothed: from a turn's start on the edge to the cascade's decision (its
+        # held tokens scored), and from a torch-tier stage's start to its first event.
+        self.edge_decide_s: float | None = None
+        self.gpu_first_s: float | None = None
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -316,7 +320,10 @@ class CascadeEngine:
             self._metrics.cascade_spills.labels("edge_busy").inc()
         if info is not None and engine is not None:
             yield info
-            yield self._stage(flight, engine, rid, prompt, params, ask)
+            forward = self._stage(flight, engine, rid, prompt, params, ask)
+            if engine is self.gpu and forward.stream is not None:
+                forward.on_event = self._first_event_timer(loop_time())
+            yield forward
             return
 
         loop = asyncio.get_running_loop()
@@ -332,6 +339,8 @@ class CascadeEngine:
                     finish = event
                     break
                 held.append(event)
+            if finish is None:
+                self.edge_decide_s = _smoothed(self.edge_decide_s, loop.time() - started)
         except (EngineUnavailableError, OverloadedError) as e:
             # The edge could not take the turn (it died, or it is full): the torch tier serves it.
             if isinstance(e, EngineUnavailableError):
@@ -350,7 +359,7 @@ class CascadeEngine:
         keep: RouteInfo | None = None
         if confidence >= threshold:
             keep = RouteInfo("edge", "confident", confidence, threshold)
-        elif ok and self.config.spill and not _can_start(self.gpu):
+        elif ok and self.config.spill and (self._backlog(self.gpu) or 0.0) > 1.0 and not self._edge_queued():
             keep = RouteInfo("edge", "spilled", confidence, threshold, reason="gpu_busy")
             self._metrics.cascade_spills.labels("gpu_busy").inc()
         if keep is not None:
@@ -369,8 +378,10 @@ class CascadeEngine:
             return
         drafts = [t.token_id for t in held]
         gpu_stream = self._start(flight, self.gpu, rid, prompt, params, ask, drafts)
+        gpu_started = loop.time()
         try:
             first = await self._next(flight, gpu_stream)
+            self.gpu_first_s = _smoothed(self.gpu_first_s, loop.time() - gpu_started)
         except (EngineUnavailableError, OverloadedError) as e:
             if isinstance(e, EngineUnavailableError):
                 self.health.mark_down("gpu", e.message)
@@ -384,12 +395,46 @@ class CascadeEngine:
         yield _Forward(gpu_stream, [first], on_event=agreement.seen, at_end=agreement.record)
 
     def _edge_busy(self) -> bool:
-        """The edge cannot start a turn now and the torch tier is less full: spill to it."""
-        edge = engine_backlog(self.edge)
-        if edge is None or edge <= 1.0:
+        """Spill to the torch tier: the edge cannot start the turn now and the torch tier is less
+        full; or the edge is serving others and, at its recent pace and queue, would take over
+        ``spill_slack`` times as long to decide the turn as the torch tier at its own to start one."""
+        edge, gpu = self._backlog(self.edge), self._backlog(self.gpu)
+        if edge is None or gpu is None:
             return False
-        gpu = engine_backlog(self.gpu)
-        return gpu is not None and gpu < edge
+        if edge > 1.0 and gpu < edge:
+            return True
+        if self._in_flight(self.edge) == 0 or self.edge_decide_s is None or self.gpu_first_s is None:
+            return False  # an idle edge starts at once (and refreshes its pace)
+        return self.edge_decide_s * max(1.0, edge) > self.config.spill_slack * self.gpu_first_s * max(1.0, gpu)
+
+    def _in_flight(self, engine: Engine) -> int:
+        """This cascade's turns on ``engine`` now: known at once, where a tier's stats lag its queue
+        (a burst of turns all see the stats of before the burst)."""
+        return sum(1 for flight in self._flights.values() if flight.engine is engine and not flight.finished)
+
+    def _backlog(self, engine: Engine) -> float | None:
+        """``engine_backlog``, counting this cascade's own turns there if the stats have not yet."""
+        backlog = engine_backlog(engine)
+        if backlog is None:
+            return None
+        limit = engine.stats().get("max_running", 0.0)
+        return max(backlog, (self._in_flight(engine) + 1) / limit) if limit > 0 else backlog
+
+    def _edge_queued(self) -> bool:
+        """Turns wait for the edge: keeping another one there for its whole answer would hold them up."""
+        return self.edge.stats().get("waiting", 0.0) > 0
+
+    def _first_event_timer(self, started: float) -> Callable[[StreamEvent], None]:
+        """An ``on_event`` that records a torch-tier stage's wait for its first event."""
+        seen = False
+
+        def on_event(event: StreamEvent) -> None:
+            nonlocal seen
+            if not seen:
+                seen = True
+                self.gpu_first_s = _smoothed(self.gpu_first_s, loop_time() - started)
+
+        return on_event
 
     def _pre_route(self, prompt: list[int]) -> str:
         if len(prompt) > self.edge_max_prompt_tokens:
@@ -446,7 +491,12 @@ class CascadeEngine:
                 log.debug("closing the %s stream of %s: %s", engine.tier if engine else "?", rid, e)
 
 
-def _can_start(engine: Engine) -> bool:
-    """The tier would start one more turn at its next step (unknown capacity: assume so)."""
-    backlog = engine_backlog(engine)
-    return backlog is None or backlog <= 1.0
+WAIT_EMA = 0.2  # weight of the newest wait in a smoothed one
+
+
+def _smoothed(old: float | None, new: float) -> float:
+    return new if old is None else old + WAIT_EMA * (new - old)
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()

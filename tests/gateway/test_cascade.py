@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -377,6 +378,39 @@ async def test_a_turn_the_edge_cannot_start_now_goes_to_the_torch_tier_that_can(
     async with cascade_gateway(edge, gpu, spill=False) as cascade:
         _, response = await one_turn(cascade)
         assert response["metadata"]["x_route"] == "confident"
+
+
+async def test_a_burst_counts_the_cascades_own_turns_where_the_tiers_stats_lag() -> None:
+    edge, gpu = tiers(edge_logprob=SURE, edge_tps=50.0)
+    edge.extra_stats.update(running=0.0, max_running=2.0)  # stats from before the burst
+    gpu.extra_stats.update(running=0.0, max_running=8.0)
+    async with cascade_gateway(edge, gpu) as cascade:
+        turns = await asyncio.gather(*(one_turn(cascade, f"burst {i}") for i in range(6)))
+        routes = Counter(response["metadata"]["x_route"] for _, response in turns)
+        assert routes["confident"] <= 2 and routes["spilled"] >= 4  # two edge slots, whatever the stats said
+
+
+async def test_a_turn_spills_while_the_busy_edge_decides_slower_than_the_torch_tier_starts() -> None:
+    edge, gpu = tiers(edge_logprob=SURE, edge_tps=20.0)  # a held window takes 400 ms
+    edge.extra_stats.update(max_running=8.0)
+    gpu.extra_stats.update(max_running=8.0)
+    async with cascade_gateway(edge, gpu) as cascade:
+        engine = cascade.state.router.cascade
+        assert engine is not None
+        first = asyncio.create_task(one_turn(cascade, "keeps the edge busy"))
+        async with edge.admitted:
+            await edge.admitted.wait_for(lambda: edge.running > 0)
+        engine.edge_decide_s, engine.gpu_first_s = 2.0, 0.1  # as measured on a loaded host
+        _, response = await one_turn(cascade)
+        assert (response["metadata"]["x_route"], response["metadata"]["x_route_reason"]) == ("spilled", "edge_busy")
+        await first
+        busy = asyncio.create_task(one_turn(cascade, "keeps the edge busy"))
+        async with edge.admitted:
+            await edge.admitted.wait_for(lambda: edge.running > 0)
+        engine.edge_decide_s, engine.gpu_first_s = 0.05, 0.1  # the edge decides faster: cascade again
+        _, response = await one_turn(cascade)
+        assert response["metadata"]["x_route"] == "confident"
+        await busy
 
 
 async def test_an_unsure_turn_stays_on_the_edge_while_the_torch_tier_cannot_start_it() -> None:
