@@ -86,8 +86,8 @@ from bench._faults_fuzz import run_fuzz
 from gateway.config import DEFAULT_CONFIG
 
 ARMS = ("cancels", "fuzz", "fuzz_real", "core_kill")
-FULL = {"turns": 10_000, "frames": 100_000, "real_frames": 10_000, "streams": 8}
-QUICK = {"turns": 300, "frames": 5_000, "real_frames": 1_000, "streams": 8}
+FULL = {"turns": 10_000, "frames": 100_000, "real_frames": 200_000, "streams": 8}
+QUICK = {"turns": 300, "frames": 5_000, "real_frames": 20_000, "streams": 8}
 SMOKE = {"turns": 30, "frames": 500, "real_frames": 100, "streams": 2, "sessions": 6, "fuzz_connections": 2}
 # The cancels run on the shipped config as users run it: both tiers on the host's CPU budget
 # (gateway/host.py: one thread each on two cores), speculation as shipped.

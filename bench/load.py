@@ -150,8 +150,10 @@ def synthetic_config(directory: Path, name: str, *, max_streams: int, rate: floa
     if cascade_threshold is not None:
         raw["routing"]["default"] = "cascade"
         raw["engine"].update(backend="synthetic", synthetic_tokens_per_s=rate, synthetic_max_streams=max_streams)
+        # a fixed route, so an arm measures the path it names: no load-aware threshold, and no
+        # spill (the synthetic torch tier starts at once, so the pace rule would take every turn)
         raw.setdefault("cascade", {}).update(threshold=cascade_threshold, min_threshold=cascade_threshold,
-                                             load_aware=False)
+                                             load_aware=False, spill=False)
     raw["server"].update(
         max_sessions_per_key=20_000, max_sessions=20_000, requests_per_minute=10_000_000,
         tokens_per_minute=1_000_000_000, max_concurrent_requests_per_key=20_000, idle_timeout_s=3600.0,

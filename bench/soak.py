@@ -124,10 +124,12 @@ async def session_loop(url: str, deadline: float, rng: random.Random, counts: Co
         await ws.close()
 
 
-def tree_rss(server: GatewayProcess) -> float:
-    """MiB resident in the gateway and every process it started (the engine core)."""
+def tree_rss(server: GatewayProcess) -> tuple[float, float]:
+    """MiB resident in the gateway and every process it started (the engine core), and in the
+    gateway alone."""
     process = server.process
-    return sum(p.memory_info().rss for p in (process, *process.children(recursive=True))) / 2**20
+    own = process.memory_info().rss
+    return (own + sum(p.memory_info().rss for p in process.children(recursive=True))) / 2**20, own / 2**20
 
 
 async def soak(server: GatewayProcess, sessions: int, seconds: float, pause_s: tuple[float, float], seed: int,
@@ -143,11 +145,18 @@ async def soak(server: GatewayProcess, sessions: int, seconds: float, pause_s: t
                                               timeout))
              for _ in range(sessions)]
     samples: list[tuple[float, float]] = []
+    gateway_rss: list[tuple[float, float]] = []
+    snapshots: list[tuple[float, float]] = []  # the edge's host copies of idle conversations (bounded)
     while not all(t.done() for t in tasks):
-        samples.append((time.monotonic() - start, tree_rss(server)))
+        total, own = tree_rss(server)
+        samples.append((time.monotonic() - start, total))
+        gateway_rss.append((samples[-1][0], own))
         if len(samples) % 60 == 0:
-            progress(f"{name} {samples[-1][0]:.0f} s: RSS {samples[-1][1]:.0f} MiB, {counts['turns']} turns, "
-                     f"{counts['hung']} hung, {counts['failed']} failed")
+            snapshot_mib = server.metric('engine_snapshot_bytes{tier="edge"}') / 2**20 if kv_metrics is REAL_KV_METRICS else 0.0
+            snapshots.append((samples[-1][0], snapshot_mib))
+            progress(f"{name} {samples[-1][0]:.0f} s: RSS {total:.0f} MiB (gateway {own:.0f}), {counts['turns']} turns, "
+                     f"{counts['hung']} hung, {counts['failed']} failed"
+                     + (f", edge snapshots {snapshot_mib:.0f} MiB" if kv_metrics is REAL_KV_METRICS else ""))
         await asyncio.sleep(1.0)
     errors = [t.exception() for t in tasks if t.exception() is not None]
     warm = [rss for t, rss in samples if t >= min(WARMUP_S, seconds / 4)] or [samples[-1][1]]
@@ -156,7 +165,8 @@ async def soak(server: GatewayProcess, sessions: int, seconds: float, pause_s: t
     leaked = sum(server.metric(metric) for metric in kv_metrics)
     return {"sessions": sessions, "seconds": seconds, "pause_s": pause_s, "tokens": tokens, "counts": dict(counts),
             "session_errors": [repr(e) for e in errors[:10]], "session_error_count": len(errors),
-            "rss_samples": samples, "rss_after_warmup_mib": baseline, "rss_end_mib": end,
+            "rss_samples": samples, "gateway_rss_samples": gateway_rss, "edge_snapshot_mib": snapshots,
+            "rss_after_warmup_mib": baseline, "rss_end_mib": end,
             "rss_peak_mib": max(r for _, r in samples), "rss_growth": end / baseline - 1.0,
             "turns": counts["turns"], "hung": counts["hung"], "failed": counts["failed"] + len(errors),
             "leaked_kv": leaked}

@@ -17,7 +17,8 @@ arms share the KV pool, and one scheduler's cached blocks would be overwritten b
    and the same per whole request, with the target's prefill and the drafter's catch-up on the
    prompt (a request's first drafting step feeds it all to llama.cpp), which the formula leaves out.
 3. the n-gram drafter on prompts whose answer copies the prompt (repeat a text, fix a typo).
-4. throughput with the edge drafter as configured by default (every step priced from measured
+4. throughput (A-B-B-A quads of runs, so that a drift of the machine's speed cancels; the
+   median of the quads' ratios) with the edge drafter as configured by default (every step priced from measured
    costs, default max_batch) vs none at 2..32 requests added at once; concurrency 1 is arm 1's
    adaptive figure. Each arm is a fresh engine (a server just started): its speculator
    calibrates, then learns, within the run.
@@ -29,7 +30,7 @@ speedup_min_over_concurrency, cpu, ...). A --quick run writes bench/out/spec_qui
 bench/out/spec_quick.png instead; a --smoke run (seconds) writes under bench/out/smoke/.
 
     .venv/bin/python bench/spec.py [--k 4] [--prompts 6] [--tokens 96] [--copy-prompts 3]
-        [--copy-tokens 96] [--concurrency 1 2 4 8 16 32] [--conc-tokens 64] [--pairs 5] [--quick | --smoke]
+        [--copy-tokens 96] [--concurrency 1 2 4 8 16 32] [--conc-tokens 64] [--pairs 3] [--quick | --smoke]
 
 About 8 minutes on an idle 2-core AVX2 machine (fp32 decode ~75 ms/step at batch 1); --quick
 runs small sizes in about a minute, --smoke tiny ones to check that it runs.
@@ -261,15 +262,22 @@ def arm_concurrency(s: Setup, levels: list[int], tokens: int, pairs: int, k: int
         prompts = chat_prompts(s.tokenizer, c)
         pair_rows = []
         for p in range(pairs):
-            runs = {}
-            for name in list(arms) if (n + p) % 2 == 0 else list(reversed(arms)):
+            # A B B A (or B A A B): a drift of the machine's speed during the quad cancels out
+            first, second = list(arms) if (n + p) % 2 == 0 else list(reversed(arms))
+            runs: dict[str, list] = {name: [] for name in arms}
+            for i, name in enumerate((first, second, second, first)):
                 engine = s.engine(arms[name])
-                runs[name] = (drive(engine, prompts, tokens, f"conc{c}-{p}-{name}"),
-                              {**engine.stats(), **(drafting(engine) if engine.speculator else {})})
+                runs[name].append((drive(engine, prompts, tokens, f"conc{c}-{p}-{name}-{i}"),
+                                   {**engine.stats(), **(drafting(engine) if engine.speculator else {})}))
                 engine.close()
-            (plain, _), (spec, st) = runs["plain"], runs["edge_adaptive"]
+            plain_tok_s = statistics.fmean(r.tok_s for r, _ in runs["plain"])
+            spec_tok_s = statistics.fmean(r.tok_s for r, _ in runs["edge_adaptive"])
+            plain, (spec, st) = runs["plain"][0][0], runs["edge_adaptive"][-1]
+            st = {**st, "propose_calls": sum(x.get("propose_calls", 0) for _, x in runs["edge_adaptive"]),
+                  "propose_s": sum(x.get("propose_s", 0.0) for _, x in runs["edge_adaptive"])}
             pair_rows.append({
-                "plain_tok_s": plain.tok_s, "spec_tok_s": spec.tok_s, "speedup": spec.tok_s / plain.tok_s,
+                "plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / plain_tok_s,
+                "runs_tok_s": {name: [r.tok_s for r, _ in rs] for name, rs in runs.items()},
                 "outputs_identical_to_plain": f"{sum(a == b for a, b in zip(spec.outputs, plain.outputs, strict=True))}/{c}",
                 "switch": {key: st.get(key, 0.0) for key in ("spec_enabled", "spec_off_by_batch", "spec_off_by_gain",
                                                              "spec_predicted_gain",
@@ -277,8 +285,8 @@ def arm_concurrency(s: Setup, levels: list[int], tokens: int, pairs: int, k: int
                 "stats": st,
             })
             sw = pair_rows[-1]["switch"]
-            progress(f"  concurrency {c:2d} pair {p + 1}: plain {plain.tok_s:.1f} tok/s, speculative {spec.tok_s:.1f} "
-                     f"-> {spec.tok_s / plain.tok_s:.3f}; switch: enabled {sw['spec_enabled']:.0f}, off by batch "
+            progress(f"  concurrency {c:2d} quad {p + 1}: plain {plain_tok_s:.1f} tok/s, speculative {spec_tok_s:.1f} "
+                     f"-> {spec_tok_s / plain_tok_s:.3f}; switch: enabled {sw['spec_enabled']:.0f}, off by batch "
                      f"{sw['spec_off_by_batch']:.0f} steps, priced out {sw['spec_off_by_gain']:.0f} (predicted gain "
                      f"{sw['spec_predicted_gain']:.2f}); "
                      f"{sw['propose_calls']:.0f} drafting steps took {sw['propose_s']:.1f} s, "
@@ -297,7 +305,8 @@ def main() -> None:
     parser.add_argument("--ngram-k", type=int, default=4, help="the n-gram drafter's most drafts per round")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--conc-tokens", type=int, default=64, help="output tokens per request in the sweep")
-    parser.add_argument("--pairs", type=int, default=5, help="paired runs per concurrency level in the sweep")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="A-B-B-A quads of runs per concurrency level in the sweep (speedup: their median)")
     parser.add_argument("--verify-reps", type=int, default=12, help="timed runner calls per draft count")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
