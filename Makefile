@@ -15,12 +15,15 @@ export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml edge_runtime/pyproject.toml client_sdk/python/pyproject.toml Makefile
 	@echo ">> creating $(VENV) and installing (llama-cpp-python compiles once, ~4-9 min; pip caches the wheel)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip wheel setuptools
 	# The CPU build of torch (a local wheel on these machines) before anything can pull a CUDA one.
 	$(BIN)/pip install torch==2.13.0
+	# The edge runtime (llm_shared, engine_edge: llama.cpp, no torch) is its own distribution; the
+	# server depends on it. Editable: the repository's own packages, nothing copied.
+	$(BIN)/pip install -e edge_runtime
 	$(BIN)/pip install -e '.[dev]'
 	# The Python client SDK, installable on its own; here editable beside the server.
 	$(BIN)/pip install -e client_sdk/python

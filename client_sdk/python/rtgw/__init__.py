@@ -12,10 +12,10 @@ from rtgw.client import (
     TurnInProgress,
     realtime_url,
 )
-from rtgw.offline import OfflineConfig
+from rtgw.offline import OfflineConfig, OfflineModelError
 from rtgw.protocol import ClientProtocol, Item, TextDelta, TurnResult
 
 __all__ = [
     "Backoff", "ClientClosed", "ClientProtocol", "GatewayError", "GatewayRefused", "GatewayUnreachable", "Item",
-    "OfflineConfig", "RealtimeClient", "TextDelta", "Turn", "TurnInProgress", "TurnResult", "realtime_url",
+    "OfflineConfig", "OfflineModelError", "RealtimeClient", "TextDelta", "Turn", "TurnInProgress", "TurnResult", "realtime_url",
 ]

@@ -41,7 +41,7 @@ import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from rtgw.framing import MSGPACK_SUBPROTOCOL, FrameError, Framing, decode, encode
-from rtgw.offline import OfflineConfig, OfflineModel
+from rtgw.offline import OfflineConfig, OfflineModel, OfflineModelError
 from rtgw.protocol import (
     ClientProtocol,
     Item,
@@ -119,6 +119,7 @@ class Turn:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None  # the offline generation, when offline
         self._response: dict[str, Any] = {}  # its response.create options, to start it again on a new session
+        self._error: OfflineModelError | None = None  # the on-device model could not answer: raised, not empty
 
     @property
     def done(self) -> bool:
@@ -150,12 +151,19 @@ class Turn:
                 yield TextDelta(self.response_id or "", text)
                 continue
             if self._result.done():
+                if self._error is not None:
+                    raise self._error
                 return
             self._wakeup.clear()
             await self._wakeup.wait()
 
     async def result(self) -> TurnResult:
-        return await asyncio.shield(self._result)
+        """How the turn ended. An offline turn whose on-device model could not answer raises
+        ``OfflineModelError`` (its cause and the fix) instead of ending with nothing."""
+        result = await asyncio.shield(self._result)
+        if self._error is not None:
+            raise self._error
+        return result
 
     async def text(self) -> str:
         return (await self.result()).text
@@ -663,13 +671,16 @@ class RealtimeClient:
                     reason = "max_output_tokens" if finish == "length" else None
         except asyncio.CancelledError:
             status, reason = "cancelled", "client_cancelled"
-        except Exception as e:  # a broken local model ends this turn, not the client
-            log.exception("the on-device model failed")
+        except Exception as e:  # a broken local model ends this turn, not the client, and says why
+            error = e if isinstance(e, OfflineModelError) else OfflineModelError(f"the on-device model failed: {e}")
+            log.error("%s", error)
+            turn._error = error
             turn._finish(TurnResult(turn.response_id or "", "failed", item.text, item.id, {"x_tier": "device"},
-                                    error={"type": "device_error", "code": "offline_failed", "message": str(e)},
+                                    error={"type": "device_error", "code": "offline_failed", "message": str(error)},
                                     offline=True))
             return
         turn._finish(TurnResult(turn.response_id or "", status, item.text, item.id, {"x_tier": "device"},
+                                usage=dict(self._offline.last_usage) if status != "cancelled" else {},
                                 reason=reason, offline=True))
 
 
