@@ -70,6 +70,12 @@ bench: $(STAMP)
 	$(BIN)/python bench/conversation.py
 	$(BIN)/python bench/spec.py
 	$(BIN)/python bench/cascade.py
+	$(BIN)/python bench/cascade_load.py
+	$(BIN)/python bench/runner_decode.py
+	$(BIN)/python bench/kv_layout.py
+	$(BIN)/python bench/load.py
+	$(BIN)/python bench/faults.py
+	$(BIN)/python bench/soak.py
 	$(MAKE) $(CLUSTER_STAMP)
 	$(BIN)/python bench/cluster.py
 

@@ -23,7 +23,7 @@ class SpeculativeConfig:
     num_draft_tokens: int = 4  # most drafts per sequence and round
     max_batch: int = 8  # no speculation while more sequences than this are decoding
     adaptive: bool = True  # each step priced from measured costs: who drafts, how far, or a plain step
-    min_gain: float = 1.05  # a speculative step must promise this many times a plain step's tokens/s
+    min_gain: float = 1.2  # a speculative step must promise this many times a plain step's tokens/s (a margin for what pricing misses)
     draft_model: str = ""  # a gguf [models] id with the target's tokenizer (method = "edge")
     draft_kv_mib: float = 64  # the drafter's KV pool (f16 cells; 64 MiB = ~2,900 tokens of a 135M model)
     draft_threads: int = 0  # llama.cpp threads for drafting; 0 = all usable cores
@@ -64,7 +64,8 @@ class EngineConfig:
     # auto: bfloat16 on CUDA, and on a CPU that computes it natively (AVX-512 bf16 or AMX);
     # float32 on other CPUs, where bf16 is emulated (5x slower prefill on an AVX2-only machine)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    attention: Literal["auto", "torch", "flash_attn"] = "auto"  # flash_attn: CUDA only
+    # auto: flash_attn when usable, else triton on CUDA (when installed), else torch; flash_attn and triton: CUDA only
+    attention: Literal["auto", "torch", "flash_attn", "triton"] = "auto"
     block_size: int = 16  # tokens per KV block
     kv_cache_mib: int = 512  # memory budget for the KV block pool
     num_blocks: int = 0  # >0 overrides the budget (tests)
@@ -100,6 +101,8 @@ class EngineConfig:
             not (self.attention == "flash_attn" and self.device != "cuda"),
             "engine.attention = 'flash_attn' needs engine.device = 'cuda'",
         )
+        # 'triton' on a CPU is refused where the backend is built (engine_gpu.attention), which allows
+        # it under TRITON_INTERPRET=1 for tests; the configuration stays free of the environment
 
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU flags under which torch computes bfloat16 natively

@@ -101,7 +101,7 @@ class Speculator:
         started = time.perf_counter()
         drafts = drafter.propose(requests)
         round_.draft_seconds = time.perf_counter() - started
-        self.controller.observe_drafter(drafter.last_forwards)
+        self.controller.observe_drafter(_whole_call(drafter.last_forwards, round_.draft_seconds))
         for request_id, draft in drafts.items():
             kept = scheduler.set_draft_tokens(request_id, draft.token_ids)
             if kept:
@@ -144,6 +144,16 @@ class Speculator:
 
     def close(self) -> None:
         self.drafter.close()
+
+
+def _whole_call(forwards: list[tuple[int, float]], seconds: float) -> list[tuple[int, float]]:
+    """The forwards of a propose call, scaled to the whole call's time: what a step pays for
+    drafting includes the drafter's own work between forwards (picking each draft from its
+    logits, planning its slots), which the forwards' timings leave out."""
+    forward_s = sum(s for _, s in forwards)
+    if forward_s <= 0 or seconds <= forward_s:
+        return forwards
+    return [(n, s * seconds / forward_s) for n, s in forwards]
 
 
 def _decode_like(seq: ScheduledSeq) -> bool:
