@@ -10,12 +10,15 @@ lives with the model in llm_shared.llama.model and is re-exported here.)
   (chunked prefill, decode, drafts alike): SDPA for long prompt chunks, two batched matmuls for
   decode-sized queries, which is several times faster than SDPA for those on CPU.
 - flash-attn's paged varlen kernel (engine_gpu.attention_flash), imported only when chosen.
+- A Triton kernel that reads the pool through the block table (engine_gpu.attention_triton):
+  decodes and speculative verification, split-K for long contexts; imported only when chosen.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,7 +29,7 @@ from engine_gpu.kv_cache import KVLayout, PagedKVCache
 from llm_shared.errors import ConfigError
 from llm_shared.llama.model import Attention, ContiguousAttention
 
-__all__ = ["ContiguousAttention", "PagedLayout", "TorchPagedAttention", "get_attention_backend"]
+__all__ = ["ContiguousAttention", "DecodeSlots", "PagedLayout", "TorchPagedAttention", "get_attention_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ log = logging.getLogger(__name__)
 # speculative drafts); longer prompt chunks each get their own call so nobody pads to 256 tokens.
 SMALL_QUERY = 16
 
-BACKENDS = ("auto", "torch", "flash_attn")
+BACKENDS = ("auto", "torch", "flash_attn", "triton")
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,31 @@ class PagedLayout:
     num_blocks: list[int]  # per sequence: blocks covering its positions [0, start + length)
 
 
+@dataclass(frozen=True)
+class DecodeSlots:
+    """Where a fixed-size decode step's tokens live (engine_gpu.graph_runner): views of persistent
+    buffers, filled in place before every step, so an attention built on them once serves every
+    step and can be captured in a CUDA graph."""
+
+    slot_mapping: torch.Tensor  # [B] int64: cache slot of each row's new token (the scratch slot on padded rows)
+    block_table: torch.Tensor  # [B, W] int32: each row's blocks; entries past its context are stale, still valid ids
+    context_lens: torch.Tensor  # [B] int32: keys each row attends to, its new token included (1 on padded rows)
+
+
 class AttentionBackend(Protocol):
     name: str
     kv_layout: KVLayout  # the pool layout this backend reads
 
     def prepare(self, kv_cache: PagedKVCache, layout: PagedLayout, dtype: torch.dtype) -> Attention: ...
+
+
+class StaticDecodeAttention(Protocol):
+    """Attention over ``DecodeSlots``: ``refresh`` reads the slots as they are now (called once per
+    step, inside the captured region, before the model), then one call per layer."""
+
+    def refresh(self) -> None: ...
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -118,12 +141,45 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     return o.reshape(kv_heads, bg, g, tq, dim).permute(1, 3, 0, 2, 4).reshape(bg, tq, heads, dim)
 
 
+class TorchStaticDecodeAttention:
+    """Decode over ``DecodeSlots`` in plain torch: every row gathers its whole table (fixed shapes,
+    W blocks) and masks what lies past its context. On CPU it runs eagerly (the static-buffer path
+    that CI tests); it reads W blocks where the step-sized path reads only what the batch needs."""
+
+    def __init__(self, kv_cache: PagedKVCache, slots: DecodeSlots, groups_per_kv: int) -> None:
+        self.kv_cache = kv_cache
+        self.slots = slots
+        self.groups_per_kv = groups_per_kv
+        width = slots.block_table.shape[1]
+        self.keys = torch.arange(width * kv_cache.block_size, device=slots.context_lens.device)  # [S]
+        self._group: _Group | None = None
+
+    def refresh(self) -> None:
+        rows = self.slots.context_lens.shape[0]
+        allowed = self.keys[None, :] < self.slots.context_lens[:, None]  # [B, S]
+        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        mask = mask[:, None, :].expand(-1, self.groups_per_kv, -1).unsqueeze(0)  # [1, B, G, S]
+        self._group = _Group(None, None, None, self.slots.block_table.reshape(-1), mask, (rows, 1), False)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [1, B, H, D]; k, v: [1, B, KVH, D]
+        if self._group is None:
+            raise RuntimeError("refresh() must run before the step's first layer")
+        self.kv_cache.write(layer, self.slots.slot_mapping, k[0], v[0])
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        _, rows, heads, dim = q.shape
+        return _attend(q[0].reshape(rows, 1, heads, dim), k_cache, v_cache, self._group).reshape(1, rows, heads, dim)
+
+
 class TorchAttentionBackend:
     name = "torch"
     kv_layout: KVLayout = "heads_first"
 
     def __init__(self, num_heads: int, num_kv_heads: int) -> None:
         self.groups_per_kv = num_heads // num_kv_heads
+
+    def static_decode(self, kv_cache: PagedKVCache, slots: DecodeSlots) -> TorchStaticDecodeAttention:
+        return TorchStaticDecodeAttention(kv_cache, slots, self.groups_per_kv)
 
     def prepare(self, kv_cache: PagedKVCache, layout: PagedLayout, dtype: torch.dtype) -> TorchPagedAttention:
         small = [i for i, n in enumerate(layout.lengths) if n <= SMALL_QUERY]
@@ -181,19 +237,22 @@ def get_attention_backend(
     num_kv_heads: int,
     dtype: torch.dtype = torch.bfloat16,
 ) -> AttentionBackend:
-    """'torch', 'flash_attn' (CUDA, fp16/bf16 only, imported lazily) or 'auto' (flash-attn when usable)."""
+    """'torch', 'flash_attn' (CUDA, fp16/bf16 only), 'triton' (CUDA; on CPU only through Triton's
+    interpreter, TRITON_INTERPRET=1, for tests), both imported lazily, or 'auto': flash-attn when
+    usable, else the Triton kernel on CUDA when triton is installed, else torch."""
     if name not in BACKENDS:
         raise ConfigError(f"engine.attention must be one of {list(BACKENDS)}, got {name!r}")
     device = torch.device(device)
     half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
         usable = device.type == "cuda" and half and importlib.util.find_spec("flash_attn") is not None
+        fallback = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
         if usable and block_size % 256 == 0:
             name = "flash_attn"
         else:
             if usable:
-                log.warning("flash-attn needs engine.block_size to be a multiple of 256; using torch attention")
-            name = "torch"
+                log.warning("flash-attn needs engine.block_size to be a multiple of 256; using %s attention", fallback)
+            name = fallback
     if name == "flash_attn":
         if device.type != "cuda":
             raise ConfigError("engine.attention = 'flash_attn' needs engine.device = 'cuda'")
@@ -202,4 +261,16 @@ def get_attention_backend(
         from engine_gpu.attention_flash import FlashAttentionBackend
 
         return FlashAttentionBackend(block_size)
+    if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                "engine.attention = 'triton' needs engine.device = 'cuda' (on a CPU its kernels run only "
+                "through Triton's interpreter, with TRITON_INTERPRET=1 set: for tests, not for serving)"
+            )
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("engine.attention = 'triton' but triton is not installed; "
+                              "pip install triton, or use engine.attention = 'torch'")
+        from engine_gpu.attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend(num_heads, num_kv_heads, device=device)
     return TorchAttentionBackend(num_heads, num_kv_heads)

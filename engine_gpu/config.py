@@ -66,6 +66,10 @@ class EngineConfig:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # auto: flash_attn when usable, else triton on CUDA (when installed), else torch; flash_attn and triton: CUDA only
     attention: Literal["auto", "torch", "flash_attn", "triton"] = "auto"
+    # decode steps at padded batch sizes over persistent buffers (engine_gpu.graph_runner). auto: on
+    # CUDA with the triton backend, as CUDA graphs captured before ready; on: also elsewhere, run
+    # eagerly (the CPU tests' path; slower there); off: every step eager and sized to its batch
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
     block_size: int = 16  # tokens per KV block
     kv_cache_mib: int = 512  # memory budget for the KV block pool
     num_blocks: int = 0  # >0 overrides the budget (tests)
@@ -93,6 +97,8 @@ class EngineConfig:
         require(self.max_model_len >= 16, "engine.max_model_len must be >= 16")
         require(self.long_prefill_threshold >= 1, "engine.long_prefill_threshold must be >= 1")
         require(self.threads >= 0, "engine.threads must be >= 0")
+        require(self.cuda_graphs in ("auto", "on", "off"),
+                f"engine.cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
         require(
             self.listen == "" or self.listen.startswith(("unix:", "tcp:")),
             f"engine.listen must be '', 'unix:/path' or 'tcp:host:port', got {self.listen!r}",

@@ -10,6 +10,10 @@ Two memory layouts per layer, chosen by the attention backend that reads the poo
 
 Which block belongs to which sequence is the block manager's business (plain integers); this
 module only owns the memory and the slot arithmetic (slot = block * block_size + offset).
+
+A pool built with ``scratch=True`` has one block more than ``num_blocks``, never handed out: the
+padded rows of a fixed-size decode step (engine_gpu.graph_runner) and warm-up forwards write
+there, so they can run the same code as real rows without touching anyone's KV.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         layout: KVLayout = "heads_first",
+        scratch: bool = False,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
@@ -61,10 +66,13 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.layout: KVLayout = layout
+        # the block past the usable ones: padded and warm-up rows write there (None: no such block)
+        self.scratch_block: int | None = num_blocks if scratch else None
+        blocks = num_blocks + (1 if scratch else 0)
         if layout == "blocks_first":
-            shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+            shape = (num_layers, blocks, block_size, num_kv_heads, head_dim)
         else:
-            shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+            shape = (num_layers, num_kv_heads, blocks, block_size, head_dim)
         # Zeroed, not empty: attention reads whole blocks and masks the unused tail, and a NaN bit
         # pattern there would survive the mask (0 * NaN = NaN) and poison the output.
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -81,10 +89,13 @@ class PagedKVCache:
         kv_cache_mib: int = 0,
         num_blocks: int = 0,
         layout: KVLayout = "heads_first",
+        scratch: bool = False,
     ) -> PagedKVCache:
-        """Size the pool from ``num_blocks`` when positive, else from the ``kv_cache_mib`` budget."""
+        """Size the pool from ``num_blocks`` when positive, else from the ``kv_cache_mib`` budget
+        (which then pays for the scratch block too)."""
         if num_blocks <= 0:
             num_blocks = blocks_for_budget(args, block_size=block_size, dtype=dtype, kv_cache_mib=kv_cache_mib)
+            num_blocks -= 1 if scratch else 0
             if num_blocks < 1:
                 need = -(-bytes_per_block(args, block_size, dtype) // MIB)
                 raise ValueError(f"kv_cache_mib={kv_cache_mib} holds no block; one block needs {need} MiB")
@@ -97,7 +108,15 @@ class PagedKVCache:
             dtype=dtype,
             device=device,
             layout=layout,
+            scratch=scratch,
         )
+
+    @property
+    def scratch_slot(self) -> int:
+        """The first slot of the scratch block (ValueError if the pool has none)."""
+        if self.scratch_block is None:
+            raise ValueError("this KV pool has no scratch block")
+        return self.scratch_block * self.block_size
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, as views in this pool's layout."""

@@ -8,7 +8,9 @@ positions come from the caller, so tests run it from hand-built ``ScheduledSeq``
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -16,10 +18,12 @@ import torch
 
 from engine_gpu.attention import AttentionBackend, PagedLayout, get_attention_backend
 from engine_gpu.config import resolve_dtype
+from engine_gpu.graph_runner import GraphRunner, graphs_wanted
 from engine_gpu.kv_cache import PagedKVCache
 from engine_gpu.sampler import SampledToken, Sampler
 from engine_gpu.sched_output import ScheduledSeq
 from engine_gpu.speculative.verify import accept, token_logprobs
+from llm_shared.contract import SamplingParams
 from llm_shared.errors import ConfigError
 from llm_shared.llama import matmul
 from llm_shared.llama.loader import load_model
@@ -94,6 +98,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.vocab_size = args.vocab_size
         self.max_position = args.max_position_embeddings
+        self.graphs: GraphRunner | None = None  # fixed-shape decode steps (enable_decode_graphs)
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
@@ -118,13 +123,44 @@ class ModelRunner:
             engine_cfg.attention, device=device, block_size=engine_cfg.block_size,
             num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, dtype=dtype,
         )
+        graphs = graphs_wanted(engine_cfg.cuda_graphs, device, backend)
         kv_cache = PagedKVCache.for_model(
             args, block_size=engine_cfg.block_size, dtype=dtype, device=device,
             kv_cache_mib=engine_cfg.kv_cache_mib, num_blocks=engine_cfg.num_blocks, layout=backend.kv_layout,
+            scratch=graphs or device.type == "cuda",  # padded and warm-up rows write there
         )
         log.info("KV pool: %d blocks of %d tokens (%.0f MiB), %s attention", kv_cache.num_blocks,
                  kv_cache.block_size, kv_cache.num_bytes / 2**20, backend.name)
-        return cls(model, kv_cache, device=device, dtype=dtype, attention_backend=backend)
+        runner = cls(model, kv_cache, device=device, dtype=dtype, attention_backend=backend)
+        if graphs:
+            runner.enable_decode_graphs(engine_cfg.max_num_seqs, min(engine_cfg.max_model_len, runner.max_position))
+        runner.warm_up()
+        return runner
+
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int) -> GraphRunner:
+        """Run pure decode steps of up to ``max_batch`` sequences at padded sizes over persistent
+        buffers (``engine_gpu.graph_runner``); the pool needs a scratch block."""
+        self.graphs = GraphRunner(self.model, self.kv_cache, self.attention_backend,
+                                  max_batch=max_batch, max_model_len=max_model_len)
+        return self.graphs
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Before the first request (and before the engine reports ready): one eager forward of
+        each kind a step can take (a decode, a few verified drafts, a prompt chunk), written to
+        the scratch block, then the decode graphs' capture. On CUDA this pays for kernel
+        compilation and graph capture; a pool without a scratch block (CPU) skips it."""
+        scratch = self.kv_cache.scratch_block
+        if scratch is None:
+            return
+        started = time.perf_counter()
+        for n in sorted({1, min(5, self.block_size), self.block_size}):
+            item = ScheduledSeq("warm-up", [0] * n, 0, [scratch], True, 0, SamplingParams(max_tokens=1), 0)
+            self.model.compute_logits(self._run([item], None))
+        captured = self.graphs.capture() if self.graphs is not None else 0.0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("warm-up in %.1f s (graph capture %.1f s)", time.perf_counter() - started, captured)
 
     @torch.inference_mode()
     def execute(
@@ -142,18 +178,25 @@ class ModelRunner:
             return {}
         rows = [i for i, item in enumerate(batch) if item.sample]
         widths = [batch[i].num_draft_tokens + 1 for i in rows]  # logit rows each sampled item needs
-        hidden = self._forward(batch, self._last_rows(batch, rows, widths))
+        every_row = len(rows) == len(batch) and all(len(item.token_ids) == 1 for item in batch)  # a pure decode step
+        hidden = self._forward(batch, None if every_row else self._last_rows(batch, rows, widths))
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden).float()
-        firsts = [sum(widths[:n]) for n in range(len(rows))]
+        firsts = list(itertools.accumulate(widths, initial=0))  # each sampled item's first logit row
         plain = [n for n, width in enumerate(widths) if width == 1]
         out: dict[str, list[SampledToken]] = {}
         if plain:
-            tokens = self.sampler.sample(logits[[firsts[n] for n in plain]], [batch[rows[n]].params for n in plain],
-                                         [batch[rows[n]].output_index for n in plain])
-            for n, token in zip(plain, tokens, strict=True):
-                out[batch[rows[n]].request_id] = [token]
+            if len(plain) == len(rows):  # no drafts: logit row n is sampled item n's
+                items = [batch[i] for i in rows]
+                plain_logits = logits
+            else:
+                items = [batch[rows[n]] for n in plain]
+                plain_logits = logits[[firsts[n] for n in plain]]
+            tokens = self.sampler.sample(plain_logits, [item.params for item in items],
+                                         [item.output_index for item in items])
+            for item, token in zip(items, tokens, strict=True):
+                out[item.request_id] = [token]
         for n, width in enumerate(widths):
             if width == 1:
                 continue
@@ -189,6 +232,17 @@ class ModelRunner:
     def _forward(self, batch: Sequence[ScheduledSeq], keep_rows: list[int] | None) -> torch.Tensor:
         """Run the model over all new tokens; hidden states [rows, hidden] of ``keep_rows`` (None: all)."""
         self._validate(batch)
+        return self._run(batch, keep_rows)
+
+    def _run(self, batch: Sequence[ScheduledSeq], keep_rows: list[int] | None) -> torch.Tensor:
+        graphs = self.graphs
+        if graphs is not None and graphs.covers([len(item.token_ids) for item in batch],
+                                                [item.start_pos + len(item.token_ids) for item in batch]):
+            hidden = graphs.run([item.token_ids[0] for item in batch], [item.start_pos for item in batch],
+                                [item.block_table for item in batch])  # [n, hidden]: one row per item
+            if keep_rows is None or len(keep_rows) == len(batch):  # every item samples: rows in order
+                return hidden
+            return hidden[torch.tensor(keep_rows, dtype=torch.int64, device=self.device)]
         layout = build_layout(
             [item.start_pos for item in batch], [len(item.token_ids) for item in batch],
             [item.block_table for item in batch], self.block_size, self.device,
