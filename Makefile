@@ -11,7 +11,7 @@ PORT ?= 8000
 # llama.cpp's multimodal library is not used; skipping it trims the source build.
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 
-.PHONY: install system-deps serve cluster test test-all test-cluster bench lint clean
+.PHONY: install system-deps serve cluster test test-all test-cluster bench gpu-wheels gpu-check lint clean
 
 install: $(STAMP)
 
@@ -78,6 +78,29 @@ bench: $(STAMP)
 	$(BIN)/python bench/soak.py
 	$(MAKE) $(CLUSTER_STAMP)
 	$(BIN)/python bench/cluster.py
+
+# The GPU check. The lent CUDA machine has python3 with torch, Triton and most of our
+# dependencies, but not websockets or orjson (the gateway's) and no network: `make gpu-wheels`
+# here fetches those two small wheels (CPython 3.11-3.13) into bench/gpu_wheels/, which travels
+# with the repository; `make gpu-check` there installs them into .gpu-site/ (only if missing),
+# runs the CUDA tests and then bench/gpu.py, which writes bench/results/gpu.json. Details and the
+# keys: docs/benchmarks.md, "The GPU check".
+GPU_WHEELS := bench/gpu_wheels
+GPU_PY ?= python3
+
+gpu-wheels: $(STAMP)
+	mkdir -p $(GPU_WHEELS)
+	for v in 3.11 3.12 3.13; do \
+	  $(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $$v -d $(GPU_WHEELS) \
+	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+	    'websockets>=14,<18' 'orjson>=3.9,<4' || exit 1; \
+	done
+
+gpu-check:
+	$(GPU_PY) -c 'import websockets, orjson' 2>/dev/null || $(GPU_PY) -m pip install -q --no-index --no-deps \
+	  --target .gpu-site --find-links $(GPU_WHEELS) websockets orjson
+	PYTHONPATH=$(CURDIR)/.gpu-site $(GPU_PY) -m pytest -q -p no:cacheprovider -m cuda tests/engine_gpu/test_cuda.py
+	PYTHONPATH=$(CURDIR)/.gpu-site $(GPU_PY) bench/gpu.py --all
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

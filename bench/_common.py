@@ -30,6 +30,10 @@ SMOKE_DIR = OUT_DIR / "smoke"
 SMOKE_HELP = "tiny sizes, seconds, to check that it runs and prints its keys (results and figures in bench/out/smoke/)"
 
 
+class BenchError(RuntimeError):
+    """The gateway or engine did something the benchmark cannot measure around."""
+
+
 def result_path(name: str, smoke: bool) -> Path:
     """Where a run writes its results file ``name``: bench/out/, or bench/out/smoke/ for a smoke run."""
     return (SMOKE_DIR if smoke else OUT_DIR) / name

