@@ -160,6 +160,7 @@ class BlockManager:
                 del self._cached[block_id]
             self._ref_count[block_id] += 1
         seq.block_table = list(cached_blocks)
+        seq.table_snapshot = None
         seq.num_published_blocks = len(cached_blocks)
         self.may_append(seq, num_tokens)
 
@@ -170,6 +171,7 @@ class BlockManager:
         """Grow the seq's table to cover positions [0, num_tokens); a no-op inside its last block."""
         for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_fresh())
+            seq.table_snapshot = None
 
     def _take_fresh(self) -> int:
         if self._free:
@@ -197,6 +199,7 @@ class BlockManager:
             self._ref_count[block_id] = 0
             self._free.append(block_id)
         del seq.block_table[keep:]
+        seq.table_snapshot = None
         return len(tail)
 
     def deallocate(self, seq: Sequence) -> None:
@@ -211,6 +214,7 @@ class BlockManager:
                 else:
                     self._free.append(block_id)
         seq.block_table = []
+        seq.table_snapshot = None
         seq.num_published_blocks = 0
 
     # ---- publishing computed blocks ----

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from engine_gpu.config import EngineConfig
+from engine_gpu.detok import PlainTextStream, TokenTexts
 from engine_gpu.outputs import RequestOutput
 from engine_gpu.runner import ModelRunner, SampledToken
 from engine_gpu.sched_output import RequestUpdate, SchedulerOutput
@@ -33,7 +34,7 @@ STEP_TIME_EMA = 0.1  # weight of the newest step in the smoothed step time
 class _Request:
     """What the engine keeps per request besides the scheduler's state."""
 
-    stream: TextStream
+    stream: TextStream | PlainTextStream  # the plain one (a table lookup a token) when there are no stop strings
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0  # sampled tokens, the EOS or stop token included
@@ -57,6 +58,7 @@ class LLMEngine:
         if speculator is not None:
             speculator.calibrate(runner)  # before any request holds blocks: it borrows the first ones
         self._requests: dict[str, _Request] = {}
+        self._token_texts = TokenTexts(tokenizer)
         self._steps = 0
         self._last_step_s = 0.0
         self._avg_step_s = 0.0
@@ -92,7 +94,7 @@ class LLMEngine:
         prefix-cache hits come only from requests with the same ``cache_salt``."""
         self.scheduler.add_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
                                    draft_ids=draft_ids, cache_salt=cache_salt)
-        self._requests[request_id] = _Request(TextStream(self.tokenizer, params.stop), prompt_tokens=len(prompt_ids))
+        self._requests[request_id] = _Request(self._stream(params), prompt_tokens=len(prompt_ids))
 
     def add_checked_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                             priority: Priority, draft_ids: list[int] | None = None, cache_salt: str = "") -> None:
@@ -100,7 +102,12 @@ class LLMEngine:
         are checked (vocabulary, length, duplicates, load), raising as ``add_request`` does."""
         self.scheduler.add_checked_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
                                            draft_ids=draft_ids, cache_salt=cache_salt)
-        self._requests[request_id] = _Request(TextStream(self.tokenizer, params.stop), prompt_tokens=len(prompt_ids))
+        self._requests[request_id] = _Request(self._stream(params), prompt_tokens=len(prompt_ids))
+
+    def _stream(self, params: SamplingParams) -> TextStream | PlainTextStream:
+        if not params.stop:
+            return PlainTextStream(self._token_texts)
+        return TextStream(self.tokenizer, params.stop)
 
     def abort_request(self, request_id: str, reason: FinishReason = "abort", message: str = "") -> RequestOutput | None:
         """Free the request's blocks now; its final output, or None if it is not live."""
@@ -126,8 +133,9 @@ class LLMEngine:
             sampled = self.runner.execute(plan.scheduled, round_.probs, round_.seeds)
         else:
             sampled = self.runner.execute(plan.scheduled)
-        updates = self.scheduler.update_from_output(
-            plan, {rid: [tok.token_id for tok in tokens] for rid, tokens in sampled.items()})
+        updates = self.scheduler.update_from_output(plan, {
+            rid: [tokens[0].token_id] if len(tokens) == 1 else [tok.token_id for tok in tokens]
+            for rid, tokens in sampled.items()})
         outputs = self._outputs(plan, updates, sampled)
         seconds = time.perf_counter() - started
         if spec is not None and round_ is not None:
@@ -148,24 +156,24 @@ class LLMEngine:
             req = self._requests.get(update.request_id)
             if req is None:
                 continue
-            out = RequestOutput(update.request_id)
+            tokens: list[TokenEvent] = []
+            out = RequestOutput(update.request_id, tokens)
             reason: FinishReason | None = update.finish_reason
-            chosen = sampled.get(update.request_id, [])
+            chosen = sampled.get(update.request_id, ())
+            push = req.stream.push
             for i, token_id in enumerate(update.new_token_ids):  # a prefix of what the runner emitted
-                text, stopped = req.stream.push(token_id)
-                req.completion_tokens += 1
-                if i < len(chosen) and chosen[i].token_id == token_id:
-                    out.tokens.append(TokenEvent(token_id, text, chosen[i].logprob, tuple(chosen[i].top_logprobs)))
+                text, stopped = push(token_id)
+                if i < len(chosen) and (picked := chosen[i]).token_id == token_id:
+                    tokens.append(TokenEvent(token_id, text, picked.logprob, tuple(picked.top_logprobs)))
                 else:
-                    out.tokens.append(TokenEvent(token_id, text, 0.0))
+                    tokens.append(TokenEvent(token_id, text, 0.0))
                 if stopped:
                     # A stop string ended it: the scheduler frees the blocks; later tokens are dropped.
                     self.scheduler.finish_request(update.request_id, "stop")
                     reason = "stop"
                     break
-            if update.stop_token_id is not None:
-                req.completion_tokens += 1
-            self._generated += len(out.tokens)
+            req.completion_tokens += len(tokens) + (update.stop_token_id is not None)  # the stop token counts too
+            self._generated += len(tokens)
             if reason is not None:
                 del self._requests[update.request_id]
                 out.finish = self._finish(req, reason, text=req.stream.finish())

@@ -22,7 +22,7 @@ from engine_gpu.graph_runner import GraphRunner, graphs_wanted
 from engine_gpu.kv_cache import PagedKVCache
 from engine_gpu.sampler import SampledToken, Sampler
 from engine_gpu.sched_output import ScheduledSeq
-from engine_gpu.speculative.verify import accept, token_logprobs
+from engine_gpu.speculative.verify_batch import verify_drafts
 from llm_shared.contract import SamplingParams
 from llm_shared.errors import ConfigError
 from llm_shared.llama import matmul
@@ -176,40 +176,43 @@ class ModelRunner:
         seed of each sampled request with drafts (absent: drawn here)."""
         if not batch:
             return {}
+        if all(item.sample and len(item.token_ids) == 1 and not item.num_draft_tokens for item in batch):
+            # a pure decode step: logit row n is item n's
+            logits = self.model.compute_logits(self._forward(batch, None)).float()
+            return self._sample_plain(batch, logits)
         rows = [i for i, item in enumerate(batch) if item.sample]
         widths = [batch[i].num_draft_tokens + 1 for i in rows]  # logit rows each sampled item needs
-        every_row = len(rows) == len(batch) and all(len(item.token_ids) == 1 for item in batch)  # a pure decode step
-        hidden = self._forward(batch, None if every_row else self._last_rows(batch, rows, widths))
+        hidden = self._forward(batch, self._last_rows(batch, rows, widths))
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden).float()
+        drafted = [n for n, width in enumerate(widths) if width > 1]
+        if not drafted:  # logit row n is sampled item n's
+            return self._sample_plain([batch[i] for i in rows], logits)
         firsts = list(itertools.accumulate(widths, initial=0))  # each sampled item's first logit row
         plain = [n for n, width in enumerate(widths) if width == 1]
         out: dict[str, list[SampledToken]] = {}
         if plain:
-            if len(plain) == len(rows):  # no drafts: logit row n is sampled item n's
-                items = [batch[i] for i in rows]
-                plain_logits = logits
-            else:
-                items = [batch[rows[n]] for n in plain]
-                plain_logits = logits[[firsts[n] for n in plain]]
-            tokens = self.sampler.sample(plain_logits, [item.params for item in items],
+            items = [batch[rows[n]] for n in plain]
+            tokens = self.sampler.sample(logits[[firsts[n] for n in plain]], [item.params for item in items],
                                          [item.output_index for item in items])
-            for item, token in zip(items, tokens, strict=True):
-                out[item.request_id] = [token]
-        for n, width in enumerate(widths):
-            if width == 1:
-                continue
-            item = batch[rows[n]]
-            drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens:]
-            q = (draft_probs or {}).get(item.request_id)
-            seed = (seeds or {}).get(item.request_id)
-            if seed is None:
-                seed = self.sampler.seed_for(item.params)
-            rows_logits = logits[firsts[n]: firsts[n] + width]
-            emitted = accept(rows_logits, drafts, q, item.params, seed, item.output_index)
-            out[item.request_id] = token_logprobs(rows_logits, emitted, item.params)
+            out.update((item.request_id, [token]) for item, token in zip(items, tokens, strict=True))
+        items = [batch[rows[n]] for n in drafted]
+        item_seeds = [(seeds or {}).get(item.request_id) for item in items]
+        item_seeds = [self.sampler.seed_for(item.params) if seed is None else seed  # in item order, as ever
+                      for item, seed in zip(items, item_seeds, strict=True)]
+        verified = verify_drafts(  # all drafted items at once, one transfer (speculative.verify_batch)
+            logits[[r for n in drafted for r in range(firsts[n], firsts[n] + widths[n])]],
+            [item.token_ids[len(item.token_ids) - item.num_draft_tokens:] for item in items],
+            [(draft_probs or {}).get(item.request_id) for item in items],
+            [item.params for item in items], item_seeds, [item.output_index for item in items])
+        out.update((item.request_id, tokens) for item, tokens in zip(items, verified, strict=True))
         return out
+
+    def _sample_plain(self, items: Sequence[ScheduledSeq], logits: torch.Tensor) -> dict[str, list[SampledToken]]:
+        """One token for each item from its row of ``logits`` [len(items), vocab]."""
+        tokens = self.sampler.sample(logits, [item.params for item in items], [item.output_index for item in items])
+        return {item.request_id: [token] for item, token in zip(items, tokens, strict=True)}
 
     @torch.inference_mode()
     def execute_logits(self, batch: Sequence[ScheduledSeq]) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from engine_gpu.block_manager import BlockManager
 from engine_gpu.config import EngineConfig
 from engine_gpu.sched_output import RequestUpdate, ScheduledSeq, SchedulerOutput, SchedulerStats
-from engine_gpu.sequence import SeqStatus, Sequence, as_token_ids, new_sequence
+from engine_gpu.sequence import MAX_TOKEN_ID, SeqStatus, Sequence, as_token_ids, new_sequence
 from llm_shared.contract import FINISH_REASONS, MAX_PREFIX_DRAFT_TOKENS, FinishReason, Priority, SamplingParams
 from llm_shared.errors import (
     DuplicateRequestError,
@@ -68,6 +68,9 @@ class Scheduler:
         self._requests: dict[str, Sequence] = {}  # every live request, waiting or running
         self._waiting: dict[Priority, deque[Sequence]] = {p: deque() for p in sorted(Priority)}
         self._running: dict[str, Sequence] = {}
+        # _running in order_key order, sorted again only after it changed (None): a steady decode
+        # batch is the same set step after step, and sorting it each step was most of schedule().
+        self._running_order: list[Sequence] | None = None
         self._in_flight: dict[str, Sequence] | None = None  # the last plan's sequences until its update
         self._finished_ids: list[str] = []  # since the last schedule(); tells the runner what to forget
         self._seq_numbers = itertools.count()
@@ -190,6 +193,7 @@ class Scheduler:
         if seq.status is SeqStatus.RUNNING:
             self.block_manager.deallocate(seq)
             del self._running[seq.request_id]
+            self._running_order = None
         elif seq.status is SeqStatus.WAITING:
             self._waiting[seq.priority].remove(seq)
         seq.status = SeqStatus.FINISHED
@@ -201,18 +205,48 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
-        running = sorted(self._running.values(), key=Sequence.order_key)
-        for seq in [s for s in running if s.is_caught_up] + [s for s in running if not s.is_caught_up]:
-            if plan.budget == 0:
-                break
-            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            n = self._chunk_size(seq.num_pending_tokens, plan)
-            if self._grow_or_preempt(seq, seq.num_computed_tokens + n, plan):
-                plan.add(seq, n)
+        if self._running_order is None:
+            self._running_order = sorted(self._running.values(), key=Sequence.order_key)
+        running = self._running_order
+        block_size = self.block_manager.block_size
+        if not self._plan_steady_decode(running, plan):
+            for seq in [s for s in running if s.is_caught_up] + [s for s in running if not s.is_caught_up]:
+                if plan.budget == 0:
+                    break
+                if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+                    continue
+                n = self._chunk_size(seq.num_pending_tokens, plan)
+                # Inside its last block (most decode steps) a seq needs no block: nothing to grow or preempt.
+                if (seq.num_computed_tokens + n <= len(seq.block_table) * block_size
+                        or self._grow_or_preempt(seq, seq.num_computed_tokens + n, plan)):
+                    plan.add(seq, n)
         if not plan.preempted:  # blocks are short: admitting now would only preempt again next step
             self._admit_waiting(plan)
         return self._emit(plan)
+
+    def _plan_steady_decode(self, running: list[Sequence], plan: _StepPlan) -> bool:
+        """The steady state, planned in one pass: when every running seq decodes one token (caught
+        up, no drafts), the budget covers them all and the free blocks cover those that cross into
+        a new block, the loop in ``schedule`` would add each with one token in this order, growing
+        the crossing ones in this order and preempting nobody. Otherwise plan nothing, return False."""
+        if len(running) > plan.budget:
+            return False
+        bm = self.block_manager
+        crossing: list[Sequence] = []  # need a block for their next position
+        for seq in running:
+            if seq.draft_token_ids or seq.num_computed_tokens < len(seq.token_ids) - 1:
+                return False
+            if seq.num_computed_tokens >= len(seq.block_table) * bm.block_size:
+                crossing.append(seq)
+        if sum(bm.blocks_for(seq.num_computed_tokens + 1) - len(seq.block_table) for seq in crossing) \
+                > bm.num_available_blocks:
+            return False
+        for seq in crossing:
+            bm.may_append(seq, seq.num_computed_tokens + 1)
+        plan.tokens = dict.fromkeys(running, 1)
+        plan.budget -= len(running)
+        plan.num_decodes = len(running)
+        return True
 
     def _chunk_size(self, num_pending: int, plan: _StepPlan) -> int:
         n = min(num_pending, plan.budget)
@@ -259,6 +293,7 @@ class Scheduler:
         seq.num_computed_tokens = num_cached
         seq.status = SeqStatus.RUNNING
         self._running[seq.request_id] = seq
+        self._running_order = None
         if seq.num_cached_tokens < 0:  # first admission, not a resumption
             seq.num_cached_tokens = num_cached
             plan.cached_tokens[seq.request_id] = num_cached
@@ -273,6 +308,7 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.status = SeqStatus.WAITING
         del self._running[seq.request_id]
+        self._running_order = None
         self._waiting[seq.priority].appendleft(seq)
         plan.preempted.append(seq.request_id)
         self._num_preemptions += 1
@@ -284,19 +320,19 @@ class Scheduler:
             start = seq.num_computed_tokens
             token_ids = seq.token_ids[start : start + n]
             num_drafts = n - len(token_ids)
-            token_ids.extend(seq.draft_token_ids[:num_drafts])
-            scheduled.append(
-                ScheduledSeq(
-                    request_id=seq.request_id,
-                    token_ids=token_ids,
-                    start_pos=start,
-                    block_table=seq.block_table[: bm.blocks_for(start + n)],
-                    sample=start + n >= seq.num_tokens,
-                    num_draft_tokens=num_drafts,
-                    params=seq.params,
-                    output_index=seq.num_output_tokens,
-                )
-            )
+            if num_drafts:
+                token_ids.extend(seq.draft_token_ids[:num_drafts])
+            num_tokens = len(seq.token_ids)
+            scheduled.append(ScheduledSeq(  # positional: a quarter cheaper than by keyword, 256 times a step
+                seq.request_id,  # request_id
+                token_ids,  # token_ids
+                start,  # start_pos
+                seq.block_table_prefix(bm.blocks_for(start + n)),  # block_table
+                start + n >= num_tokens,  # sample
+                num_drafts,  # num_draft_tokens
+                seq.params,  # params
+                num_tokens - seq.num_prompt_tokens,  # output_index
+            ))
         self._step += 1
         self._in_flight = {seq.request_id: seq for seq in plan.tokens}
         self._last_num_scheduled = sum(plan.tokens.values())
@@ -319,33 +355,40 @@ class Scheduler:
         if self._in_flight is None or output.step != self._step:
             raise ValueError("update_from_output takes the output of the latest schedule() call, once")
         work: list[tuple[Sequence, ScheduledSeq, list[int] | None]] = []
-        sampling_ids = set()
+        in_flight = self._in_flight
+        num_sampling_with_tokens = 0  # batch ids are distinct, so this equals len(sampled) unless some are unexpected
         for item in output.scheduled:
-            seq = self._in_flight[item.request_id]
-            if item.sample:
-                sampling_ids.add(item.request_id)
+            seq = in_flight[item.request_id]
+            tokens = sampled.get(item.request_id) if item.sample else None
+            if tokens is not None:
+                num_sampling_with_tokens += 1
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            tokens = None
-            if item.sample:
-                tokens = self._checked_tokens(item, sampled.get(item.request_id))
+            if item.sample and not (  # a plain step's one valid token passes as it is (the common case)
+                    tokens is not None and len(tokens) == 1 and not item.num_draft_tokens
+                    and type(t := tokens[0]) is int and 0 <= t <= MAX_TOKEN_ID):
+                tokens = self._checked_tokens(item, tokens)
             work.append((seq, item, tokens))
-        unexpected = set(sampled) - sampling_ids
-        if unexpected:
+        if len(sampled) > num_sampling_with_tokens:
+            unexpected = set(sampled) - {item.request_id for item in output.scheduled if item.sample}
             raise ValueError(f"tokens for requests that did not sample this step: {sorted(unexpected)[:5]}")
         self._in_flight = None
 
         updates: list[RequestUpdate] = []
+        bm = self.block_manager
+        block_size = bm.block_size
         for seq, item, tokens in work:
             if tokens is None:
                 seq.num_computed_tokens += len(item.token_ids)
-                self.block_manager.publish_full_blocks(seq)
+                bm.publish_full_blocks(seq)
                 continue
             rejected = item.num_draft_tokens - (len(tokens) - 1)
             seq.num_computed_tokens += len(item.token_ids) - rejected
-            seq.draft_token_ids = []  # drafted from an older last token; the drafter offers new ones
+            if seq.draft_token_ids:
+                seq.draft_token_ids = []  # drafted from an older last token; the drafter offers new ones
             new_ids, reason, stop_id = self._append_tokens(seq, tokens)
-            self.block_manager.publish_full_blocks(seq)  # accepted tokens only: rejected ones were never computed
+            if seq.num_computed_tokens // block_size > seq.num_published_blocks:  # else publishing is a no-op
+                bm.publish_full_blocks(seq)  # accepted tokens only: rejected ones were never computed
             if item.num_draft_tokens:
                 self._draft_tokens += item.num_draft_tokens
                 self._accepted_tokens += len(tokens) - 1
@@ -371,13 +414,15 @@ class Scheduler:
     def _append_tokens(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], FinishReason | None, int | None]:
         """Append accepted tokens up to the first finishing one; returns (to stream, reason, stop id)."""
         params = seq.params
+        token_ids = seq.token_ids
         new_ids: list[int] = []
         for t in tokens:
-            seq.token_ids.append(t)
+            token_ids.append(t)
             if (t == self.eos_token_id and not params.ignore_eos) or t in params.stop_token_ids:
                 return new_ids, "stop", t
             new_ids.append(t)
-            if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            num_tokens = len(token_ids)
+            if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
                 return new_ids, "length", None
         return new_ids, None, None
 

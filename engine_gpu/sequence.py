@@ -39,6 +39,9 @@ class Sequence:
     num_computed_tokens: int = 0  # leading token_ids whose KV is in the cache
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission; -1 until admitted
     block_table: list[int] = field(default_factory=list)  # physical block of each block_size slice of positions
+    # A copy of block_table's first blocks that nobody mutates, handed to the runner step after step
+    # (no copy per step); the BlockManager, which alone changes block_table, drops it on every change.
+    table_snapshot: list[int] | None = field(default=None, repr=False)
     # Chained hashes of the leading full blocks of token_ids. They depend on the tokens only,
     # and tokens are append-only, so the list survives preemption and is never recomputed.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -48,6 +51,13 @@ class Sequence:
     # Whose prefix cache it may use (Engine.generate's cache_salt, "" for none): its block hash
     # chain starts from this salt's seed, so it shares blocks only with requests of the same salt.
     cache_salt: str = ""
+
+    def block_table_prefix(self, num_blocks: int) -> list[int]:
+        """``block_table[:num_blocks]`` as a list that is never mutated (a ScheduledSeq's)."""
+        snapshot = self.table_snapshot
+        if snapshot is None or len(snapshot) != num_blocks:
+            snapshot = self.table_snapshot = self.block_table[:num_blocks]
+        return snapshot
 
     @property
     def num_tokens(self) -> int:
@@ -66,20 +76,23 @@ class Sequence:
         """Prompt plus the most tokens it may generate; its KV never covers the very last one."""
         return self.num_prompt_tokens + self.params.max_tokens
 
+    # The properties below read len(token_ids) rather than num_tokens: the scheduler asks them of
+    # every running sequence every step, and a property calling a property costs twice.
+
     @property
     def draft_room(self) -> int:
         """Drafts it may still verify: what it may generate, less the token a verification adds."""
-        return max(0, self.max_total_tokens - self.num_tokens - 1)
+        return max(0, self.max_total_tokens - len(self.token_ids) - 1)
 
     @property
     def is_caught_up(self) -> bool:
         """Only the last accepted token (and drafts) lack KV: the sequence is decoding."""
-        return self.num_computed_tokens >= self.num_tokens - 1
+        return self.num_computed_tokens >= len(self.token_ids) - 1
 
     @property
     def num_pending_tokens(self) -> int:
         """Tokens the next step could compute: the uncomputed tail plus drafts to verify."""
-        return self.num_tokens + len(self.draft_token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + len(self.draft_token_ids) - self.num_computed_tokens
 
     def order_key(self) -> tuple[int, float, int]:
         """Smaller runs first; the largest key is the preemption victim."""
