@@ -27,7 +27,10 @@ once: every request ignores EOS.
 
 Writes ``bench/results/gpu.json`` (``bench/out/smoke/gpu.json`` for ``--smoke``) and prints it as
 its last line: ``device``, ``versions``, ``bandwidth_gb_s``, ``decode``, ``verify_cost``, ``engine``,
-``gateway``, ``cpu``, ``smoke``. ``--device cpu --smoke`` runs the same code at tiny shapes (the
+``gateway``, then the flat figures the next issue's floors name (``roofline_ratio_b1``,
+``step_limit_ratio_b256``, ``engine_over_runner_b1``, ``cuda_graph_speedup_b1``,
+``decode_tok_s_b1_135m``, ``gateway_tok_s_c256``, ``gateway_ttft_p99_ms_c256``,
+``verify_cost_k4_b1``: the target shape's, 1.7B), ``cpu``, ``smoke``. ``--device cpu --smoke`` runs the same code at tiny shapes (the
 default suite does, seconds); on CUDA the full run takes a few minutes, set-up included.
 """
 
@@ -78,7 +81,7 @@ FULL = {"shapes": ["1.7b", "135m"], "batches": [1, 32, 256], "context": 512, "st
         "verify_k": [2, 4, 8], "engine_requests": 256, "engine_tokens": 128, "gateway_levels": [1, 64, 256],
         "gateway_tokens": 128, "copy_mib": 1024}
 SMOKE = {"shapes": ["tiny"], "batches": [1, 3], "context": 20, "steps": 2, "verify_batches": [1, 2],
-         "verify_k": [2], "engine_requests": 3, "engine_tokens": 4, "gateway_levels": [1, 2],
+         "verify_k": [2, 4], "engine_requests": 3, "engine_tokens": 4, "gateway_levels": [1, 2],
          "gateway_tokens": 4, "copy_mib": 8}
 BLOCK_SIZE = 16
 
@@ -263,6 +266,28 @@ def gateway_figures(cfg: ModelConfig, device: torch.device, dtype: str, a: argpa
                             block_size=BLOCK_SIZE)
 
 
+def headline(result: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    """The flat figures issue 32's floors name, from the first shape (the target: 1.7B) and the
+    135M shape; "b256" and "c256" are the largest batch and stream count measured (256 in a full
+    run, smaller in a smoke run, whose figures mean nothing anyway)."""
+    target = a.shapes[0]
+    small = "135m" if "135m" in a.shapes else a.shapes[-1]
+    big_b, big_c = max(a.batches), max(a.gateway_levels)
+    decode, small_b1 = result["decode"][target], result["decode"][small]["b1"]
+    gateway = result["gateway"].get(target, {}).get(f"c{big_c}", {})
+    verify_k = 4 if 4 in a.verify_k else max(a.verify_k)
+    return {
+        "roofline_ratio_b1": decode["b1"]["fraction"],
+        "step_limit_ratio_b256": decode[f"b{big_b}"]["fraction"],
+        "engine_over_runner_b1": result["engine"][target]["one_over_runner_b1"],
+        "cuda_graph_speedup_b1": round(decode["b1"]["graph_tok_s"] / decode["b1"]["eager_tok_s"], 3),
+        "decode_tok_s_b1_135m": max(small_b1["eager_tok_s"], small_b1["graph_tok_s"]),
+        "gateway_tok_s_c256": gateway.get("tok_s"),
+        "gateway_ttft_p99_ms_c256": round(gateway["ttft_p99_s"] * 1e3, 1) if gateway.get("ttft_p99_s") else None,
+        "verify_cost_k4_b1": result["verify_cost"][target][f"b1_k{verify_k}"],
+    }
+
+
 def versions() -> dict[str, str]:
     found = {"torch": torch.__version__, "python": sys.version.split()[0]}
     try:
@@ -314,6 +339,7 @@ def main() -> None:
                                                      max(b1.get("eager_tok_s", 0.0), b1.get("graph_tok_s", 0.0)))
             if not a.no_gateway and shape == a.shapes[0]:
                 result["gateway"][shape] = gateway_figures(cfg, device, dtype, a, Path(tmp))
+    result |= headline(result, a)
     result["cpu"] = cpu_facts()["model"]
     result["smoke"] = a.smoke
     result["seconds"] = round(time.perf_counter() - started, 1)
