@@ -70,6 +70,10 @@ class EngineConfig:
     # CUDA with the triton backend, as CUDA graphs captured before ready; on: also elsewhere, run
     # eagerly (the CPU tests' path; slower there); off: every step eager and sized to its batch
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    # overlapped steps: a step's outputs (detokenizing, stop strings, events) are made while the
+    # next step's forward runs on the device. auto: on CUDA; on: also on a CPU (tests: nothing
+    # runs beside the forward there); off: each step's outputs before the next is planned
+    overlap: Literal["auto", "on", "off"] = "auto"
     block_size: int = 16  # tokens per KV block
     kv_cache_mib: int = 512  # memory budget for the KV block pool
     num_blocks: int = 0  # >0 overrides the budget (tests)
@@ -99,6 +103,8 @@ class EngineConfig:
         require(self.threads >= 0, "engine.threads must be >= 0")
         require(self.cuda_graphs in ("auto", "on", "off"),
                 f"engine.cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
+        require(self.overlap in ("auto", "on", "off"),
+                f"engine.overlap must be 'auto', 'on' or 'off', got {self.overlap!r}")
         require(
             self.listen == "" or self.listen.startswith(("unix:", "tcp:")),
             f"engine.listen must be '', 'unix:/path' or 'tcp:host:port', got {self.listen!r}",

@@ -59,6 +59,11 @@ class LLMEngine:
             speculator.calibrate(runner)  # before any request holds blocks: it borrows the first ones
         self._requests: dict[str, _Request] = {}
         self._token_texts = TokenTexts(tokenizer)
+        # Overlapped steps: a step's outputs (detokenizing, stop strings, events) are made during
+        # the next step, after its forward is launched, so that host work runs while the device
+        # computes. The scheduler still takes each step's tokens before planning the next.
+        self.overlap = config.overlap == "on" or (config.overlap == "auto" and runner.device.type == "cuda")
+        self._deferred: tuple[SchedulerOutput, list[RequestUpdate], dict[str, list[SampledToken]]] | None = None
         self._steps = 0
         self._last_step_s = 0.0
         self._avg_step_s = 0.0
@@ -120,7 +125,7 @@ class LLMEngine:
         return RequestOutput(request_id, [], self._finish(req, reason, text="", message=message))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._deferred is not None
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -130,21 +135,36 @@ class LLMEngine:
         round_ = spec.prepare(self.scheduler, self.runner.sampler) if spec is not None else None
         plan = self.last_plan = self.scheduler.schedule()
         if round_ is not None:
-            sampled = self.runner.execute(plan.scheduled, round_.probs, round_.seeds)
+            result = self.runner.launch(plan.scheduled, round_.probs, round_.seeds)
         else:
-            sampled = self.runner.execute(plan.scheduled)
+            result = self.runner.launch(plan.scheduled)
+        deferred_started = time.perf_counter()
+        outputs = self._emit_deferred()  # the previous step's, while the device computes this one
+        deferred_s = time.perf_counter() - deferred_started
+        sampled = result()
         updates = self.scheduler.update_from_output(plan, {
             rid: [tokens[0].token_id] if len(tokens) == 1 else [tok.token_id for tok in tokens]
             for rid, tokens in sampled.items()})
-        outputs = self._outputs(plan, updates, sampled)
-        seconds = time.perf_counter() - started
+        if self.overlap and plan.scheduled:
+            self._deferred = (plan, updates, sampled)
+        else:
+            outputs += self._outputs(plan, updates, sampled)
+        seconds = time.perf_counter() - started - deferred_s
         if spec is not None and round_ is not None:
-            spec.finish(round_, plan, sampled, seconds)
+            # requests a deferred stop string ended during this step are gone: nothing to learn
+            spec.finish(round_, plan, {rid: t for rid, t in sampled.items() if rid in self._requests}, seconds)
             for out in outputs:
                 if out.finish is not None:
                     spec.release(out.request_id, out.finish.completion_tokens)
         self._record_step(seconds)
         return outputs
+
+    def _emit_deferred(self) -> list[RequestOutput]:
+        if self._deferred is None:
+            return []
+        plan, updates, sampled = self._deferred
+        self._deferred = None
+        return self._outputs(plan, updates, sampled)
 
     def _outputs(self, plan: SchedulerOutput, updates: list[RequestUpdate],
                  sampled: dict[str, list[SampledToken]]) -> list[RequestOutput]:

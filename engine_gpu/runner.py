@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -162,7 +162,6 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         log.info("warm-up in %.1f s (graph capture %.1f s)", time.perf_counter() - started, captured)
 
-    @torch.inference_mode()
     def execute(
         self,
         batch: Sequence[ScheduledSeq],
@@ -174,8 +173,20 @@ class ModelRunner:
         verification accepted and one more (``speculative.verify``). ``draft_probs`` holds the
         distributions drafts were drawn from (absent or None: point masses) and ``seeds`` the
         seed of each sampled request with drafts (absent: drawn here)."""
+        return self.launch(batch, draft_probs, seeds)()
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        batch: Sequence[ScheduledSeq],
+        draft_probs: Mapping[str, torch.Tensor | None] | None = None,
+        seeds: Mapping[str, int] | None = None,
+    ) -> Callable[[], dict[str, list[SampledToken]]]:
+        """``execute`` in two halves: the forward and the sampling's tensor work now (on a GPU,
+        queued), and a call that transfers the chosen tokens back and returns what ``execute``
+        returns. A step with drafts verifies them before returning (its transfer is made here)."""
         if not batch:
-            return {}
+            return dict
         if all(item.sample and len(item.token_ids) == 1 and not item.num_draft_tokens for item in batch):
             # a pure decode step: logit row n is item n's
             logits = self.model.compute_logits(self._forward(batch, None)).float()
@@ -184,7 +195,7 @@ class ModelRunner:
         widths = [batch[i].num_draft_tokens + 1 for i in rows]  # logit rows each sampled item needs
         hidden = self._forward(batch, self._last_rows(batch, rows, widths))
         if not rows:
-            return {}
+            return dict
         logits = self.model.compute_logits(hidden).float()
         drafted = [n for n, width in enumerate(widths) if width > 1]
         if not drafted:  # logit row n is sampled item n's
@@ -207,12 +218,14 @@ class ModelRunner:
             [(draft_probs or {}).get(item.request_id) for item in items],
             [item.params for item in items], item_seeds, [item.output_index for item in items])
         out.update((item.request_id, tokens) for item, tokens in zip(items, verified, strict=True))
-        return out
+        return lambda: out
 
-    def _sample_plain(self, items: Sequence[ScheduledSeq], logits: torch.Tensor) -> dict[str, list[SampledToken]]:
-        """One token for each item from its row of ``logits`` [len(items), vocab]."""
-        tokens = self.sampler.sample(logits, [item.params for item in items], [item.output_index for item in items])
-        return {item.request_id: [token] for item, token in zip(items, tokens, strict=True)}
+    def _sample_plain(self, items: Sequence[ScheduledSeq],
+                      logits: torch.Tensor) -> Callable[[], dict[str, list[SampledToken]]]:
+        """One token for each item from its row of ``logits`` [len(items), vocab], once called."""
+        later = self.sampler.sample_later(logits, [item.params for item in items],
+                                          [item.output_index for item in items])
+        return lambda: {item.request_id: [token] for item, token in zip(items, later(), strict=True)}
 
     @torch.inference_mode()
     def execute_logits(self, batch: Sequence[ScheduledSeq]) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -204,11 +204,19 @@ class Sampler:
         self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
     ) -> list[SampledToken]:
         """logits [n, V] (any float dtype) -> one token per row."""
+        return self.sample_later(logits, params, output_indices)()
+
+    def sample_later(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
+    ) -> Callable[[], list[SampledToken]]:
+        """The tensor work of ``sample`` now (on a GPU: queued behind the forward), and a call that
+        makes the one transfer and the tokens: an engine overlapping steps makes it after its host
+        work for the previous step, so that work runs while the device computes this one."""
         n = logits.shape[0]
         if n != len(params) or n != len(output_indices):
             raise ValueError(f"{n} logit rows but {len(params)} params and {len(output_indices)} output indices")
         if n == 0:
-            return []
+            return list
         logits = logits.to(torch.float32)
         logprobs = torch.log_softmax(logits, dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -221,12 +229,18 @@ class Sampler:
         # One transfer for ids and their logprobs (on a GPU each transfer waits for the device):
         # float64 holds both exactly, ids being below 2**53 and the logprobs float32.
         chosen_logprobs = logprobs.gather(1, chosen[:, None]).squeeze(1)
-        ids_row, logprob_row = torch.stack((chosen.double(), chosen_logprobs.double())).tolist()
-        chosen_ids = list(map(int, ids_row))
-        top = self._top_logprobs(logprobs, params)
-        if top is None:
-            return [SampledToken(token_id, logprob) for token_id, logprob in zip(chosen_ids, logprob_row, strict=True)]
-        return [SampledToken(chosen_ids[i], logprob_row[i], top[i]) for i in range(n)]
+        both = torch.stack((chosen.double(), chosen_logprobs.double()))
+
+        def tokens() -> list[SampledToken]:
+            ids_row, logprob_row = both.tolist()
+            chosen_ids = list(map(int, ids_row))
+            with torch.inference_mode():
+                top = self._top_logprobs(logprobs, params)
+            if top is None:
+                return [SampledToken(token_id, logprob) for token_id, logprob in zip(chosen_ids, logprob_row, strict=True)]
+            return [SampledToken(chosen_ids[i], logprob_row[i], top[i]) for i in range(n)]
+
+        return tokens
 
     def _sample_rows(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int], rows: list[int]

@@ -50,17 +50,17 @@ async def client(server: str, engine: LLMEngine) -> AsyncIterator[EngineClient]:
 
 async def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(
         client: EngineClient, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = engine.runner.execute
+    real = engine.runner.launch
     calls = 0
 
-    def execute_once_broken(batch: list) -> dict:
+    def launch_once_broken(batch: list) -> object:
         nonlocal calls
         calls += 1
         if calls == 2:
             raise RuntimeError("simulated device failure")
         return real(batch)
 
-    monkeypatch.setattr(engine.runner, "execute", execute_once_broken)
+    monkeypatch.setattr(engine.runner, "launch", launch_once_broken)
     events = [e async for e in client.generate("victim", [5, 6, 7, 8], GREEDY)]
     assert isinstance(events[-1], FinishEvent) and events[-1].reason == "error"
     assert events[-1].message and "simulated" not in events[-1].message  # no internals to clients

@@ -100,18 +100,18 @@ def test_abort_during_verification_frees_everything(model_cfg: ModelConfig) -> N
     prompts, _ = make_prompts()
     for i, prompt in enumerate(prompts[:8]):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    execute = engine.runner.execute
+    launch = engine.runner.launch
     aborted: list[str] = []
 
-    def execute_then_abort(batch, *args):  # type: ignore[no-untyped-def]
-        out = execute(batch, *args)
+    def launch_then_abort(batch, *args):  # type: ignore[no-untyped-def]
+        out = launch(batch, *args)
         verifying = [item.request_id for item in batch if item.num_draft_tokens]
         if verifying and len(aborted) < 3:
             engine.abort_request(verifying[0])
             aborted.append(verifying[0])
         return out
 
-    engine.runner.execute = execute_then_abort  # type: ignore[method-assign]
+    engine.runner.launch = launch_then_abort  # type: ignore[method-assign]
     while engine.has_unfinished():
         outputs = engine.step()
         assert not {o.request_id for o in outputs} & set(aborted[:-1])  # nothing streams after an abort
