@@ -72,6 +72,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/cascade.py
 	$(BIN)/python bench/cascade_load.py
 	$(BIN)/python bench/runner_decode.py
+	$(BIN)/python bench/host_path.py
 	$(BIN)/python bench/kv_layout.py
 	$(BIN)/python bench/load.py
 	$(BIN)/python bench/faults.py
