@@ -63,7 +63,9 @@ from engine_gpu.kv_cache import bytes_per_block  # noqa: E402
 from engine_gpu.runner import DTYPES, ModelRunner  # noqa: E402
 from engine_gpu.sched_output import ScheduledSeq  # noqa: E402
 from llm_shared.contract import SamplingParams  # noqa: E402
-from llm_shared.models import ModelConfig  # noqa: E402
+from llm_shared.llama.loader import load_model  # noqa: E402
+from llm_shared.llama.model import LlamaModel  # noqa: E402
+from llm_shared.models import ModelConfig, tokenizer_for  # noqa: E402
 
 ASSETS = _HERE / "assets" / "smollm2"
 RESULTS = _HERE / "results" / "gpu.json"
@@ -161,13 +163,18 @@ def copy_bandwidth(device: torch.device, mib: int) -> float:
 
 # ---- the runner -------------------------------------------------------------------------------
 
-def runner_for(cfg: ModelConfig, device: torch.device, dtype: str, *, tokens: int, batch: int,
-               graphs: str) -> ModelRunner:
+def runner_for(model: LlamaModel, device: torch.device, *, tokens: int, batch: int, graphs: str) -> ModelRunner:
+    """A runner of the shape's one loaded model with a pool for ``batch`` sequences of ``tokens``."""
     num_blocks = batch * -(-tokens // BLOCK_SIZE) + 2
-    engine_cfg = EngineConfig(model=cfg.id, device=device.type, dtype=dtype, block_size=BLOCK_SIZE,  # type: ignore[arg-type]
+    engine_cfg = EngineConfig(device=device.type, block_size=BLOCK_SIZE,  # type: ignore[arg-type]
                               num_blocks=num_blocks, max_num_seqs=max(batch, 1), max_model_len=tokens + BLOCK_SIZE,
                               cuda_graphs=graphs)  # type: ignore[arg-type]
-    return ModelRunner.from_config(cfg, engine_cfg)
+    return ModelRunner.for_model(model, engine_cfg)
+
+
+def best_tok_s(row: dict[str, Any]) -> float:
+    """The better of a decode row's eager and fixed-shape figures."""
+    return max(row["eager_tok_s"], row.get("graph_tok_s", 0.0))
 
 
 def decode_items(batch: int, context: int, width: int, tokens_per_seq: int = 1) -> list[ScheduledSeq]:
@@ -180,13 +187,14 @@ def decode_items(batch: int, context: int, width: int, tokens_per_seq: int = 1) 
             for i in range(batch)]
 
 
-def decode_figures(cfg: ModelConfig, device: torch.device, dtype: str, a: argparse.Namespace,
+def decode_figures(model: LlamaModel, name: str, device: torch.device, a: argparse.Namespace,
                    bandwidth: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    hf = hf_config(cfg.id.removeprefix("synthetic-"))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_token = bytes_per_block(model.args, 1, model.embed.weight.dtype)
     for graphs in ("off", "on"):
         for batch in a.batches:
-            runner = runner_for(cfg, device, dtype, tokens=a.context + 8, batch=batch, graphs=graphs)
+            runner = runner_for(model, device, tokens=a.context + 8, batch=batch, graphs=graphs)
             width = -(-(a.context + 8) // BLOCK_SIZE)
             items = decode_items(batch, a.context, width)
             seconds = timed(lambda r=runner, b=items: r.execute(b), device, reps=a.steps)
@@ -194,29 +202,25 @@ def decode_figures(cfg: ModelConfig, device: torch.device, dtype: str, a: argpar
             row["graph_tok_s" if graphs == "on" else "eager_tok_s"] = round(batch / seconds, 1)
             row["graph_step_ms" if graphs == "on" else "eager_step_ms"] = round(seconds * 1e3, 3)
             if graphs == "off":
-                weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-                kv_token = bytes_per_block(runner.model.args, 1, runner.dtype)
                 step_bytes = weights + batch * a.context * kv_token
                 row["limit_tok_s"] = round(batch / (step_bytes / (bandwidth * 1e9)), 1)
                 row["attention"] = runner.attention_backend.name
-                out["weight_bytes"] = weights
-            progress(f"  {cfg.id} batch {batch:3d}, cuda_graphs {graphs}: {seconds * 1e3:.2f} ms a step, "
+            progress(f"  {name} batch {batch:3d}, cuda_graphs {graphs}: {seconds * 1e3:.2f} ms a step, "
                      f"{batch / seconds:.0f} tok/s ({runner.attention_backend.name} attention)")
             del runner
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    for key, row in out.items():
-        if key.startswith("b"):
-            best = max(row["eager_tok_s"], row.get("graph_tok_s", 0.0))
-            row["fraction"] = round(best / row["limit_tok_s"], 3)
-    out["layers"] = hf["num_hidden_layers"]
+    for row in out.values():
+        row["fraction"] = round(best_tok_s(row) / row["limit_tok_s"], 3)
+    out["weight_bytes"] = weights
+    out["layers"] = model.args.num_layers
     return out
 
 
-def verify_figures(cfg: ModelConfig, device: torch.device, dtype: str, a: argparse.Namespace) -> dict[str, Any]:
+def verify_figures(model: LlamaModel, name: str, device: torch.device, a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for batch in a.verify_batches:
-        runner = runner_for(cfg, device, dtype, tokens=a.context + max(a.verify_k) + 1, batch=batch, graphs="off")
+        runner = runner_for(model, device, tokens=a.context + max(a.verify_k) + 1, batch=batch, graphs="off")
         width = -(-(a.context + max(a.verify_k) + 1) // BLOCK_SIZE)
         one = decode_items(batch, a.context, width)
         plain = timed(lambda r=runner, b=one: r.execute(b), device, reps=a.steps)
@@ -224,21 +228,21 @@ def verify_figures(cfg: ModelConfig, device: torch.device, dtype: str, a: argpar
             items = decode_items(batch, a.context, width, tokens_per_seq=k + 1)
             seconds = timed(lambda r=runner, b=items: r.execute(b), device, reps=a.steps)
             out[f"b{batch}_k{k}"] = round(seconds / plain, 3)
-            progress(f"  {cfg.id} batch {batch}: verifying {k} drafts costs {seconds / plain:.2f} plain steps")
+            progress(f"  {name} batch {batch}: verifying {k} drafts costs {seconds / plain:.2f} plain steps")
         del runner
     return out
 
 
 # ---- the engine -------------------------------------------------------------------------------
 
-def engine_figures(cfg: ModelConfig, device: torch.device, dtype: str, a: argparse.Namespace,
+def engine_figures(model: LlamaModel, cfg: ModelConfig, device: torch.device, a: argparse.Namespace,
                    runner_b1_tok_s: float) -> dict[str, Any]:
     tokens = a.engine_tokens
-    engine_cfg = EngineConfig(model=cfg.id, device=device.type, dtype=dtype, block_size=BLOCK_SIZE,  # type: ignore[arg-type]
+    engine_cfg = EngineConfig(model=cfg.id, device=device.type, block_size=BLOCK_SIZE,  # type: ignore[arg-type]
                               num_blocks=a.engine_requests * -(-(64 + tokens) // BLOCK_SIZE) + 8,
                               max_num_seqs=a.engine_requests, max_num_batched_tokens=4096, max_model_len=1024)
     started = time.perf_counter()
-    engine = LLMEngine.from_config(cfg, engine_cfg)
+    engine = LLMEngine(ModelRunner.for_model(model, engine_cfg), tokenizer_for(cfg), engine_cfg, model_cfg=cfg)
     progress(f"  {cfg.id}: engine ready in {time.perf_counter() - started:.1f} s (warm-up included)")
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Tell me a short story about a robot."}])
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -281,7 +285,7 @@ def headline(result: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         "step_limit_ratio_b256": decode[f"b{big_b}"]["fraction"],
         "engine_over_runner_b1": result["engine"][target]["one_over_runner_b1"],
         "cuda_graph_speedup_b1": round(decode["b1"]["graph_tok_s"] / decode["b1"]["eager_tok_s"], 3),
-        "decode_tok_s_b1_135m": max(small_b1["eager_tok_s"], small_b1["graph_tok_s"]),
+        "decode_tok_s_b1_135m": best_tok_s(small_b1),
         "gateway_tok_s_c256": gateway.get("tok_s"),
         "gateway_ttft_p99_ms_c256": round(gateway["ttft_p99_s"] * 1e3, 1) if gateway.get("ttft_p99_s") else None,
         "verify_cost_k4_b1": result["verify_cost"][target][f"b1_k{verify_k}"],
@@ -320,8 +324,9 @@ def main() -> None:
     dtype = resolve_dtype(a.dtype, device.type)[0]
     started = time.perf_counter()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    progress(f"device {name}, {versions()}, {dtype}, shapes {a.shapes}")
-    result: dict[str, Any] = {"device": name, "versions": versions(), "dtype": dtype}
+    found = versions()
+    progress(f"device {name}, {found}, {dtype}, shapes {a.shapes}")
+    result: dict[str, Any] = {"device": name, "versions": found, "dtype": dtype}
     result["bandwidth_gb_s"] = round(copy_bandwidth(device, a.copy_mib), 1)
     progress(f"copy bandwidth {result['bandwidth_gb_s']} GB/s (read + written)")
     result["decode"], result["verify_cost"], result["engine"], result["gateway"] = {}, {}, {}, {}
@@ -331,12 +336,13 @@ def main() -> None:
             directory = write_checkpoint(Path(tmp) / shape, shape, device)
             cfg = model_config(directory, shape)
             progress(f"{shape}: synthetic checkpoint written in {time.perf_counter() - t0:.1f} s")
-            decode = decode_figures(cfg, device, dtype, a, result["bandwidth_gb_s"])
-            result["decode"][shape] = decode
-            result["verify_cost"][shape] = verify_figures(cfg, device, dtype, a)
-            b1 = decode.get("b1", {})
-            result["engine"][shape] = engine_figures(cfg, device, dtype, a,
-                                                     max(b1.get("eager_tok_s", 0.0), b1.get("graph_tok_s", 0.0)))
+            model = load_model(directory, "safetensors", dtype=DTYPES[dtype], device=device)  # once a shape
+            decode = result["decode"][shape] = decode_figures(model, cfg.id, device, a, result["bandwidth_gb_s"])
+            result["verify_cost"][shape] = verify_figures(model, cfg.id, device, a)
+            result["engine"][shape] = engine_figures(model, cfg, device, a, best_tok_s(decode["b1"]))
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             if not a.no_gateway and shape == a.shapes[0]:
                 result["gateway"][shape] = gateway_figures(cfg, device, dtype, a, Path(tmp))
     result |= headline(result, a)

@@ -118,6 +118,15 @@ class ModelRunner:
         model = load_model(path, model_cfg.format, dtype=dtype, device=device, cache=cache)
         if device.type == "cpu":  # which of two equal matmul forms this CPU computes faster, per shape
             matmul.tune(model.projection_weights(), cache=cache)
+        return cls.for_model(model, engine_cfg)
+
+    @classmethod
+    def for_model(cls, model: LlamaModel, engine_cfg: EngineConfig) -> ModelRunner:
+        """A runner of a loaded model (on ``engine_cfg``'s device, in its dtype): the attention
+        backend, a KV pool and the decode graphs ``engine_cfg`` asks for, warmed up. Several
+        runners may share one model (bench/gpu.py sizes a pool per batch)."""
+        device = torch.device(engine_cfg.device)
+        dtype = model.embed.weight.dtype
         args = model.args
         backend = get_attention_backend(
             engine_cfg.attention, device=device, block_size=engine_cfg.block_size,
