@@ -11,7 +11,7 @@ The work over the logits runs as tensor operations on their device. The host sen
 parameters and uniforms (``uniforms_for``: one numpy pass) and gets the chosen ids and their
 logprobs back in one transfer (top logprobs in one more, when asked); which rows filter by top-k
 or top-p is read from the parameters (``request_probs``), so nothing in a step waits for the
-device before that transfer. ``device_uniforms`` computes the same uniforms on the device.
+device before that transfer.
 """
 
 from __future__ import annotations
@@ -48,36 +48,6 @@ def _splitmix64(x: int) -> int:
 def uniform_for(seed: int, output_index: int) -> float:
     """A uniform in [0, 1) keyed by (seed, output_index): the same key, the same number."""
     return (_splitmix64(_splitmix64(seed) ^ output_index) >> 11) * 2.0**-53
-
-
-def _as_int64(value: int) -> int:
-    """The int64 with the bits of a uint64 ``value``."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _logical_shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``x >> bits`` of the uint64 an int64 tensor's bits stand for (torch shifts int64 arithmetically)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
-    """``_splitmix64`` of every element of an int64 tensor holding uint64 bits, on its device: adding
-    and multiplying wrap alike in two's complement, and the right shifts are made logical."""
-    x = x + _as_int64(0x9E3779B97F4A7C15)
-    x = (x ^ _logical_shift_right(x, 30)) * _as_int64(0xBF58476D1CE4E5B9)
-    x = (x ^ _logical_shift_right(x, 27)) * _as_int64(0x94D049BB133111EB)
-    return x ^ _logical_shift_right(x, 31)
-
-
-def device_uniforms(seeds: torch.Tensor, output_indices: torch.Tensor) -> torch.Tensor:
-    """float32 [n] on the tensors' device: ``uniform_for`` of each (seed, output index) pair,
-    bit for bit (seeds in [0, 2**63) and indices >= 0, as int64 [n]).
-
-    For sampling inside a captured CUDA graph, where its ~20 small ops cost the host nothing.
-    Run eagerly they cost more host time than ``uniforms_for`` plus one copy (96 against 29 µs
-    for 256 rows on the dev machine's CPU), so the sampler uses that."""
-    mixed = _splitmix64_tensor(_splitmix64_tensor(seeds) ^ output_indices)
-    return (_logical_shift_right(mixed, 11).to(torch.float64) * 2.0**-53).to(torch.float32)
 
 
 def _splitmix64_array(x: np.ndarray) -> np.ndarray:

@@ -2,8 +2,7 @@
 
 - ``PlainTextStream`` (a table lookup a token) against ``TextStream`` with no stop strings, on the
   real SmolLM2 tokenizer, over token sequences rich in split UTF-8 characters and specials;
-- ``uniforms_for`` (numpy, one pass) and ``device_uniforms`` (int64 torch ops) against
-  ``uniform_for`` (Python, a row at a time), bit for bit;
+- ``uniforms_for`` (numpy, one pass) against ``uniform_for`` (Python, a row at a time), bit for bit;
 - ``request_probs`` (filters read from the parameters: nothing waits for the device) against
   ``sampling_probs``, and ``Sampler.sample`` against the sampler as it was (``reference_sample``);
 - the scheduler's one-pass steady decode plan and its block-table snapshots against the general
@@ -40,7 +39,6 @@ from engine_gpu.sampler import (
     SampledToken,
     Sampler,
     _nucleus_floor,
-    device_uniforms,
     inverse_cdf,
     request_probs,
     sampling_probs,
@@ -118,14 +116,6 @@ def test_plain_stream_refuses_an_id_outside_the_vocabulary_as_the_tokenizer_does
 def test_uniforms_for_equals_uniform_for_bit_for_bit(keys: list[tuple[int, int]]) -> None:
     seeds, indices = [s for s, _ in keys], [i for _, i in keys]
     assert uniforms_for(seeds, indices).tolist() == [uniform_for(s, i) for s, i in keys]
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 2**40)), min_size=1, max_size=64))
-def test_device_uniforms_equal_uniform_for_bit_for_bit(keys: list[tuple[int, int]]) -> None:
-    seeds, indices = torch.tensor([s for s, _ in keys]), torch.tensor([i for _, i in keys])
-    expected = torch.tensor([uniform_for(s, i) for s, i in keys], dtype=torch.float32)
-    assert torch.equal(device_uniforms(seeds, indices), expected)
 
 
 @settings(max_examples=100, deadline=None)
