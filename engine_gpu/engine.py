@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from engine_gpu.config import EngineConfig
-from engine_gpu.detok import PlainTextStream, TokenTexts
 from engine_gpu.outputs import RequestOutput
 from engine_gpu.runner import ModelRunner, SampledToken
 from engine_gpu.sched_output import RequestUpdate, SchedulerOutput
@@ -34,7 +33,7 @@ STEP_TIME_EMA = 0.1  # weight of the newest step in the smoothed step time
 class _Request:
     """What the engine keeps per request besides the scheduler's state."""
 
-    stream: TextStream | PlainTextStream  # the plain one (a table lookup a token) when there are no stop strings
+    stream: TextStream
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0  # sampled tokens, the EOS or stop token included
@@ -58,7 +57,6 @@ class LLMEngine:
         if speculator is not None:
             speculator.calibrate(runner)  # before any request holds blocks: it borrows the first ones
         self._requests: dict[str, _Request] = {}
-        self._token_texts = TokenTexts(tokenizer)
         # Overlapped steps: a step's outputs (detokenizing, stop strings, events) are made during
         # the next step, after its forward is launched, so that host work runs while the device
         # computes. The scheduler still takes each step's tokens before planning the next.
@@ -99,7 +97,7 @@ class LLMEngine:
         prefix-cache hits come only from requests with the same ``cache_salt``."""
         self.scheduler.add_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
                                    draft_ids=draft_ids, cache_salt=cache_salt)
-        self._requests[request_id] = _Request(self._stream(params), prompt_tokens=len(prompt_ids))
+        self._requests[request_id] = _Request(TextStream(self.tokenizer, params.stop), prompt_tokens=len(prompt_ids))
 
     def add_checked_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                             priority: Priority, draft_ids: list[int] | None = None, cache_salt: str = "") -> None:
@@ -107,12 +105,7 @@ class LLMEngine:
         are checked (vocabulary, length, duplicates, load), raising as ``add_request`` does."""
         self.scheduler.add_checked_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
                                            draft_ids=draft_ids, cache_salt=cache_salt)
-        self._requests[request_id] = _Request(self._stream(params), prompt_tokens=len(prompt_ids))
-
-    def _stream(self, params: SamplingParams) -> TextStream | PlainTextStream:
-        if not params.stop:
-            return PlainTextStream(self._token_texts)
-        return TextStream(self.tokenizer, params.stop)
+        self._requests[request_id] = _Request(TextStream(self.tokenizer, params.stop), prompt_tokens=len(prompt_ids))
 
     def abort_request(self, request_id: str, reason: FinishReason = "abort", message: str = "") -> RequestOutput | None:
         """Free the request's blocks now; its final output, or None if it is not live."""

@@ -21,19 +21,29 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = tokenizer.special_ids if skip_special else frozenset()
+        self._texts = tokenizer.whole_texts
         # The stdlib incremental decoder keeps an incomplete trailing sequence pending and
         # replaces invalid bytes exactly as bytes.decode(errors="replace") does.
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = False  # the decoder holds bytes of an unfinished character
 
     def push(self, token_id: int) -> str:
         """Text completed by this token ("" while a multi-byte character is still pending)."""
-        data = self._tokenizer.token_bytes(token_id)
+        # Nearly every token is whole characters: while nothing is pending its text is a lookup.
+        if not self._pending and type(token_id) is int and 0 <= token_id < len(self._texts):
+            text = self._texts[token_id]
+            if text is not None:
+                return "" if token_id in self._skip else text
+        data = self._tokenizer.token_bytes(token_id)  # checks the id
         if token_id in self._skip:
             return ""
-        return self._decoder.decode(data)
+        text = self._decoder.decode(data)
+        self._pending = bool(self._decoder.getstate()[0])
+        return text
 
     def flush(self) -> str:
         """End of stream: bytes still pending cannot complete and become U+FFFD."""
+        self._pending = False
         return self._decoder.decode(b"", final=True)
 
 
@@ -73,6 +83,11 @@ class TextStream:
         """(text safe to emit now, stopped). After a stop, further tokens yield ("", True)."""
         if self._stopped:
             return "", True
+        if not self._stops:  # nothing to hold back or find
+            text = self._detok.push(token_id)
+            if text:
+                self._emitted.append(text)
+            return text, False
         return self._advance(self._detok.push(token_id))
 
     def finish(self) -> str:

