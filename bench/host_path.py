@@ -31,10 +31,12 @@ The client's decoding runs in this process, on the other core.
 The same harness runs against the code as it was at ``--before`` (default 6ba6651, the tree
 before the host-path work, extracted with ``git archive``) in the same invocation, and the new
 tree once more with decode steps on the decode-graph runner's path (``graphs_``: inputs written
-into persistent buffers and the forward run from them, as a GPU does, eagerly here), alternating
-for ``--rounds`` rounds; all must stream identical text. The last line is one JSON object:
-``host_ms_per_step_b{1,64,256}``, ``host_us_per_token_b{1,64,256}``, the same with ``before_``
-and ``graphs_``, ``same_output`` (every request's text equal in every arm), ``cpu`` and
+into persistent buffers and the forward run from them, as a GPU does, eagerly here), and once
+with that and ``engine.overlap = "on"`` as well (``overlap_``: the loop a GPU runs, each step's
+outputs made during the next and steady decode steps planned ahead), alternating for
+``--rounds`` rounds; all must stream identical text. The last line is one JSON object:
+``host_ms_per_step_b{1,64,256}``, ``host_us_per_token_b{1,64,256}``, the same with ``before_``,
+``graphs_`` and ``overlap_``, ``same_output`` (every request's text equal in every arm), ``cpu`` and
 ``python_ref_ms``; details per run in bench/out/host_path.json. ``--smoke``: 6 measured steps,
 1 round (seconds; figures meaningless). ``--profile FILE``: cProfile the new tree's core instead.
 """
@@ -94,11 +96,12 @@ def max_tokens(batch: int, steps: int, warmup: int) -> int:
     return warmup + steps + 2 + -(-batch * 64 // BUDGET)
 
 
-def null_engine(batch: int, max_tokens: int, graphs: bool = False) -> Any:
+def null_engine(batch: int, max_tokens: int, graphs: bool = False, overlap: bool = False) -> Any:
     """An LLMEngine (of whichever tree is on sys.path) over a null model, sized for ``batch``
     requests of ``max_tokens``. ``graphs``: decode steps take the decode-graph runner's path
     (``ModelRunner.enable_decode_graphs``: inputs written into persistent buffers, run eagerly
-    here), as on a GPU; only trees that have it."""
+    here), as on a GPU; only trees that have it. ``overlap``: ``engine.overlap = "on"``, the
+    loop a GPU runs (outputs made a step later, steady decode steps planned ahead)."""
     import torch
 
     from engine_gpu.config import EngineConfig
@@ -148,7 +151,8 @@ def null_engine(batch: int, max_tokens: int, graphs: bool = False) -> Any:
     per_seq = -(-(64 + max_tokens + 1) // block_size)
     max_model_len = block_size * (per_seq + 1)
     config = EngineConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=max(BUDGET, batch), block_size=block_size,
-                          num_blocks=per_seq * batch + 16, max_waiting=max(256, batch), max_model_len=max_model_len)
+                          num_blocks=per_seq * batch + 16, max_waiting=max(256, batch), max_model_len=max_model_len,
+                          **({"overlap": "on"} if overlap else {}))
     kv = PagedKVCache(num_layers=1, num_blocks=config.num_blocks, block_size=block_size, num_kv_heads=1, head_dim=2,
                       dtype=torch.float32, device="cpu", layout="heads_first", **({"scratch": True} if graphs else {}))
     runner = ModelRunner(NullModel(), kv, device="cpu", dtype=torch.float32,
@@ -175,7 +179,7 @@ def worker(args: argparse.Namespace) -> None:
 
     batch = args.batch[0]
     steps = max_tokens(batch, args.steps, args.warmup)
-    engine = null_engine(batch, steps, graphs=args.graphs)
+    engine = null_engine(batch, steps, graphs=args.graphs or args.overlap, overlap=args.overlap)
 
     starts: list[float] = []
     ends: list[float] = []
@@ -221,7 +225,7 @@ def worker(args: argparse.Namespace) -> None:
 # --- the client: this process ----------------------------------------------------------------
 
 def run_once(tree: Path, batch: int, steps: int, warmup: int, profile: str = "",
-             graphs: bool = False) -> tuple[dict[str, float], dict[str, str]]:
+             graphs: bool = False, overlap: bool = False) -> tuple[dict[str, float], dict[str, str]]:
     """One core process over ``tree`` serving ``batch`` requests; its timings and every request's text."""
     from engine_gpu.protocol import (
         MAX_FRAME_BYTES,
@@ -242,7 +246,7 @@ def run_once(tree: Path, batch: int, steps: int, warmup: int, profile: str = "",
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--worker", "--tree", str(tree), "--batch", str(batch),
          "--steps", str(steps), "--warmup", str(warmup), *(["--profile", profile] if profile else []),
-         *(["--graphs"] if graphs else [])],
+         *(["--graphs"] if graphs else []), *(["--overlap"] if overlap else [])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=tree, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     try:
@@ -315,6 +319,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", default=str(REPO_ROOT), help=argparse.SUPPRESS)
     parser.add_argument("--graphs", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", default="", help="cProfile the new tree's core into this file (one run per batch)")
     args = parser.parse_args()
     if args.worker:
@@ -338,21 +343,21 @@ def main() -> None:
     same = True
     with tempfile.TemporaryDirectory(prefix="host-path-before-") as tmp:
         old = extract_before(args.before, Path(tmp))
-        trees = {"before": old, "after": REPO_ROOT, "graphs": REPO_ROOT}
+        trees = {"before": old, "after": REPO_ROOT, "graphs": REPO_ROOT, "overlap": REPO_ROOT}
         for batch in args.batch:
             means: dict[str, list[float]] = {name: [] for name in trees}
             texts: dict[str, dict[str, str]] = {}
             for r in range(args.rounds):
                 for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
                     timings, texts[name] = run_once(trees[name], batch, steps_for(batch, args.steps), args.warmup,
-                                                    graphs=name == "graphs")
+                                                    graphs=name == "graphs", overlap=name == "overlap")
                     means[name].append(timings["mean_ms"])
                     details["runs"].append({"tree": name, "batch": batch, "round": r, **timings})
                     progress(f"b{batch} {name}: {timings['mean_ms']:.3f} ms a step (p50 {timings['p50_ms']:.3f}, "
                              f"cpu {timings['cpu_ms']:.3f}, in LLMEngine.step {timings['step_ms']:.3f}) "
                              f"over {timings['steps']} steps")
-            same = same and texts["before"] == texts["after"] == texts["graphs"]
-            for name, prefix in (("after", ""), ("before", "before_"), ("graphs", "graphs_")):
+            same = same and texts["before"] == texts["after"] == texts["graphs"] == texts["overlap"]
+            for name, prefix in (("after", ""), ("before", "before_"), ("graphs", "graphs_"), ("overlap", "overlap_")):
                 ms = statistics.fmean(means[name])
                 summary[f"{prefix}host_ms_per_step_b{batch}"] = round(ms, 4)
                 summary[f"{prefix}host_us_per_token_b{batch}"] = round(ms * 1e3 / batch, 2)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 from engine_gpu.config import EngineConfig
 from engine_gpu.outputs import RequestOutput
-from engine_gpu.runner import ModelRunner, SampledToken
+from engine_gpu.runner import ModelRunner, SampledToken, StepResult
 from engine_gpu.sched_output import RequestUpdate, SchedulerOutput
 from engine_gpu.scheduler import Scheduler
 from engine_gpu.speculative.speculator import Speculator, build_speculator
@@ -59,10 +59,15 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         # Overlapped steps: a step's outputs (detokenizing, stop strings, events) are made during
         # the next step, after its forward is launched, so that host work runs while the device
-        # computes. The scheduler still takes each step's tokens before planning the next.
+        # computes; and a steady decode's next step is planned and launched before this one's
+        # tokens are read back.
         self.overlap = config.overlap == "on" or (config.overlap == "auto" and runner.device.type == "cuda")
         self._deferred: tuple[SchedulerOutput, list[RequestUpdate], dict[str, list[SampledToken]]] | None = None
+        # Overlapped, a steady decode plans step N+1 while step N runs (Scheduler.schedule_ahead):
+        # the plan and its launched forward, taken up by the next step().
+        self._ahead: tuple[SchedulerOutput, StepResult] | None = None
         self._steps = 0
+        self._steps_ahead = 0  # of those, planned and launched before the previous one's tokens were read
         self._last_step_s = 0.0
         self._avg_step_s = 0.0
         self._generated = 0
@@ -118,19 +123,31 @@ class LLMEngine:
         return RequestOutput(request_id, [], self._finish(req, reason, text="", message=message))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._deferred is not None
+        return self.scheduler.has_unfinished() or self._deferred is not None or self._ahead is not None
 
     # --- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         spec = self.speculator
-        round_ = spec.prepare(self.scheduler, self.runner.sampler) if spec is not None else None
-        plan = self.last_plan = self.scheduler.schedule()
-        if round_ is not None:
-            result = self.runner.launch(plan.scheduled, round_.probs, round_.seeds)
+        round_ = None
+        if self._ahead is not None:  # planned and launched during the previous step
+            (plan, result), self._ahead = self._ahead, None
         else:
-            result = self.runner.launch(plan.scheduled)
+            round_ = spec.prepare(self.scheduler, self.runner.sampler) if spec is not None else None
+            plan = self.scheduler.schedule()
+            if round_ is not None:
+                result = self.runner.launch(plan.scheduled, round_.probs, round_.seeds)
+            else:
+                result = self.runner.launch(plan.scheduled)
+        self.last_plan = plan
+        if self.overlap and (spec is None or not spec.controller.prices(len(plan.scheduled))):
+            # The next step, launched now behind this one: its tokens come from this step's ids
+            # on the device, so the device never waits for the host to plan it.
+            ahead = self.scheduler.schedule_ahead(plan)
+            if ahead is not None:
+                self._ahead = (ahead, self.runner.launch(ahead.scheduled, pending=(result, ahead.source_rows)))
+                self._steps_ahead += 1
         deferred_started = time.perf_counter()
         outputs = self._emit_deferred()  # the previous step's, while the device computes this one
         deferred_s = time.perf_counter() - deferred_started
@@ -146,6 +163,7 @@ class LLMEngine:
         if spec is not None and round_ is not None:
             # requests a deferred stop string ended during this step are gone: nothing to learn
             spec.finish(round_, plan, {rid: t for rid, t in sampled.items() if rid in self._requests}, seconds)
+        if spec is not None:
             for out in outputs:
                 if out.finish is not None:
                     spec.release(out.request_id, out.finish.completion_tokens)
@@ -216,7 +234,8 @@ class LLMEngine:
         out = self.scheduler.stats().as_dict()
         out.update(max_running=float(self.config.max_num_seqs),  # turns that can run at once (engine_backlog)
                    step_time_ms=self._last_step_s * 1e3, step_time_ms_avg=self._avg_step_s * 1e3,
-                   steps=float(self._steps), generated_tokens=float(self._generated))
+                   steps=float(self._steps), steps_planned_ahead=float(self._steps_ahead),
+                   generated_tokens=float(self._generated))
         if self.speculator is not None:
             out.update(self.speculator.stats())
         return out

@@ -87,19 +87,22 @@ class GraphRunner:
         self.context_lens = buffer(rows, dtype=torch.int32)  # [R]
         self.hidden = buffer(rows, model.args.hidden_size, dtype=model.embed.weight.dtype)  # [R, hidden]
         inputs = (self.input_ids, self.positions, self.slot_mapping, self.block_table, self.context_lens)
-        # Host staging, written through numpy views; on a CPU it is the buffers themselves.
+        # Host staging, written through numpy views; on a CPU it is the buffers themselves. On a
+        # device, two pinned sets taken in turn: a step planned ahead fills one while the previous
+        # step's asynchronous copies may still be reading the other.
         self._on_cpu = on_cpu = device.type == "cpu"
-        self._staging = inputs if on_cpu else tuple(torch.zeros_like(t, device="cpu").pin_memory() for t in inputs)
-        self._ids, self._pos, self._slots, self._table, self._ctx = (t.numpy() for t in self._staging)
-        self._pad(0, rows)
+        self._stagings = [_Staging(inputs)] if on_cpu else [
+            _Staging(tuple(torch.zeros_like(t, device="cpu").pin_memory() for t in inputs)) for _ in range(2)]
+        self._turn = 0
+        for staging in self._stagings:
+            staging.pad(0, rows, self.kv_cache)
         if not on_cpu:
-            self._upload(rows)
+            self._upload(self._stagings[0], rows)
         self._attention: dict[int, StaticDecodeAttention] = {
             b: static_decode(kv_cache, DecodeSlots(self.slot_mapping[:b], self.block_table[:b], self.context_lens[:b]))
             for b in self.sizes
         }
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._filled = 0  # rows that held a real sequence in the latest step: re-padded by the next
 
     @property
     def max_batch(self) -> int:
@@ -116,17 +119,24 @@ class GraphRunner:
         return (0 < len(lengths) <= self.sizes[-1] and all(n == 1 for n in lengths)
                 and max(ends) <= self.width * self.block_size)
 
-    def run(self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def run(self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
+            device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of ``len(token_ids)`` sequences -> hidden states [n, hidden], a view of
-        the output buffer that the next step overwrites."""
+        the output buffer that the next step overwrites. ``device_ids`` [n], when given, are the
+        tokens instead of ``token_ids`` (a step planned ahead: the previous step's picks, still
+        on the device; copied in after the upload, in stream order)."""
         n = len(token_ids)
         b = self.bucket(n)
-        self._fill(token_ids, positions, block_tables)
-        if self._filled > n:  # rows real last step, padding now
-            self._pad(n, self._filled)
-        self._filled = n
+        staging = self._stagings[self._turn]
+        self._turn = (self._turn + 1) % len(self._stagings)
+        staging.fill(token_ids, positions, block_tables, self.block_size)
+        if staging.filled > n:  # rows real in this staging's last step, padding now
+            staging.pad(n, staging.filled, self.kv_cache)
+        staging.filled = n
         if not self._on_cpu:
-            self._upload(b)
+            self._upload(staging, b)
+        if device_ids is not None:
+            self.input_ids[:n].copy_(device_ids)
         graph = self._graphs.get(b)
         if graph is not None:
             graph.replay()
@@ -134,31 +144,11 @@ class GraphRunner:
             self._step(b)
         return self.hidden[:n]
 
-    def _fill(self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]) -> None:
-        n, bs = len(token_ids), self.block_size
-        self._ids[:n] = token_ids
-        self._pos[:n] = positions
-        self._ctx[:n] = self._pos[:n]
-        self._ctx[:n] += 1
-        for row, (table, pos) in enumerate(zip(block_tables, positions, strict=True)):
-            used = pos // bs + 1  # blocks up to this row's new token; the rest of the row is never read unmasked
-            self._table[row, :used] = table[:used]
-            self._slots[row] = table[pos // bs] * bs + pos % bs
-
-    def _pad(self, start: int, stop: int) -> None:
-        """Rows [start, stop) decode token 0 at position 0 into the scratch block."""
-        scratch = self.kv_cache.scratch_block
-        self._ids[start:stop] = 0
-        self._pos[start:stop] = 0
-        self._ctx[start:stop] = 1
-        self._slots[start:stop] = self.kv_cache.scratch_slot
-        self._table[start:stop, 0] = scratch
-
-    def _upload(self, rows: int) -> None:
-        # Asynchronous copies from pinned staging: the next step's fill rewrites the staging only
+    def _upload(self, staging: _Staging, rows: int) -> None:
+        # Asynchronous copies from pinned staging: that staging is filled again two steps later,
         # after this step's sampled ids came back to the host, which waits for these copies too.
         device_buffers = (self.input_ids, self.positions, self.slot_mapping, self.block_table, self.context_lens)
-        for dst, src in zip(device_buffers, self._staging, strict=True):
+        for dst, src in zip(device_buffers, staging.tensors, strict=True):
             dst[:rows].copy_(src[:rows], non_blocking=True)
 
     def _step(self, b: int) -> None:
@@ -175,9 +165,10 @@ class GraphRunner:
         if self.device.type != "cuda":
             return 0.0
         started = time.perf_counter()
-        self._pad(0, self.max_batch)
-        self._upload(self.max_batch)
-        self._filled = 0
+        staging = self._stagings[0]
+        staging.pad(0, self.max_batch, self.kv_cache)
+        staging.filled = 0
+        self._upload(staging, self.max_batch)
         pool = None
         for b in reversed(self.sizes):
             self._step(b)
@@ -192,3 +183,34 @@ class GraphRunner:
         seconds = time.perf_counter() - started
         log.info("captured decode graphs for batch sizes %s in %.1f s", self.sizes, seconds)
         return seconds
+
+
+class _Staging:
+    """One set of host input arrays (numpy views of ``tensors``: ids, positions, slots, block
+    tables, context lengths), filled in place step after step."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.tensors = tensors
+        self.ids, self.pos, self.slots, self.table, self.ctx = (t.numpy() for t in tensors)
+        self.filled = 0  # rows that held a real sequence in its latest step: re-padded by the next
+
+    def fill(self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
+             block_size: int) -> None:
+        n, bs = len(token_ids), block_size
+        self.ids[:n] = token_ids
+        self.pos[:n] = positions
+        self.ctx[:n] = self.pos[:n]
+        self.ctx[:n] += 1
+        table, slots = self.table, self.slots
+        for row, (blocks, pos) in enumerate(zip(block_tables, positions, strict=True)):
+            used = pos // bs + 1  # blocks up to this row's new token; the rest of the row is never read unmasked
+            table[row, :used] = blocks[:used]
+            slots[row] = blocks[pos // bs] * bs + pos % bs
+
+    def pad(self, start: int, stop: int, kv_cache: PagedKVCache) -> None:
+        """Rows [start, stop) decode token 0 at position 0 into the scratch block."""
+        self.ids[start:stop] = 0
+        self.pos[start:stop] = 0
+        self.ctx[start:stop] = 1
+        self.slots[start:stop] = kv_cache.scratch_slot
+        self.table[start:stop, 0] = kv_cache.scratch_block

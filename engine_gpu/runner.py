@@ -21,7 +21,7 @@ from engine_gpu.config import resolve_dtype
 from engine_gpu.graph_runner import GraphRunner, graphs_wanted
 from engine_gpu.kv_cache import PagedKVCache
 from engine_gpu.sampler import SampledToken, Sampler
-from engine_gpu.sched_output import ScheduledSeq
+from engine_gpu.sched_output import PENDING_TOKEN, ScheduledSeq
 from engine_gpu.speculative.verify_batch import verify_drafts
 from llm_shared.contract import SamplingParams
 from llm_shared.errors import ConfigError
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from engine_gpu.config import EngineConfig
     from llm_shared.models import ModelConfig
 
-__all__ = ["ModelRunner", "SampledToken", "build_layout"]
+__all__ = ["ModelRunner", "SampledToken", "StepResult", "build_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,24 @@ def build_layout(
     blocks = table[seq_of_token, positions // block_size]
     slots = blocks * block_size + positions % block_size
     return PagedLayout(list(starts), list(lengths), positions, slots, table, num_blocks)
+
+
+class StepResult:
+    """A launched step: call it for the tokens ``execute`` returns (on a GPU, the one transfer
+    that waits for the device). ``ids``: for a pure decode step, row n's chosen token [n] on the
+    device, which a step planned ahead reads as its input (None for other steps)."""
+
+    __slots__ = ("_collect", "ids")
+
+    def __init__(self, collect: Callable[[], dict[str, list[SampledToken]]], ids: torch.Tensor | None = None) -> None:
+        self._collect = collect
+        self.ids = ids
+
+    def __call__(self) -> dict[str, list[SampledToken]]:
+        return self._collect()
+
+
+_NOTHING = StepResult(dict)
 
 
 class ModelRunner:
@@ -190,21 +208,33 @@ class ModelRunner:
         batch: Sequence[ScheduledSeq],
         draft_probs: Mapping[str, torch.Tensor | None] | None = None,
         seeds: Mapping[str, int] | None = None,
-    ) -> Callable[[], dict[str, list[SampledToken]]]:
+        *,
+        pending: tuple[StepResult, Sequence[int]] | None = None,
+    ) -> StepResult:
         """``execute`` in two halves: the forward and the sampling's tensor work now (on a GPU,
         queued), and a call that transfers the chosen tokens back and returns what ``execute``
-        returns. A step with drafts verifies them before returning (its transfer is made here)."""
+        returns. A step with drafts verifies them before returning (its transfer is made here).
+
+        ``pending`` = (a launched pure decode step, rows): a decode step planned before that
+        step's tokens were read (``Scheduler.schedule_ahead``), whose item n decodes the token
+        that step's row ``rows[n]`` picks, read on the device (its ``token_ids`` hold
+        ``PENDING_TOKEN``)."""
         if not batch:
-            return dict
+            return _NOTHING
+        input_ids = None
+        if pending is not None:
+            input_ids = self._pending_ids(batch, *pending)
         if all(item.sample and len(item.token_ids) == 1 and not item.num_draft_tokens for item in batch):
             # a pure decode step: logit row n is item n's
-            logits = self.model.compute_logits(self._forward(batch, None)).float()
+            logits = self.model.compute_logits(self._forward(batch, None, input_ids)).float()
             return self._sample_plain(batch, logits)
+        if input_ids is not None:
+            raise ValueError("a step planned ahead decodes one token per sequence")
         rows = [i for i, item in enumerate(batch) if item.sample]
         widths = [batch[i].num_draft_tokens + 1 for i in rows]  # logit rows each sampled item needs
         hidden = self._forward(batch, self._last_rows(batch, rows, widths))
         if not rows:
-            return dict
+            return _NOTHING
         logits = self.model.compute_logits(hidden).float()
         drafted = [n for n, width in enumerate(widths) if width > 1]
         if not drafted:  # logit row n is sampled item n's
@@ -227,14 +257,27 @@ class ModelRunner:
             [(draft_probs or {}).get(item.request_id) for item in items],
             [item.params for item in items], item_seeds, [item.output_index for item in items])
         out.update((item.request_id, tokens) for item, tokens in zip(items, verified, strict=True))
-        return lambda: out
+        return StepResult(lambda: out)
 
-    def _sample_plain(self, items: Sequence[ScheduledSeq],
-                      logits: torch.Tensor) -> Callable[[], dict[str, list[SampledToken]]]:
+    def _pending_ids(self, batch: Sequence[ScheduledSeq], previous: StepResult, rows: Sequence[int]) -> torch.Tensor:
+        """[len(batch)] int64 on the device: the tokens a step planned ahead decodes."""
+        ids = previous.ids
+        if ids is None:
+            raise ValueError("a step planned ahead follows a pure decode step")
+        if len(rows) != len(batch) or any(item.token_ids != [PENDING_TOKEN] for item in batch):
+            raise ValueError("a step planned ahead has one pending token per item and a source row for each")
+        if not all(0 <= row < ids.shape[0] for row in rows):
+            raise ValueError(f"source rows outside the previous step's {ids.shape[0]} rows")
+        if len(rows) == ids.shape[0] and all(row == n for n, row in enumerate(rows)):
+            return ids  # the same sequences in the same order: the steady state
+        return ids[torch.tensor(rows, dtype=torch.int64, device=ids.device)]
+
+    def _sample_plain(self, items: Sequence[ScheduledSeq], logits: torch.Tensor) -> StepResult:
         """One token for each item from its row of ``logits`` [len(items), vocab], once called."""
         later = self.sampler.sample_later(logits, [item.params for item in items],
                                           [item.output_index for item in items])
-        return lambda: {item.request_id: [token] for item, token in zip(items, later(), strict=True)}
+        return StepResult(lambda: {item.request_id: [token] for item, token in zip(items, later(), strict=True)},
+                          later.ids)
 
     @torch.inference_mode()
     def execute_logits(self, batch: Sequence[ScheduledSeq]) -> list[torch.Tensor]:
@@ -254,17 +297,21 @@ class ModelRunner:
             ends.append(total)
         return [r for i, width in zip(rows, widths, strict=True) for r in range(ends[i] - width, ends[i])]
 
-    def _forward(self, batch: Sequence[ScheduledSeq], keep_rows: list[int] | None) -> torch.Tensor:
-        """Run the model over all new tokens; hidden states [rows, hidden] of ``keep_rows`` (None: all)."""
-        self._validate(batch)
-        return self._run(batch, keep_rows)
+    def _forward(self, batch: Sequence[ScheduledSeq], keep_rows: list[int] | None,
+                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the model over all new tokens; hidden states [rows, hidden] of ``keep_rows`` (None: all).
+        ``input_ids`` [tokens] on the device, when given, replace the items' ``token_ids``."""
+        self._validate(batch, tokens_known=input_ids is None)
+        return self._run(batch, keep_rows, input_ids)
 
-    def _run(self, batch: Sequence[ScheduledSeq], keep_rows: list[int] | None) -> torch.Tensor:
+    def _run(self, batch: Sequence[ScheduledSeq], keep_rows: list[int] | None,
+             input_ids: torch.Tensor | None = None) -> torch.Tensor:
         graphs = self.graphs
         if graphs is not None and graphs.covers([len(item.token_ids) for item in batch],
                                                 [item.start_pos + len(item.token_ids) for item in batch]):
-            hidden = graphs.run([item.token_ids[0] for item in batch], [item.start_pos for item in batch],
-                                [item.block_table for item in batch])  # [n, hidden]: one row per item
+            hidden = graphs.run([0 if input_ids is not None else item.token_ids[0] for item in batch],
+                                [item.start_pos for item in batch], [item.block_table for item in batch],
+                                input_ids)  # [n, hidden]: one row per item
             if keep_rows is None or len(keep_rows) == len(batch):  # every item samples: rows in order
                 return hidden
             return hidden[torch.tensor(keep_rows, dtype=torch.int64, device=self.device)]
@@ -272,14 +319,16 @@ class ModelRunner:
             [item.start_pos for item in batch], [len(item.token_ids) for item in batch],
             [item.block_table for item in batch], self.block_size, self.device,
         )
-        input_ids = torch.tensor([t for item in batch for t in item.token_ids], dtype=torch.int64, device=self.device)
+        if input_ids is None:
+            input_ids = torch.tensor([t for item in batch for t in item.token_ids], dtype=torch.int64,
+                                     device=self.device)
         attention = self.attention_backend.prepare(self.kv_cache, layout, self.dtype)
         hidden = self.model(input_ids.unsqueeze(0), layout.positions.unsqueeze(0), attention)[0]  # [N, hidden]
         if keep_rows is None:
             return hidden
         return hidden[torch.tensor(keep_rows, dtype=torch.int64, device=self.device)]  # int64 even when empty
 
-    def _validate(self, batch: Sequence[ScheduledSeq]) -> None:
+    def _validate(self, batch: Sequence[ScheduledSeq], *, tokens_known: bool = True) -> None:
         # Cheap O(items) checks: a bad block table would silently corrupt another sequence's KV.
         seen: set[str] = set()
         for item in batch:
@@ -297,7 +346,7 @@ class ModelRunner:
                 raise ValueError(
                     f"request {item.request_id!r}: {len(item.block_table)} blocks cannot hold positions [0, {end})"
                 )
-            if min(item.token_ids) < 0 or max(item.token_ids) >= self.vocab_size:
+            if tokens_known and (min(item.token_ids) < 0 or max(item.token_ids) >= self.vocab_size):
                 raise ValueError(f"request {item.request_id!r}: token id outside the vocabulary [0, {self.vocab_size})")
             if min(item.block_table) < 0 or max(item.block_table) >= self.num_blocks:
                 raise ValueError(f"request {item.request_id!r}: block id outside the pool [0, {self.num_blocks})")

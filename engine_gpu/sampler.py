@@ -161,6 +161,20 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
 
 
+class PendingTokens:
+    """A sampled batch not yet read back: call it for the tokens (the one transfer); ``ids`` [n]
+    int64 are the chosen ids where they were computed, which a step planned ahead feeds on."""
+
+    __slots__ = ("_read", "ids")
+
+    def __init__(self, read: Callable[[], list[SampledToken]], ids: torch.Tensor) -> None:
+        self._read = read
+        self.ids = ids
+
+    def __call__(self) -> list[SampledToken]:
+        return self._read()
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         # Only for unseeded requests; seeded ones never consult it.
@@ -178,7 +192,7 @@ class Sampler:
 
     def sample_later(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
-    ) -> Callable[[], list[SampledToken]]:
+    ) -> PendingTokens:
         """The tensor work of ``sample`` now (on a GPU: queued behind the forward), and a call that
         makes the one transfer and the tokens: an engine overlapping steps makes it after its host
         work for the previous step, so that work runs while the device computes this one."""
@@ -186,7 +200,7 @@ class Sampler:
         if n != len(params) or n != len(output_indices):
             raise ValueError(f"{n} logit rows but {len(params)} params and {len(output_indices)} output indices")
         if n == 0:
-            return list
+            return PendingTokens(list, torch.empty(0, dtype=torch.int64, device=logits.device))
         logits = logits.to(torch.float32)
         logprobs = torch.log_softmax(logits, dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -210,7 +224,7 @@ class Sampler:
                 return [SampledToken(token_id, logprob) for token_id, logprob in zip(chosen_ids, logprob_row, strict=True)]
             return [SampledToken(chosen_ids[i], logprob_row[i], top[i]) for i in range(n)]
 
-        return tokens
+        return PendingTokens(tokens, chosen)
 
     def _sample_rows(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int], rows: list[int]

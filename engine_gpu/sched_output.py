@@ -11,6 +11,10 @@ from dataclasses import asdict, dataclass
 
 from llm_shared.contract import FinishReason, SamplingParams
 
+# The token of a step planned ahead (``Scheduler.schedule_ahead``): the one the previous step is
+# still sampling. The runner takes it from that step's ids on the device; it never reaches the KV.
+PENDING_TOKEN = -1
+
 
 @dataclass(frozen=True)
 class ScheduledSeq:
@@ -34,7 +38,10 @@ class SchedulerOutput:
     cached_tokens: dict[str, int]  # requests admitted for the first time this step -> prompt tokens served by the prefix cache (usage report)
     preempted: list[str]  # requests whose blocks were taken back this step; they resume later by recomputing
     finished: list[str]  # requests finished or aborted since the previous step: the runner may forget them
-    step: int  # counts schedule() calls; lets logs and tests line plans up with updates
+    step: int  # counts plans made; lets logs and tests line plans up with updates
+    # A plan made ahead: item n's one token is what row source_rows[n] of the previous plan samples
+    # (its token_ids hold PENDING_TOKEN). None: every token is known.
+    source_rows: list[int] | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

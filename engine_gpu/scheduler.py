@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from engine_gpu.block_manager import BlockManager
 from engine_gpu.config import EngineConfig
-from engine_gpu.sched_output import RequestUpdate, ScheduledSeq, SchedulerOutput, SchedulerStats
+from engine_gpu.sched_output import PENDING_TOKEN, RequestUpdate, ScheduledSeq, SchedulerOutput, SchedulerStats
 from engine_gpu.sequence import MAX_TOKEN_ID, SeqStatus, Sequence, as_token_ids, new_sequence
 from llm_shared.contract import FINISH_REASONS, MAX_PREFIX_DRAFT_TOKENS, FinishReason, Priority, SamplingParams
 from llm_shared.errors import (
@@ -71,7 +71,9 @@ class Scheduler:
         # _running in order_key order, sorted again only after it changed (None): a steady decode
         # batch is the same set step after step, and sorting it each step was most of schedule().
         self._running_order: list[Sequence] | None = None
-        self._in_flight: dict[str, Sequence] | None = None  # the last plan's sequences until its update
+        # Plans scheduled and not yet updated, oldest first, with their sequences: one, or two while
+        # a plan made by ``schedule_ahead`` runs behind the one it follows.
+        self._in_flight: deque[tuple[int, dict[str, Sequence]]] = deque()
         self._finished_ids: list[str] = []  # since the last schedule(); tells the runner what to forget
         self._seq_numbers = itertools.count()
         self._step = 0
@@ -204,6 +206,8 @@ class Scheduler:
     # ---- the step ----
 
     def schedule(self) -> SchedulerOutput:
+        """Plan the next step from the scheduler's state (the latest plan's update applied: a plan
+        left without one is dropped, as a runner that failed it leaves it)."""
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         if self._running_order is None:
             self._running_order = sorted(self._running.values(), key=Sequence.order_key)
@@ -223,6 +227,64 @@ class Scheduler:
         if not plan.preempted:  # blocks are short: admitting now would only preempt again next step
             self._admit_waiting(plan)
         return self._emit(plan)
+
+    def schedule_ahead(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+        """Plan the step after ``previous`` (the latest plan, not yet updated) before its tokens
+        are known, so that a runner can launch it while ``previous`` still runs on the device.
+
+        Only a steady decode is planned ahead: ``previous`` decoded one token per sequence with no
+        drafts, nothing waits for admission, and the free blocks cover every sequence's next
+        position (nobody is preempted). Each sequence that ``previous``'s token cannot end by
+        length decodes that token (``PENDING_TOKEN``; ``source_rows`` says whose); one that an EOS
+        or stop token ends meanwhile has its row computed and dropped by its update, and its
+        blocks go back as for any finish (a device runs steps in order, so the row's write lands
+        before any later step reuses them). Returns None where the step must be planned by
+        ``schedule()`` once ``previous`` is updated."""
+        if len(self._in_flight) != 1 or self._in_flight[0][0] != previous.step:
+            raise ValueError("schedule_ahead takes the latest plan, while it is the only one not updated")
+        if not previous.scheduled or self.num_waiting:
+            return None
+        in_flight = self._in_flight[0][1]
+        max_model_len = self.config.max_model_len
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, item in enumerate(previous.scheduled):
+            if not item.sample or item.num_draft_tokens or len(item.token_ids) != 1:
+                return None
+            seq = in_flight[item.request_id]
+            if seq.status is not SeqStatus.RUNNING:  # aborted or stopped since it was planned
+                continue
+            num_tokens = len(seq.token_ids) + 1  # once previous's token is appended
+            if num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= max_model_len:
+                continue  # that token ends it by length
+            rows.append(row)
+            seqs.append(seq)
+        if not seqs:
+            return None
+        bm = self.block_manager
+        # The step computes position num_computed + 1 (previous computes num_computed).
+        short = [seq for seq in seqs if seq.num_computed_tokens + 2 > len(seq.block_table) * bm.block_size]
+        if sum(bm.blocks_for(seq.num_computed_tokens + 2) - len(seq.block_table) for seq in short) \
+                > bm.num_available_blocks:
+            return None
+        for seq in short:
+            bm.may_append(seq, seq.num_computed_tokens + 2)
+        scheduled = [ScheduledSeq(
+            seq.request_id,  # request_id
+            [PENDING_TOKEN],  # token_ids
+            seq.num_computed_tokens + 1,  # start_pos
+            seq.block_table_prefix(bm.blocks_for(seq.num_computed_tokens + 2)),  # block_table
+            True,  # sample
+            0,  # num_draft_tokens
+            seq.params,  # params
+            len(seq.token_ids) + 1 - seq.num_prompt_tokens,  # output_index
+        ) for seq in seqs]
+        self._step += 1
+        self._in_flight.append((self._step, {seq.request_id: seq for seq in seqs}))
+        self._last_num_scheduled = len(seqs)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(scheduled=scheduled, cached_tokens={}, preempted=[], finished=finished,
+                               step=self._step, source_rows=rows)
 
     def _plan_steady_decode(self, running: list[Sequence], plan: _StepPlan) -> bool:
         """The steady state, planned in one pass: when every running seq decodes one token (caught
@@ -334,7 +396,8 @@ class Scheduler:
                 num_tokens - seq.num_prompt_tokens,  # output_index
             ))
         self._step += 1
-        self._in_flight = {seq.request_id: seq for seq in plan.tokens}
+        self._in_flight.clear()
+        self._in_flight.append((self._step, {seq.request_id: seq for seq in plan.tokens}))
         self._last_num_scheduled = sum(plan.tokens.values())
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
@@ -352,10 +415,10 @@ class Scheduler:
         Requests aborted or finished since ``schedule()`` are skipped. Everything is validated
         before anything changes, so a malformed result leaves the scheduler as it was.
         """
-        if self._in_flight is None or output.step != self._step:
-            raise ValueError("update_from_output takes the output of the latest schedule() call, once")
+        if not self._in_flight or output.step != self._in_flight[0][0]:
+            raise ValueError("update_from_output takes each plan's output once, in the order they were made")
         work: list[tuple[Sequence, ScheduledSeq, list[int] | None]] = []
-        in_flight = self._in_flight
+        in_flight = self._in_flight[0][1]
         num_sampling_with_tokens = 0  # batch ids are distinct, so this equals len(sampled) unless some are unexpected
         for item in output.scheduled:
             seq = in_flight[item.request_id]
@@ -372,7 +435,7 @@ class Scheduler:
         if len(sampled) > num_sampling_with_tokens:
             unexpected = set(sampled) - {item.request_id for item in output.scheduled if item.sample}
             raise ValueError(f"tokens for requests that did not sample this step: {sorted(unexpected)[:5]}")
-        self._in_flight = None
+        self._in_flight.popleft()
 
         updates: list[RequestUpdate] = []
         bm = self.block_manager

@@ -76,6 +76,11 @@ class SpecController:
 
     # ---- decisions ----
 
+    def prices(self, batch_size: int) -> bool:
+        """Whether a step of ``batch_size`` decoding sequences would be priced, changing nothing:
+        a step that would not be may be planned before the previous step's tokens are known."""
+        return self.config.method != "off" and 0 < batch_size <= self.config.max_batch
+
     def may_speculate(self, batch_size: int) -> bool:
         """Whether a step with ``batch_size`` decoding sequences is priced at all (no: plain)."""
         if self.config.method == "off" or batch_size == 0:

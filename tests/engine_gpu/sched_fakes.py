@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import zlib
 from array import array
+from dataclasses import replace
 
-from engine_gpu.sched_output import SchedulerOutput
+from engine_gpu.sched_output import PENDING_TOKEN, SchedulerOutput
 from engine_gpu.scheduler import Scheduler
 
 EOS = 2
@@ -102,6 +103,55 @@ class Driver:
     def run(self, max_steps: int = 10_000) -> list[SchedulerOutput]:
         plans = []
         while self.sched.has_unfinished():
+            assert len(plans) < max_steps, "no progress"
+            plans.append(self.step())
+        return plans
+
+
+class AheadDriver(Driver):
+    """The overlapped engine's loop: after a plan is executed, the next one is planned ahead
+    (``schedule_ahead``) and executed before the first one's update, its pending tokens taken
+    from what the first one sampled, as a runner reads them on the device. The fake model writes
+    whatever token it is given into the KV, so a placeholder that leaked, or a wrong source row,
+    changes every later token."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        super().__init__(sched)
+        self.ahead: tuple[SchedulerOutput, dict[str, list[int]]] | None = None
+        self.num_ahead = 0
+
+    def step(self) -> SchedulerOutput:
+        if self.ahead is not None:
+            (plan, sampled), self.ahead = self.ahead, None
+        else:
+            plan = self.sched.schedule()
+            check_plan(self.sched, plan)
+            for item in plan.scheduled:
+                assert item.output_index == len(self.outputs.get(item.request_id, []))
+            sampled = self.model.execute(plan)
+        nxt = self.sched.schedule_ahead(plan)
+        if nxt is not None:
+            check_plan(self.sched, nxt)
+            assert nxt.source_rows is not None and len(nxt.source_rows) == len(nxt.scheduled)
+            resolved = []
+            for item, row in zip(nxt.scheduled, nxt.source_rows, strict=True):
+                assert item.token_ids == [PENDING_TOKEN] and item.sample and not item.num_draft_tokens
+                source = plan.scheduled[row]
+                assert source.request_id == item.request_id and item.start_pos == source.start_pos + 1
+                assert item.output_index == source.output_index + 1
+                resolved.append(replace(item, token_ids=sampled[source.request_id][-1:]))
+            self.ahead = (nxt, self.model.execute(replace(nxt, scheduled=resolved)))
+            self.num_ahead += 1
+        for update in self.sched.update_from_output(plan, sampled):
+            self.outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+            if update.finish_reason is not None:
+                self.finished[update.request_id] = update.finish_reason
+        self.sched.check_invariants()
+        return plan
+
+    def run(self, max_steps: int = 10_000) -> list[SchedulerOutput]:
+        plans = []
+        while self.sched.has_unfinished() or self.ahead is not None:
             assert len(plans) < max_steps, "no progress"
             plans.append(self.step())
         return plans

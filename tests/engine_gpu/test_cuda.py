@@ -113,3 +113,29 @@ def test_an_engine_on_cuda_is_warm_before_its_first_request(checkpoint: Path, tm
     out = engine.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert [len(o) for o in out] == [8, 8, 8] and out[0] == out[1] == out[2]
     engine.close()
+
+
+def test_steps_planned_ahead_on_cuda_stream_what_serial_steps_do(checkpoint: Path) -> None:
+    """The overlapped loop as it serves (decode graphs, the next step launched before this one's
+    ids are read back, its input ids taken on the device): the same tokens as the serial loop.
+    Requests end only by length, so both loops run the same batches, shape for shape."""
+    from tiny_engine import write_tiny_tokenizer
+
+    from engine_gpu.engine import LLMEngine
+    from llm_shared.contract import SamplingParams
+
+    tokenizer = write_tiny_tokenizer(checkpoint, SHAPE.get("vocab_size", 96))
+    cfg = ModelConfig(id="tiny", source=str(checkpoint), format="safetensors", tokenizer=str(tokenizer))
+    ids = prompts([7, 19, 33, 4, 60, 12], seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 7 * i, ignore_eos=True) for i in range(len(ids))]
+    runs = {}
+    for overlap in ("off", "on"):
+        engine = LLMEngine.from_config(cfg, EngineConfig(device="cuda", dtype="float32", block_size=BLOCK,
+                                                         num_blocks=128, max_num_seqs=8, max_model_len=512,
+                                                         overlap=overlap))
+        assert engine.runner.graphs is not None
+        runs[overlap] = engine.generate(ids, params)
+        assert (engine.stats()["steps_planned_ahead"] > 0) is (overlap == "on")
+        engine.close()
+    assert runs["on"] == runs["off"]
+    assert [len(out) for out in runs["on"]] == [p.max_tokens for p in params]

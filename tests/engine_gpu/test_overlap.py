@@ -1,8 +1,11 @@
 """Overlapped steps (engine.overlap): a step's outputs are made during the next step, after its
-forward is launched. On a CPU nothing runs beside the forward, so what is tested is that the
-overlapped engine streams exactly what the serial one does: with chunked prefill, preemption
-(a pool too small for every request), stop strings (whose request the overlapped engine has
-already scheduled once more) and aborts by a client that has seen a given number of tokens."""
+forward is launched, and a steady decode's next step is planned and launched before this one's
+tokens are read back (its input ids taken from this step's picks on the device). On a CPU
+nothing runs beside the forward, so what is tested is that the overlapped engine streams exactly
+what the serial one does: with chunked prefill, preemption (a pool too small for every request),
+stop strings (whose request the overlapped engine has already scheduled once more), stop tokens
+(which end a sequence whose next step is already launched) and aborts by a client that has seen
+a given number of tokens; with the step-sized path and with the fixed-shape decode buffers."""
 
 from __future__ import annotations
 
@@ -82,6 +85,7 @@ def test_overlapped_steps_stream_what_serial_steps_do(model_cfg: ModelConfig) ->
         assert engine.overlap is (overlap == "on")
         runs[overlap] = drive(engine, prompts, params)
         assert engine.stats()["preemptions"] > 0  # the pool was too small: preemption was exercised
+        assert (engine.stats()["steps_planned_ahead"] > 0) is (overlap == "on")
         engine.close()
     assert runs["on"] == runs["off"]
 
@@ -93,6 +97,42 @@ def test_overlapped_steps_stream_what_serial_steps_do(model_cfg: ModelConfig) ->
             assert (got, reason) == (want[:ABORT_AFTER[rid]], "abort")
         elif rid in STOP_AT:
             assert reason == "stop" and got == want[:len(got)] and len(got) < len(want)
+        else:
+            assert (got, reason, completion) == (want, "length", len(want))
+
+
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_steps_planned_ahead_stream_what_serial_steps_do(model_cfg: ModelConfig, graphs: str) -> None:
+    """Every request fits: after the prompts, decode steps are planned ahead one after another.
+    Stop tokens end three requests at a token no plan foresaw, so their next step ran anyway."""
+    prompts, params = workload()
+    alone = LLMEngine.from_config(model_cfg, ALONE)
+    reference = clear_greedy_reference(alone, prompts, params)
+    alone.close()
+    stop_at = {}
+    for i in (1, 4, 8):  # the first occurrence of a token halfway through the reference
+        token = reference[i][len(reference[i]) // 2]
+        stop_at[f"r{i}"] = reference[i].index(token)
+        params[i] = replace(params[i], stop_token_ids=(token,))
+    roomy = replace(BATCHED, num_blocks=128, max_num_batched_tokens=256, cuda_graphs=graphs)
+    runs = {}
+    for overlap in ("off", "on"):
+        engine = LLMEngine.from_config(model_cfg, replace(roomy, overlap=overlap))
+        assert (engine.runner.graphs is not None) is (graphs == "on")
+        runs[overlap] = drive(engine, prompts, params)
+        stats = engine.stats()
+        assert stats["preemptions"] == 0
+        if overlap == "on":  # most steps: only the prompts' and the first decode's are planned in turn
+            assert stats["steps_planned_ahead"] > stats["steps"] / 2
+        engine.close()
+    assert runs["on"] == runs["off"]
+    for i, want in enumerate(reference):
+        rid = f"r{i}"
+        got, _, reason, completion = runs["on"][rid]
+        if rid in ABORT_AFTER:
+            assert (got, reason) == (want[:ABORT_AFTER[rid]], "abort")
+        elif rid in stop_at:
+            assert (got, reason, completion) == (want[:stop_at[rid]], "stop", stop_at[rid] + 1)
         else:
             assert (got, reason, completion) == (want, "length", len(want))
 
