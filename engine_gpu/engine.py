@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+
+import numpy as np
 
 from engine_gpu.config import EngineConfig
 from engine_gpu.outputs import RequestOutput
@@ -21,6 +23,7 @@ from engine_gpu.speculative.speculator import Speculator, build_speculator
 from llm_shared.contract import FinishEvent, FinishReason, Priority, SamplingParams, TokenEvent
 from llm_shared.load_cache import LoadCache
 from llm_shared.models import ModelConfig, tokenizer_for
+from llm_shared.structured import GrammarCompiler, SequenceMatcher, allocate_bitmask
 from llm_shared.textstream import TextStream
 from llm_shared.tokenizer import Tokenizer
 
@@ -37,6 +40,7 @@ class _Request:
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0  # sampled tokens, the EOS or stop token included
+    error: str = ""  # why the engine ended it, for its FinishEvent
 
 
 class LLMEngine:
@@ -57,6 +61,8 @@ class LLMEngine:
         if speculator is not None:
             speculator.calibrate(runner)  # before any request holds blocks: it borrows the first ones
         self._requests: dict[str, _Request] = {}
+        self._grammars: GrammarCompiler | None = None  # built with the first request that has a grammar
+        self._constrained: dict[str, SequenceMatcher] = {}  # live requests with a grammar
         # Overlapped steps: a step's outputs (detokenizing, stop strings, events) are made during
         # the next step, after its forward is launched, so that host work runs while the device
         # computes; and a steady decode's next step is planned and launched before this one's
@@ -96,27 +102,45 @@ class LLMEngine:
                     priority: Priority = Priority.INTERACTIVE, draft_ids: Sequence[int] = (),
                     cache_salt: str = "") -> None:
         """Queue a request from an in-process caller. The scheduler checks its fields, then this
-        engine's limits; raises EmptyPromptError, InvalidRequestError (a malformed field or a token
-        outside the vocabulary), PromptTooLongError, DuplicateRequestError or OverloadedError.
-        ``draft_ids`` are verified with the prompt's last chunk (``Scheduler.add_request``);
-        prefix-cache hits come only from requests with the same ``cache_salt``."""
+        engine's limits; raises EmptyPromptError, InvalidRequestError (a malformed field, a token
+        outside the vocabulary, a grammar that does not compile), PromptTooLongError,
+        DuplicateRequestError or OverloadedError. ``draft_ids`` are verified with the prompt's
+        last chunk (``Scheduler.add_request``; a request with a grammar takes none); prefix-cache
+        hits come only from requests with the same ``cache_salt``."""
+        matcher = self._matcher(params)
         self.scheduler.add_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
-                                   draft_ids=draft_ids, cache_salt=cache_salt)
-        self._requests[request_id] = _Request(TextStream(self.tokenizer, params.stop), prompt_tokens=len(prompt_ids))
+                                   draft_ids=() if matcher else draft_ids, cache_salt=cache_salt)
+        self._track(request_id, len(prompt_ids), params, matcher)
 
     def add_checked_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                             priority: Priority, draft_ids: list[int] | None = None, cache_salt: str = "") -> None:
         """Queue a request whose fields the core's socket decoder checked; only this engine's limits
-        are checked (vocabulary, length, duplicates, load), raising as ``add_request`` does."""
+        are checked (vocabulary, length, duplicates, load, the grammar), raising as ``add_request`` does."""
+        matcher = self._matcher(params)
         self.scheduler.add_checked_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
-                                           draft_ids=draft_ids, cache_salt=cache_salt)
-        self._requests[request_id] = _Request(TextStream(self.tokenizer, params.stop), prompt_tokens=len(prompt_ids))
+                                           draft_ids=None if matcher else draft_ids, cache_salt=cache_salt)
+        self._track(request_id, len(prompt_ids), params, matcher)
+
+    def _matcher(self, params: SamplingParams) -> SequenceMatcher | None:
+        """A fresh matcher of the request's grammar (compiled once per grammar text), or None."""
+        if not params.grammar:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, family=None)
+        return self._grammars.matcher(self._grammars.compile_text(params.grammar))
+
+    def _track(self, request_id: str, prompt_tokens: int, params: SamplingParams,
+               matcher: SequenceMatcher | None) -> None:
+        self._requests[request_id] = _Request(TextStream(self.tokenizer, params.stop), prompt_tokens=prompt_tokens)
+        if matcher is not None:
+            self._constrained[request_id] = matcher
 
     def abort_request(self, request_id: str, reason: FinishReason = "abort", message: str = "") -> RequestOutput | None:
         """Free the request's blocks now; its final output, or None if it is not live."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
+        self._constrained.pop(request_id, None)
         self.scheduler.abort_request(request_id)
         if self.speculator is not None:
             self.speculator.release(request_id, req.completion_tokens)
@@ -136,12 +160,13 @@ class LLMEngine:
         else:
             round_ = spec.prepare(self.scheduler, self.runner.sampler) if spec is not None else None
             plan = self.scheduler.schedule()
+            masks = self._masks_for(plan) if self._constrained else None
             if round_ is not None:
-                result = self.runner.launch(plan.scheduled, round_.probs, round_.seeds)
+                result = self.runner.launch(plan.scheduled, round_.probs, round_.seeds, masks=masks)
             else:
-                result = self.runner.launch(plan.scheduled)
+                result = self.runner.launch(plan.scheduled, masks=masks)
         self.last_plan = plan
-        if self.overlap and (spec is None or not spec.controller.prices(len(plan.scheduled))):
+        if self.overlap and not self._constrained and (spec is None or not spec.controller.prices(len(plan.scheduled))):
             # The next step, launched now behind this one: its tokens come from this step's ids
             # on the device, so the device never waits for the host to plan it.
             ahead = self.scheduler.schedule_ahead(plan)
@@ -155,6 +180,8 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(plan, {
             rid: [tokens[0].token_id] if len(tokens) == 1 else [tok.token_id for tok in tokens]
             for rid, tokens in sampled.items()})
+        if self._constrained:
+            self._advance_grammars(updates)
         if self.overlap and plan.scheduled:
             self._deferred = (plan, updates, sampled)
         else:
@@ -169,6 +196,46 @@ class LLMEngine:
                     spec.release(out.request_id, out.finish.completion_tokens)
         self._record_step(seconds)
         return outputs
+
+    def _masks_for(self, plan: SchedulerOutput) -> Callable[[], dict[str, np.ndarray]]:
+        """The grammar masks of the plan's constrained items, made when the runner asks (after it
+        queued the forward)."""
+        items = [item.request_id for item in plan.scheduled if item.sample and item.request_id in self._constrained]
+
+        def fill() -> dict[str, np.ndarray]:
+            if not items:
+                return {}
+            bitmask = allocate_bitmask(len(items), self.tokenizer.vocab_size)
+            for row, request_id in enumerate(items):
+                self._constrained[request_id].fill_bitmask(bitmask[row])
+            return {request_id: bitmask[row] for row, request_id in enumerate(items)}
+
+        return fill
+
+    def _advance_grammars(self, updates: list[RequestUpdate]) -> None:
+        """Each constrained request's matcher takes its new tokens (before the next step's masks).
+        A token the grammar refuses, or a matcher past its limits, ends the request with an error
+        (its update cut to the tokens the grammar took)."""
+        for i, update in enumerate(updates):
+            matcher = self._constrained.get(update.request_id)
+            if matcher is None:
+                continue
+            if update.finish_reason is not None:
+                del self._constrained[update.request_id]
+                continue
+            taken = 0
+            for token_id in update.new_token_ids:
+                if not matcher.accept(token_id):
+                    break
+                taken += 1
+            if taken == len(update.new_token_ids) and matcher.error is None:
+                continue
+            why = matcher.error or "a sampled token left the output grammar"
+            log.warning("request %s ends: %s", update.request_id, why)
+            del self._constrained[update.request_id]
+            self.scheduler.finish_request(update.request_id, "error")
+            self._requests[update.request_id].error = "the output could not be kept to its grammar"
+            updates[i] = replace(update, new_token_ids=update.new_token_ids[:taken], finish_reason="error")
 
     def _emit_deferred(self) -> list[RequestOutput]:
         if self._deferred is None:
@@ -207,7 +274,7 @@ class LLMEngine:
             self._generated += len(tokens)
             if reason is not None:
                 del self._requests[update.request_id]
-                out.finish = self._finish(req, reason, text=req.stream.finish())
+                out.finish = self._finish(req, reason, text=req.stream.finish(), message=req.error)
             outputs.append(out)
         return outputs
 

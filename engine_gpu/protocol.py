@@ -284,6 +284,8 @@ def _to_wire(m: ClientMessage | CoreMessage) -> dict[str, Any]:
     match m:
         case AddRequest():
             params = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(m.params).items()}
+            if not params["grammar"]:
+                del params["grammar"]  # free decoding, the common case: as before grammars existed
             wire = {"t": m.t, "id": m.request_id, "prompt": list(m.prompt_ids), "params": params,
                     "priority": int(m.priority)}
             if m.draft_ids:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine_gpu.attention import AttentionBackend, PagedLayout, get_attention_backend
@@ -82,6 +83,13 @@ class StepResult:
 
 
 _NOTHING = StepResult(dict)
+
+
+def _rows_of(items: Sequence[ScheduledSeq], masks: Mapping[str, np.ndarray] | None) -> dict[int, np.ndarray] | None:
+    """Masks by request id -> by row of ``items``."""
+    if not masks:
+        return None
+    return {n: masks[item.request_id] for n, item in enumerate(items) if item.request_id in masks}
 
 
 class ModelRunner:
@@ -210,6 +218,7 @@ class ModelRunner:
         seeds: Mapping[str, int] | None = None,
         *,
         pending: tuple[StepResult, Sequence[int]] | None = None,
+        masks: Callable[[], Mapping[str, np.ndarray]] | None = None,
     ) -> StepResult:
         """``execute`` in two halves: the forward and the sampling's tensor work now (on a GPU,
         queued), and a call that transfers the chosen tokens back and returns what ``execute``
@@ -218,7 +227,12 @@ class ModelRunner:
         ``pending`` = (a launched pure decode step, rows): a decode step planned before that
         step's tokens were read (``Scheduler.schedule_ahead``), whose item n decodes the token
         that step's row ``rows[n]`` picks, read on the device (its ``token_ids`` hold
-        ``PENDING_TOKEN``)."""
+        ``PENDING_TOKEN``).
+
+        ``masks``: called once the forward is queued (on a GPU the host computes them while the
+        device runs it): request id -> the grammar bitmask its sampled token must obey
+        (``SamplingParams.grammar``; int32 words, ``llm_shared.structured``). Items with drafts
+        take none."""
         if not batch:
             return _NOTHING
         input_ids = None
@@ -227,7 +241,7 @@ class ModelRunner:
         if all(item.sample and len(item.token_ids) == 1 and not item.num_draft_tokens for item in batch):
             # a pure decode step: logit row n is item n's
             logits = self.model.compute_logits(self._forward(batch, None, input_ids)).float()
-            return self._sample_plain(batch, logits)
+            return self._sample_plain(batch, logits, masks() if masks is not None else None)
         if input_ids is not None:
             raise ValueError("a step planned ahead decodes one token per sequence")
         rows = [i for i, item in enumerate(batch) if item.sample]
@@ -236,16 +250,19 @@ class ModelRunner:
         if not rows:
             return _NOTHING
         logits = self.model.compute_logits(hidden).float()
+        masked = masks() if masks is not None else None
         drafted = [n for n, width in enumerate(widths) if width > 1]
         if not drafted:  # logit row n is sampled item n's
-            return self._sample_plain([batch[i] for i in rows], logits)
+            return self._sample_plain([batch[i] for i in rows], logits, masked)
+        if masked and any(batch[rows[n]].request_id in masked for n in drafted):
+            raise ValueError("an item verifying drafts takes no grammar mask")
         firsts = list(itertools.accumulate(widths, initial=0))  # each sampled item's first logit row
         plain = [n for n, width in enumerate(widths) if width == 1]
         out: dict[str, list[SampledToken]] = {}
         if plain:
             items = [batch[rows[n]] for n in plain]
-            tokens = self.sampler.sample(logits[[firsts[n] for n in plain]], [item.params for item in items],
-                                         [item.output_index for item in items])
+            tokens = self.sampler.sample_later(logits[[firsts[n] for n in plain]], [item.params for item in items],
+                                               [item.output_index for item in items], _rows_of(items, masked))()
             out.update((item.request_id, [token]) for item, token in zip(items, tokens, strict=True))
         items = [batch[rows[n]] for n in drafted]
         item_seeds = [(seeds or {}).get(item.request_id) for item in items]
@@ -272,10 +289,11 @@ class ModelRunner:
             return ids  # the same sequences in the same order: the steady state
         return ids[torch.tensor(rows, dtype=torch.int64, device=ids.device)]
 
-    def _sample_plain(self, items: Sequence[ScheduledSeq], logits: torch.Tensor) -> StepResult:
+    def _sample_plain(self, items: Sequence[ScheduledSeq], logits: torch.Tensor,
+                      masks: Mapping[str, np.ndarray] | None = None) -> StepResult:
         """One token for each item from its row of ``logits`` [len(items), vocab], once called."""
         later = self.sampler.sample_later(logits, [item.params for item in items],
-                                          [item.output_index for item in items])
+                                          [item.output_index for item in items], _rows_of(items, masks))
         return StepResult(lambda: {item.request_id: [token] for item, token in zip(items, later(), strict=True)},
                           later.ids)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -150,6 +150,26 @@ def _cut(descending: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, t
     return descending.gather(1, index), cumulative[:, -1] >= top_p
 
 
+def token_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask [r, W] int32 (bit t % 32 of word t // 32 set: token t allowed) -> bool [r, vocab_size]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1)  # [r, 32 W]; bit 31 too
+    if bits.shape[1] < vocab_size:  # logit columns past the tokenizer's vocabulary: never allowed
+        bits = torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]))
+    return bits[:, :vocab_size].bool()
+
+
+def masked_logits(logits: torch.Tensor, masks: Mapping[int, np.ndarray]) -> torch.Tensor:
+    """``logits`` [n, V] with the tokens each masked row may not pick at -inf (a copy)."""
+    rows = sorted(masks)
+    bitmask = torch.from_numpy(np.stack([masks[r] for r in rows])).to(logits.device, non_blocking=True)
+    allowed = token_allowed(bitmask, logits.shape[1])  # [r, V]
+    out = logits.clone()
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    out[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return out
+
+
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """probs [r, V] (unnormalised is fine), uniforms [r] in [0, 1) -> [r]: each row's token whose
     cumulative mass first exceeds its uniform's share of the row's total."""
@@ -191,11 +211,14 @@ class Sampler:
         return self.sample_later(logits, params, output_indices)()
 
     def sample_later(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int],
+        masks: Mapping[int, np.ndarray] | None = None,
     ) -> PendingTokens:
         """The tensor work of ``sample`` now (on a GPU: queued behind the forward), and a call that
         makes the one transfer and the tokens: an engine overlapping steps makes it after its host
-        work for the previous step, so that work runs while the device computes this one."""
+        work for the previous step, so that work runs while the device computes this one.
+        ``masks``: row -> the tokens that row may pick (a grammar's int32 bitmask, bit t of word
+        t // 32 for token t); logprobs stay those of the unmasked distribution."""
         n = logits.shape[0]
         if n != len(params) or n != len(output_indices):
             raise ValueError(f"{n} logit rows but {len(params)} params and {len(output_indices)} output indices")
@@ -203,6 +226,8 @@ class Sampler:
             return PendingTokens(list, torch.empty(0, dtype=torch.int64, device=logits.device))
         logits = logits.to(torch.float32)
         logprobs = torch.log_softmax(logits, dim=-1)
+        if masks:
+            logits = masked_logits(logits, masks)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) == n:  # every row samples: no argmax to overwrite
             chosen = self._sample_rows(logits, params, output_indices, random_rows)

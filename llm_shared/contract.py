@@ -34,6 +34,10 @@ MAX_PREFIX_DRAFT_TOKENS = 64
 # gateway sends a 32-hex-digit digest per API key. Printable ASCII only, so every tier hashes
 # the same bytes for it.
 MAX_CACHE_SALT_CHARS = 64
+# A request's output grammar (llm_shared.structured: tools, tool_choice and response_format made
+# one llguidance grammar). Its schemas are bounded far below this where it is built; this bounds
+# what any caller (the engine socket among them) can make a tier compile.
+MAX_GRAMMAR_CHARS = 1 << 20
 
 
 class Priority(IntEnum):
@@ -67,6 +71,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra stop ids besides the model's EOS
     logprobs: int = 0  # number of top alternatives to report per token (0: chosen token only)
     ignore_eos: bool = False  # benchmarks fix output lengths with this
+    grammar: str = ""  # the output must match it (an llguidance grammar, llm_shared.structured); "": free
 
     def __post_init__(self) -> None:
         def bad(param: str, why: str) -> InvalidSamplingError:
@@ -103,6 +108,8 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer")
         if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise bad("logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}")
+        if not isinstance(self.grammar, str) or len(self.grammar) > MAX_GRAMMAR_CHARS:
+            raise bad("grammar", f"must be a string of at most {MAX_GRAMMAR_CHARS} characters")
 
     @property
     def greedy(self) -> bool:

@@ -86,7 +86,9 @@ class Speculator:
             return round_
         drafter = self.drafter
         plan = self.controller.plan([
-            Candidate(seq.request_id, seq.draft_room, drafter.behind(seq.request_id, seq.token_ids),
+            # a sequence under a grammar drafts nothing (its drafts would need a mask per position)
+            Candidate(seq.request_id, 0 if seq.params.grammar else seq.draft_room,
+                      drafter.behind(seq.request_id, seq.token_ids),
                       seq.params.max_tokens - seq.num_output_tokens) for seq in decoding])
         if not plan:
             return round_

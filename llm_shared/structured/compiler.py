@@ -134,6 +134,11 @@ class GrammarCompiler:
         source = build_grammar(constraints, self.family)
         return None if source is None else self.compile_source(source)
 
+    def compile_text(self, text: str) -> CompiledGrammar:
+        """A grammar that arrived as text (``SamplingParams.grammar``: a tier compiles what the
+        gateway built); a failure names ``grammar``, having no schema fields to point at."""
+        return self.compile_source(GrammarSource(text, (), False))
+
     def compile_source(self, source: GrammarSource) -> CompiledGrammar:
         key = source.key
         cached = self._cache.get(key)
@@ -175,5 +180,5 @@ class GrammarCompiler:
             why = llguidance.LLMatcher.validate_grammar(alone, self.ll_tokenizer, limits=self._ll_limits)
             if why:
                 return _Failure(f"{part.param} cannot be enforced: {_reason(why)}", part.param)
-        param = "tools" if source.calls else "response_format"
+        param = ("tools" if source.calls else "response_format") if source.parts else "grammar"
         return _Failure(f"the output grammar for this request cannot be compiled: {_reason(error)}", param)

@@ -53,12 +53,12 @@ async def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(
     real = engine.runner.launch
     calls = 0
 
-    def launch_once_broken(batch: list) -> object:
+    def launch_once_broken(batch: list, *args: object, **kwargs: object) -> object:
         nonlocal calls
         calls += 1
         if calls == 2:
             raise RuntimeError("simulated device failure")
-        return real(batch)
+        return real(batch, *args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "launch", launch_once_broken)
     events = [e async for e in client.generate("victim", [5, 6, 7, 8], GREEDY)]

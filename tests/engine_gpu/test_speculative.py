@@ -103,8 +103,8 @@ def test_abort_during_verification_frees_everything(model_cfg: ModelConfig) -> N
     launch = engine.runner.launch
     aborted: list[str] = []
 
-    def launch_then_abort(batch, *args):  # type: ignore[no-untyped-def]
-        out = launch(batch, *args)
+    def launch_then_abort(batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = launch(batch, *args, **kwargs)
         verifying = [item.request_id for item in batch if item.num_draft_tokens]
         if verifying and len(aborted) < 3:
             engine.abort_request(verifying[0])
