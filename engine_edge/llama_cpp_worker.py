@@ -42,6 +42,7 @@ from engine_edge.worker_channel import (
 )
 from llm_shared.contract import FinishEvent, FinishReason, SamplingParams, TokenEvent
 from llm_shared.errors import EngineUnavailableError
+from llm_shared.structured import allocate_bitmask, apply_bitmask
 from llm_shared.textstream import TextStream
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ class LlamaWorker:
         self._draft_job: DraftJob | None = None
         self._draft_cache: list[int] = []  # tokens whose KV the drafter slot holds
         self._closing = False
+        self._bitmask: np.ndarray | None = None  # a grammar's mask row (_bitmask_row)
         self._counters = {"steps": 0, "tokens_generated": 0, "prompt_tokens": 0,
                           "draft_tokens_reused": 0, "draft_prefill_tokens": 0, "errors": 0, "restore_ms_total": 0,
                           "preemptions": 0}
@@ -393,10 +395,19 @@ class LlamaWorker:
 
     def _advance_generation(self, seq: GenSeq, logits: np.ndarray) -> None:
         params = seq.params
+        matcher = seq.cmd.matcher
+        if matcher is not None:  # only the tokens the output grammar allows (logits: llama.cpp's buffer, read once)
+            row = self._bitmask_row()
+            matcher.fill_bitmask(row)
+            apply_bitmask(logits, row)
         picked = sample(logits, params, seq.rng)
         token_id = picked.token_id
         if token_id in params.stop_token_ids or (not params.ignore_eos and self._model.is_eog(token_id)):
             self._finish(seq, "stop", seq.stream.finish())
+            return
+        if matcher is not None and (not matcher.accept(token_id) or matcher.error is not None):
+            logger.warning("request %s: %s", seq.cmd.request_id, matcher.error or "a token left the output grammar")
+            self._finish(seq, "error", "", "the output could not be kept to its grammar")
             return
         text, stopped = seq.stream.push(token_id)
         seq.n_generated += 1
@@ -411,6 +422,12 @@ class LlamaWorker:
             self._finish(seq, "length", seq.stream.finish())
         else:
             seq.tokens.append(token_id)
+
+    def _bitmask_row(self) -> np.ndarray:
+        """This worker's one bitmask row, reused for every constrained token (one thread)."""
+        if self._bitmask is None:
+            self._bitmask = allocate_bitmask(1, self._tokenizer.vocab_size)[0]
+        return self._bitmask
 
     def _advance_draft(self, job: DraftJob, logits: np.ndarray) -> None:
         token_id, prob = greedy_with_prob(logits)

@@ -17,6 +17,7 @@ from typing import Any
 from engine_edge.base import Draft
 from llm_shared.channel import EventChannel
 from llm_shared.contract import Priority, SamplingParams, StreamEvent
+from llm_shared.structured import SequenceMatcher
 
 
 class EventSink:
@@ -44,6 +45,7 @@ class GenerateCmd:
     sink: EventSink
     session: str = ""  # the conversation it belongs to: its KV stays reusable until the session ends
     salt: str = ""  # cache salt (checked by the front): it reuses only KV that requests with the same salt left
+    matcher: SequenceMatcher | None = None  # the output grammar (params.grammar, compiled by the front)
 
 
 @dataclass(frozen=True)

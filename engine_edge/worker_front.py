@@ -46,6 +46,7 @@ from llm_shared.errors import (
 )
 from llm_shared.load_cache import LoadCache
 from llm_shared.modelfile import check_gguf
+from llm_shared.structured import GrammarCompiler, SequenceMatcher
 from llm_shared.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class WorkerFront(EdgeBackend):
     ) -> None:
         self.config = config
         self._tokenizer = tokenizer
+        self._grammars: GrammarCompiler | None = None  # built with the first request that has a grammar
         self.n_vocab = n_vocab
         self.n_ctx_seq = n_ctx_seq
         self._n_seq_max = config.n_seq_max
@@ -158,9 +160,17 @@ class WorkerFront(EdgeBackend):
             raise OverloadedError(
                 f"the edge engine is busy ({len(self._open)} requests running or queued); retry shortly"
             )
+        matcher = self._matcher(params.grammar) if params.grammar else None
         channel = EventChannel(on_close=lambda finished: self._left(request_id, finished))
         return GenerateCmd(request_id, prompt, params, Priority(priority),
-                           EventSink(asyncio.get_running_loop(), channel), session_id, salt)
+                           EventSink(asyncio.get_running_loop(), channel), session_id, salt, matcher)
+
+    def _matcher(self, grammar: str) -> SequenceMatcher:
+        """A fresh matcher of ``grammar`` (compiled once per text; SchemaError names ``grammar``).
+        The compiler is built with the first grammar (~0.1 s, once)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self._tokenizer, family=None)
+        return self._grammars.matcher(self._grammars.compile_text(grammar))
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self._open or not self.ready:

@@ -14,25 +14,27 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.cascade.route import RouteInfo
 from gateway.config import ServerConfig
+from gateway.shaping import Message, ToolCall, message_from_wire, tool_calls_wire
 from llm_shared.contract import MAX_TOP_LOGPROBS, FinishEvent, Priority, SamplingParams, TokenEvent
-from llm_shared.errors import APIError, InvalidSamplingError
+from llm_shared.errors import APIError, InvalidRequestError, InvalidSamplingError
+from llm_shared.structured import OutputConstraints, parse_chat_constraints
 
 if TYPE_CHECKING:
     from llm_shared.tokenizer import Tokenizer
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 ROLE_MAP = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id"})
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "refusal"})
 # Accepted so stock clients work; they change nothing here (see docs/protocol.md).
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "parallel_tool_calls", "modalities", "safety_identifier",
-                            "prompt_cache_key"})
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "modalities", "safety_identifier", "prompt_cache_key"})
 SERVICE_TIERS = {"auto": Priority.INTERACTIVE, "default": Priority.INTERACTIVE, "priority": Priority.INTERACTIVE,
                  "flex": Priority.BATCH}
 PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 KNOWN_FIELDS = frozenset({
     "model", "messages", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed", "n",
     "logprobs", "top_logprobs", "stream", "stream_options", "priority", "service_tier", "frequency_penalty",
-    "presence_penalty", "response_format", "tools", "tool_choice", "functions", "function_call", "logit_bias",
+    "presence_penalty", "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions",
+    "function_call", "logit_bias",
 }) | IGNORED_FIELDS
 
 
@@ -56,7 +58,8 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> HttpError:
 @dataclass(frozen=True)
 class ChatRequest:
     model: str
-    messages: list[dict[str, str]]
+    messages: list[Message]
+    constraints: OutputConstraints  # tools, tool_choice, parallel_tool_calls, response_format
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -96,7 +99,7 @@ def _content(value: Any, where: str) -> str:
     raise _bad(f"'{where}' must be a string or a list of text parts", where, "invalid_type")
 
 
-def _messages(value: Any, limits: ServerConfig) -> list[dict[str, str]]:
+def _messages(value: Any, limits: ServerConfig) -> list[Message]:
     if not isinstance(value, list) or not value:
         raise _bad("'messages' must be a non-empty list of messages", "messages", "invalid_type")
     if len(value) > limits.max_conversation_items:
@@ -109,16 +112,25 @@ def _messages(value: Any, limits: ServerConfig) -> list[dict[str, str]]:
             raise _bad(f"'{where}' must be an object", where, "invalid_type")
         extra = sorted(set(message) - MESSAGE_FIELDS)
         if extra:
-            raise _bad(f"'{where}' has unsupported fields {extra} (tool calls are not supported)", where)
+            raise _bad(f"'{where}' has unsupported fields {extra}", where)
         for key in ("name", "tool_call_id"):
             if message.get(key) is not None and not isinstance(message[key], str):
                 raise _bad(f"'{where}.{key}' must be a string", f"{where}.{key}", "invalid_type")
         role = message.get("role")
         if role not in ROLE_MAP:
             raise _bad(f"'{where}.role' must be one of {sorted(ROLE_MAP)}", f"{where}.role")
-        content = _content(message.get("content"), f"{where}.content")
-        chars += len(content)
-        messages.append({"role": ROLE_MAP[role], "content": content})
+        calls = message.get("tool_calls")
+        raw = message.get("content")
+        content = "" if raw is None and calls else _content(raw, f"{where}.content")
+        if role == "tool" and not message.get("tool_call_id"):
+            raise _bad(f"'{where}' is a tool message: it needs the 'tool_call_id' of the call it answers",
+                       f"{where}.tool_call_id")
+        try:
+            parsed = message_from_wire(ROLE_MAP[role], content, calls, message.get("tool_call_id") or "", where)
+        except ValueError as e:
+            raise _bad(str(e), f"{where}.tool_calls") from None
+        chars += len(content) + sum(len(c.name) + len(c.arguments) for c in parsed.tool_calls)
+        messages.append(parsed)
     if chars > limits.max_conversation_chars:
         raise _bad(f"the messages have {chars} characters, more than this server's limit of "
                    f"{limits.max_conversation_chars}", "messages", "conversation_limit_exceeded")
@@ -155,18 +167,13 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     if unknown:
         raise _bad(f"Unrecognized request argument supplied: {', '.join(map(str, unknown))}", unknown[0],
                    "unknown_parameter")
-    for key in ("tools", "functions", "function_call", "logit_bias"):
+    for key, instead in (("functions", "tools"), ("function_call", "tool_choice"), ("logit_bias", "")):
         if body.get(key):
-            raise _bad(f"'{key}' is not supported by this server", key, "unsupported_parameter")
-    if body.get("tool_choice") not in (None, "none"):
-        raise _bad("'tool_choice' is not supported by this server", "tool_choice", "unsupported_parameter")
+            raise _bad(f"'{key}' is not supported by this server" + (f"; use '{instead}'" if instead else ""), key,
+                       "unsupported_parameter")
     for key in ("frequency_penalty", "presence_penalty"):
         if _number(body, key) not in (None, 0.0):
             raise _bad(f"'{key}' is not supported by this server (only 0)", key, "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _bad("only response_format {\"type\": \"text\"} is supported", "response_format",
-                   "unsupported_parameter")
     _check_ignored(body)
 
 
@@ -175,7 +182,7 @@ def _check_ignored(body: Mapping[str, Any]) -> None:
     for key in ("user", "safety_identifier", "prompt_cache_key"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise _bad(f"'{key}' must be a string", key, "invalid_type")
-    for key in ("store", "parallel_tool_calls"):
+    for key in ("store",):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise _bad(f"'{key}' must be a boolean", key, "invalid_type")
     metadata = body.get("metadata")
@@ -241,13 +248,24 @@ def parse_chat_request(body: Any, models: Mapping[str, str], limits: ServerConfi
         )
     except InvalidSamplingError as e:
         raise HttpError(400, e.code, e.message, param=e.param) from e
-    return ChatRequest(model=model, messages=messages, params=params, stream=bool(stream),
+    try:
+        constraints = parse_chat_constraints(body)
+    except InvalidRequestError as e:  # SchemaError among them: the field is named
+        raise HttpError(400, e.code, e.message, param=e.param) from e
+    return ChatRequest(model=model, messages=messages, constraints=constraints, params=params, stream=bool(stream),
                        include_usage=include_usage, logprobs=bool(logprobs), priority=_priority(body))
 
 
 # ----- response shapes ---------------------------------------------------------------------
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+def finish_reason(finish: FinishEvent, calls: bool) -> str:
+    """OpenAI's finish_reason: "tool_calls" when the answer is calls (and it was not cut short)."""
+    if calls and finish.reason == "stop":
+        return "tool_calls"
+    return FINISH_REASONS.get(finish.reason, "stop")
 
 
 def usage(finish: FinishEvent) -> dict[str, Any]:
@@ -294,14 +312,18 @@ class CompletionIds:
 
 
 def completion(ids: CompletionIds, text: str, finish: FinishEvent,
-               logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+               logprobs: list[dict[str, Any]] | None, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if calls:
+        message["tool_calls"] = tool_calls_wire(calls)
+        message["content"] = text or None
     return {
         **ids.head("chat.completion"),
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None},
+            "message": message,
             "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
-            "finish_reason": FINISH_REASONS.get(finish.reason, "stop"),
+            "finish_reason": finish_reason(finish, bool(calls)),
         }],
         "usage": usage(finish),
     }

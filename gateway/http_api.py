@@ -25,17 +25,20 @@ from gateway.chat_schema import (
     HttpError,
     chunk,
     completion,
+    finish_reason,
     logprob_entry,
     parse_chat_request,
     usage_chunk,
 )
 from gateway.demo import add_demo_routes
 from gateway.metrics import CONTENT_TYPE
+from gateway.shaping import CallStream, call_stream, render_messages
 from gateway.state import STATE, GatewayState
 from gateway.turns import Turn
 from gateway.ws.fields import is_unicode
 from llm_shared.contract import FinishEvent, StreamEvent
 from llm_shared.errors import EngineError, EngineUnavailableError, InvalidRequestError, OverloadedError
+from llm_shared.structured import ArgumentsDelta, CallStarted, TextDelta
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -194,10 +197,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             error = engine_http_error(e)
             error.headers.update(state.limiter.headers(key_id))
             raise error from e
-        turn = Turn(router=state.router, model=req.model, messages=req.messages, params=req.params,
+        grammars = state.grammars
+        turn = Turn(router=state.router, model=req.model,
+                    messages=render_messages(req.messages, req.constraints, grammars.family), params=req.params,
                     priority=req.priority,
                     request_id=f"chatcmpl-{secrets.token_hex(12)}", api="chat", metrics=metrics,
-                    limiter=state.limiter, key_id=key_id)
+                    limiter=state.limiter, key_id=key_id, grammars=grammars, constraints=req.constraints)
         try:
             await turn.prepare()
         except EngineError as e:
@@ -263,7 +268,11 @@ async def _collect(state: GatewayState, key_id: str, req: ChatRequest, ids: Comp
     _count_end(state, event)
     if event.reason not in ("stop", "length"):
         return json_error(_end_error(state, event))
-    body = completion(ids, "".join(texts) + event.text, event, logprobs)
+    text = "".join(texts) + event.text
+    calls = call_stream(turn.grammar, state.grammars.family)
+    if calls is not None:  # the answer's text without its call block; the calls apart
+        text = "".join(e.text for e in [*calls.feed(text), *calls.finish()] if isinstance(e, TextDelta))
+    body = completion(ids, text, event, logprobs, calls.calls if calls is not None else None)
     return web.json_response(body, headers=state.limiter.headers(key_id))
 
 
@@ -288,28 +297,53 @@ async def _stream_events(response: web.StreamResponse, state: GatewayState, req:
         await _write(response, b"data: " + json_wire.dumps_bytes(obj) + b"\n\n", timeout)
 
     await send(chunk(ids, {"role": "assistant", "content": ""}, include_usage=usage))
+    calls = call_stream(turn.grammar, state.grammars.family)
     pending: list[dict[str, Any]] = []  # logprobs of tokens whose text is not printable yet
     event: StreamEvent = first
     while not isinstance(event, FinishEvent):
         if req.logprobs:
             pending.append(logprob_entry(turn.engine.tokenizer, event))
         if event.text:
-            await send(chunk(ids, {"content": event.text}, logprobs=pending if req.logprobs else None,
-                             include_usage=usage))
+            if calls is None:
+                await send(chunk(ids, {"content": event.text}, logprobs=pending if req.logprobs else None,
+                                 include_usage=usage))
+            else:
+                for delta in _call_deltas(calls, calls.feed(event.text)):
+                    await send(chunk(ids, delta, include_usage=usage))
             pending = []
         event = await anext(turn)
     _count_end(state, event)
-    if event.text or pending:
+    if calls is not None:
+        for delta in _call_deltas(calls, [*calls.feed(event.text), *calls.finish()]):
+            await send(chunk(ids, delta, include_usage=usage))
+    elif event.text or pending:
         await send(chunk(ids, {"content": event.text}, logprobs=pending if req.logprobs else None,
                          include_usage=usage))
     if event.reason in ("stop", "length"):
-        await send(chunk(ids, {}, finish_reason=event.reason, include_usage=usage))
+        reason = finish_reason(event, calls is not None and bool(calls.calls))
+        await send(chunk(ids, {}, finish_reason=reason, include_usage=usage))
         if usage:
             await send(usage_chunk(ids, event))
     else:
         await send(_end_error(state, event).body())
     await _write(response, b"data: [DONE]\n\n", timeout)
     await response.write_eof()
+
+
+def _call_deltas(calls: CallStream, events: list) -> list[dict[str, Any]]:
+    """Chunk deltas of parsed output: text as ``content``; a call's first chunk with its index, id,
+    type and name, then its arguments in fragments (what the SDK's accumulator joins)."""
+    out: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, TextDelta):
+            if event.text:
+                out.append({"content": event.text})
+        elif isinstance(event, CallStarted):
+            out.append({"tool_calls": [{"index": event.index, "id": calls.call_id(event.index), "type": "function",
+                                        "function": {"name": event.name, "arguments": ""}}]})
+        elif isinstance(event, ArgumentsDelta):
+            out.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.delta}}]})
+    return out
 
 
 async def _write(response: web.StreamResponse, data: bytes, timeout: float) -> None:

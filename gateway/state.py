@@ -19,6 +19,7 @@ from gateway.cascade.router import Router
 from gateway.config import Config
 from gateway.engines import build_router, host_plan
 from gateway.metrics import GatewayMetrics
+from gateway.shaping import Grammars
 from llm_shared.contract import Engine
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class GatewayState:
     limiter: RateLimiter
     slots: SessionSlots
     metrics: GatewayMetrics = field(init=False)
+    grammars: Grammars = field(init=False)  # tools and response_format, compiled per tokenizer
     engines: dict[str, Engine] = field(default_factory=dict)
     router: Router | None = None
     models: dict[str, str] = field(default_factory=dict)  # served model id -> route (cascade, edge, gpu)
@@ -47,6 +49,8 @@ class GatewayState:
 
     def __post_init__(self) -> None:
         self.metrics = GatewayMetrics(lambda: self.engines)
+        # The tiers of one gateway share a tokenizer family (Config checks it): one tool-call syntax.
+        self.grammars = Grammars(self.config.models[self.config.edge.model].family)
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock = time.monotonic) -> GatewayState:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Literal
 
 from gateway.auth import RateLimiter, Reservation
@@ -24,6 +25,7 @@ from gateway.cascade.route import RouteInfo
 from gateway.cascade.router import Router, prompt_token_limit
 from gateway.engines import encode_chat
 from gateway.metrics import GatewayMetrics
+from gateway.shaping import Grammars
 from llm_shared.channel import EventChannel, as_pushing
 from llm_shared.contract import (
     Engine,
@@ -35,6 +37,7 @@ from llm_shared.contract import (
     engine_saturated,
 )
 from llm_shared.errors import EngineError, OverloadedError
+from llm_shared.structured import CompiledGrammar, OutputConstraints
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +69,13 @@ class Turn:
         key_id: str,
         session_id: str = "",
         abort_timeout_s: float = ABORT_TIMEOUT_S,
+        grammars: Grammars | None = None,
+        constraints: OutputConstraints | None = None,
     ) -> None:
         """``session_id`` names the conversation (a Realtime session) so a tier can keep its
-        state for the next turn; chat completions name none."""
+        state for the next turn; chat completions name none. ``constraints`` (tools, tool_choice,
+        response_format; ``messages`` already list the tools, ``gateway.shaping``) are compiled by
+        ``grammars`` for the chosen engine's tokenizer at ``prepare``."""
         self.request_id = request_id
         self.session_id = session_id
         self.finished = False
@@ -93,6 +100,9 @@ class Turn:
         self._abort_timeout = abort_timeout_s
         self._started = 0.0  # loop time when the engine stream started, for time to first token
         self._last: float | None = None  # loop time of the latest token; None before the first
+        self._grammars = grammars
+        self._constraints = constraints
+        self.grammar: CompiledGrammar | None = None  # the output's grammar, after prepare (None: free)
 
     @property
     def engine(self) -> Engine:
@@ -123,6 +133,11 @@ class Turn:
         the EngineError that refused it. A prompt that certainly exceeds every context that could
         serve it is refused before tokenizing."""
         engine = self.choose()
+        if self._constraints is not None and self._grammars is not None:
+            # A schema that cannot be enforced is refused here, naming its field, before any work.
+            self.grammar = await self._grammars.compile(engine.tokenizer, self._constraints)
+            if self.grammar is not None:
+                self._params = replace(self._params, grammar=self.grammar.text)
         self._prompt_ids = await encode_chat(engine, self._messages,
                                              prompt_token_limit(engine, self._params.max_tokens))
         # The output budget is taken now, before any token: a burst cannot overspend the key.

@@ -54,6 +54,7 @@ class CompiledGrammar:
     key: str  # the grammar text's hash
     compile_ms: float  # building the matcher and its first mask, measured when it was compiled
     calls: bool  # tool calls are possible: stream the output through the family's parser
+    text: str  # the grammar (what SamplingParams.grammar carries to a tier)
     _pristine: llguidance.LLMatcher = field(repr=False)  # never advanced; sequences get copies
 
 
@@ -162,7 +163,7 @@ class GrammarCompiler:
             failure = self._attribute(source, error)
             self._cache.put(key, failure, size)
             raise SchemaError(failure.message, param=failure.param)
-        compiled = CompiledGrammar(key, (time.perf_counter() - start) * 1e3, source.calls, matcher)
+        compiled = CompiledGrammar(key, (time.perf_counter() - start) * 1e3, source.calls, source.text, matcher)
         self._cache.put(key, compiled, size)
         return compiled
 

@@ -1,0 +1,209 @@
+"""A turn's output shape: tools, tool_choice and response_format, the same for a chat completion
+and a Realtime response.
+
+The API adapters parse the request's fields into ``OutputConstraints`` (llm_shared.structured) and
+its history into ``Message``s (text, or an assistant's calls, or a tool's result). Here:
+
+- ``render_messages``: the history and the tools as the model family reads them (tools listed in
+  the system prompt, calls and results in the family's syntax), as plain role/content messages;
+- ``Grammars``: the gateway's compilers, one per tokenizer (llguidance's tokenizer view built off
+  the event loop, once), so a schema that cannot be enforced is refused with the field named
+  before any generation, and the grammar text travels to the tier in ``SamplingParams.grammar``;
+- ``CallStream``: one response's output split into answer text and tool calls (with the ids the
+  APIs give them), for adapters to turn into SSE chunks or session events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from llm_shared.errors import InvalidRequestError
+from llm_shared.structured import (
+    ArgumentsDelta,
+    CallDone,
+    CallStarted,
+    CompiledGrammar,
+    GrammarCompiler,
+    OutputConstraints,
+    TextDelta,
+    ToolCallFamily,
+    ToolCallParser,
+    build_grammar,
+    get_family,
+)
+from llm_shared.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call of an assistant turn (history, or a response's output)."""
+
+    call_id: str
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn of a conversation before rendering: text, an assistant's calls, or a tool's result
+    (role "tool", with the id of the call it answers)."""
+
+    role: str  # system, user, assistant or tool
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def render_messages(messages: Sequence[Message], constraints: OutputConstraints | None,
+                    family: ToolCallFamily | None) -> list[dict[str, str]]:
+    """Role/content messages for the chat template. The tools the turn may call are listed in the
+    system prompt (the family's wording; the first system message keeps its text after it); a JSON
+    answer is asked for in words as well as enforced by the grammar; assistant calls and tool results
+    are written in the family's syntax. Without a family, calls and results are kept as plain JSON
+    and text, so history stays readable to any model."""
+    system: list[str] = []
+    if constraints is not None:
+        choice = constraints.tool_choice.mode
+        tools = constraints.tools if choice != "function" else tuple(
+            t for t in constraints.tools if t.name == constraints.tool_choice.name)
+        if tools and choice != "none" and family is not None:
+            system.append(family.render_tools(tools, allow_text=choice == "auto",
+                                              parallel=constraints.parallel_tool_calls))
+        fmt = constraints.response_format
+        if fmt.type == "json_schema" and fmt.schema_json is not None:
+            system.append(f"Answer with one JSON value that matches this JSON schema: {fmt.schema_json}")
+        elif fmt.type == "json_object":
+            system.append("Answer with one JSON object.")
+    out: list[dict[str, str]] = []
+    for message in messages:
+        if message.role == "system":
+            if out or not system:  # a later system turn, or nothing of ours to join it with
+                out.append({"role": "system", "content": message.content})
+            else:
+                system.append(message.content)
+            continue
+        if message.role == "tool":
+            content = family.render_tool_result(message.content) if family is not None else message.content
+            out.append({"role": "user", "content": content})
+            continue
+        content = message.content
+        if message.tool_calls:
+            calls = [(call.name, call.arguments) for call in message.tool_calls]
+            rendered = family.render_calls(calls) if family is not None else json.dumps(
+                [{"name": n, "arguments": a} for n, a in calls])
+            content = f"{content}\n{rendered}" if content else rendered
+        out.append({"role": message.role, "content": content})
+    if system:
+        out.insert(0, {"role": "system", "content": "\n\n".join(system)})
+    return out
+
+
+class Grammars:
+    """The gateway's grammar compilers, one per tokenizer object (every tier of one served model
+    shares a tokenizer family; each engine process compiles the text again with its own)."""
+
+    def __init__(self, family: str) -> None:
+        self.family = get_family(family) if family else None
+        self._compilers: dict[int, tuple[Tokenizer, GrammarCompiler]] = {}
+        self._building: dict[int, asyncio.Future[GrammarCompiler]] = {}
+
+    async def compiler(self, tokenizer: Tokenizer) -> GrammarCompiler:
+        """The compiler for ``tokenizer``; the first call builds it in a thread (~0.1 s)."""
+        key = id(tokenizer)
+        known = self._compilers.get(key)
+        if known is not None and known[0] is tokenizer:
+            return known[1]
+        building = self._building.get(key)
+        if building is None:
+            building = self._building[key] = asyncio.ensure_future(
+                asyncio.to_thread(GrammarCompiler, tokenizer, family=self.family))
+        try:
+            compiler = await asyncio.shield(building)
+        finally:
+            if building.done():
+                self._building.pop(key, None)
+        self._compilers[key] = (tokenizer, compiler)
+        return compiler
+
+    async def compile(self, tokenizer: Tokenizer, constraints: OutputConstraints) -> CompiledGrammar | None:
+        """The turn's compiled grammar (None: nothing constrains it); raises SchemaError naming the
+        field that cannot be enforced, or InvalidRequestError when the model cannot call tools."""
+        if constraints.calls_allowed and self.family is None:
+            raise InvalidRequestError("this model has no known tool-call format, so it cannot call tools",
+                                      param="tools")
+        source = build_grammar(constraints, self.family)
+        if source is None:  # nothing constrains the output: no compiler needed
+            return None
+        compiler = await self.compiler(tokenizer)
+        return compiler.compile_source(source)
+
+
+@dataclass
+class CallStream:
+    """One response's output through its family's parser: answer text and tool calls, each call
+    given an id when it starts. ``feed`` each text delta, then ``finish``; ``calls`` holds every
+    call, complete or cut short, in order."""
+
+    parser: ToolCallParser
+    calls: list[ToolCall] = field(default_factory=list)
+    _ids: dict[int, str] = field(default_factory=dict)
+    _names: dict[int, str] = field(default_factory=dict)
+
+    def feed(self, text: str) -> list[TextDelta | CallStarted | ArgumentsDelta | CallDone]:
+        return self._note(self.parser.feed(text)) if text else []
+
+    def finish(self) -> list[TextDelta | CallStarted | ArgumentsDelta | CallDone]:
+        return self._note(self.parser.finish())
+
+    def call_id(self, index: int) -> str:
+        return self._ids[index]
+
+    def _note(self, events: list) -> list:
+        for event in events:
+            if isinstance(event, CallStarted):
+                self._ids[event.index] = new_call_id()
+                self._names[event.index] = event.name
+            elif isinstance(event, CallDone):
+                self.calls.append(ToolCall(self._ids[event.index], event.name, event.arguments))
+        return events
+
+
+def call_stream(compiled: CompiledGrammar | None, family: ToolCallFamily | None) -> CallStream | None:
+    """A ``CallStream`` when the turn's grammar allows tool calls, else None (text passes as it is)."""
+    if compiled is None or not compiled.calls or family is None:
+        return None
+    return CallStream(family.new_parser())
+
+
+def tool_calls_wire(calls: Sequence[ToolCall]) -> list[dict[str, object]]:
+    """Calls in chat completions' ``message.tool_calls`` form."""
+    return [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+def message_from_wire(role: str, content: str, raw_calls: object, tool_call_id: str, where: str) -> Message:
+    """A chat ``messages[i]`` (already checked for role and content) with its ``tool_calls``;
+    ValueError says what is malformed."""
+    calls: list[ToolCall] = []
+    if raw_calls is not None:
+        if role != "assistant" or not isinstance(raw_calls, list):
+            raise ValueError(f"'{where}.tool_calls' must be a list, on an assistant message")
+        for i, raw in enumerate(raw_calls):
+            at = f"{where}.tool_calls[{i}]"
+            fn = raw.get("function") if isinstance(raw, Mapping) else None
+            if not isinstance(raw, Mapping) or raw.get("type", "function") != "function" or not isinstance(fn, Mapping):
+                raise ValueError(f"'{at}' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                                 "\"arguments\"}}}}")
+            name, arguments, call_id = fn.get("name"), fn.get("arguments"), raw.get("id", "")
+            if not isinstance(name, str) or not name or not isinstance(arguments, str) or not isinstance(call_id, str):
+                raise ValueError(f"'{at}.function' needs a string 'name' and a string 'arguments'")
+            calls.append(ToolCall(call_id, name, arguments))
+    return Message(role, content, tuple(calls), tool_call_id)

@@ -1,0 +1,94 @@
+"""Output grammars on the llama.cpp edge tier (``SamplingParams.grammar``) with the embedded model:
+a JSON answer of the schema and a tool call whose arguments fit the tool, whatever the small model
+would have written; a grammar that does not compile is refused at ``generate``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import jsonschema
+import pytest
+
+from engine_edge import create_backend
+from engine_edge.config import EdgeConfig
+from engine_edge.llama_cpp_backend import LlamaCppBackend
+from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent
+from llm_shared.errors import InvalidRequestError
+from llm_shared.modelfile import default_gguf_path
+from llm_shared.structured import CallDone, build_grammar, get_family, parse_chat_constraints
+
+pytestmark = pytest.mark.model
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 120},
+                         "pets": {"type": "array", "maxItems": 3, "items": {"enum": ["cat", "dog", "fish"]}}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "required": ["city", "unit"],
+                                                           "properties": {"city": {"type": "string",
+                                                                                   "maxLength": 30},
+                                                                          "unit": {"enum": ["C", "F"]}}}}}
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[LlamaCppBackend]:
+    engine = create_backend(EdgeConfig(kv_cache_mib=64, n_seq_max=4, n_threads=1), default_gguf_path())
+    assert isinstance(engine, LlamaCppBackend)
+    yield engine
+    asyncio.run(engine.close())
+
+
+def grammar_of(body: dict) -> str:
+    source = build_grammar(parse_chat_constraints(body), get_family("smollm2"))
+    assert source is not None
+    return source.text
+
+
+async def run(engine: LlamaCppBackend, rid: str, text: str, params: SamplingParams) -> tuple[str, FinishEvent]:
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+    out = []
+    async for event in engine.generate(rid, prompt, params):
+        if isinstance(event, TokenEvent):
+            out.append(event.text)
+        else:
+            assert isinstance(event, FinishEvent)
+            return "".join(out) + event.text, event
+    raise AssertionError("no FinishEvent")
+
+
+def test_json_answers_fit_their_schema(backend: LlamaCppBackend) -> None:
+    grammar = grammar_of({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "person", "schema": PERSON, "strict": True}}})
+
+    async def main() -> list[tuple[str, FinishEvent]]:
+        return await asyncio.gather(*(run(backend, f"p{i}", "Describe a person as JSON.",
+                                          SamplingParams(temperature=0.9, seed=i, max_tokens=120, grammar=grammar))
+                                      for i in range(3)))
+
+    for text, finish in asyncio.run(main()):
+        assert finish.reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_a_required_call_names_the_tool_and_fits_its_parameters(backend: LlamaCppBackend) -> None:
+    grammar = grammar_of({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
+    text, finish = asyncio.run(run(backend, "call", "What is the weather in Paris?",
+                                   SamplingParams(temperature=0.0, max_tokens=120, grammar=grammar)))
+    assert finish.reason == "stop", text
+    parser = get_family("smollm2").new_parser()
+    done = [e for e in [*parser.feed(text), *parser.finish()] if isinstance(e, CallDone)]
+    assert [d.name for d in done] == ["get_weather"] and done[0].complete
+    jsonschema.validate(json.loads(done[0].arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_grammar_that_does_not_compile_is_refused(backend: LlamaCppBackend) -> None:
+    async def main() -> None:
+        stream = backend.generate("bad", [1, 2, 3], SamplingParams(grammar='start: %json {"type": 7}'))
+        with pytest.raises(InvalidRequestError) as refused:
+            await anext(stream)
+        assert refused.value.param == "grammar"
+
+    asyncio.run(main())
