@@ -105,11 +105,13 @@ class LLMEngine:
         engine's limits; raises EmptyPromptError, InvalidRequestError (a malformed field, a token
         outside the vocabulary, a grammar that does not compile), PromptTooLongError,
         DuplicateRequestError or OverloadedError. ``draft_ids`` are verified with the prompt's
-        last chunk (``Scheduler.add_request``; a request with a grammar takes none); prefix-cache
+        last chunk (``Scheduler.add_request``; under a grammar, their valid prefix); prefix-cache
         hits come only from requests with the same ``cache_salt``."""
         matcher = self._matcher(params)
+        if matcher is not None and draft_ids:  # verified under the grammar: only its valid prefix
+            draft_ids = list(draft_ids)[: matcher.valid_prefix_len(list(draft_ids))]
         self.scheduler.add_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
-                                   draft_ids=() if matcher else draft_ids, cache_salt=cache_salt)
+                                   draft_ids=draft_ids, cache_salt=cache_salt)
         self._track(request_id, len(prompt_ids), params, matcher)
 
     def add_checked_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -117,8 +119,10 @@ class LLMEngine:
         """Queue a request whose fields the core's socket decoder checked; only this engine's limits
         are checked (vocabulary, length, duplicates, load, the grammar), raising as ``add_request`` does."""
         matcher = self._matcher(params)
+        if matcher is not None and draft_ids:  # verified under the grammar: only its valid prefix
+            draft_ids = draft_ids[: matcher.valid_prefix_len(draft_ids)]
         self.scheduler.add_checked_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
-                                           draft_ids=None if matcher else draft_ids, cache_salt=cache_salt)
+                                           draft_ids=draft_ids, cache_salt=cache_salt)
         self._track(request_id, len(prompt_ids), params, matcher)
 
     def _matcher(self, params: SamplingParams) -> SequenceMatcher | None:
@@ -158,7 +162,7 @@ class LLMEngine:
         if self._ahead is not None:  # planned and launched during the previous step
             (plan, result), self._ahead = self._ahead, None
         else:
-            round_ = spec.prepare(self.scheduler, self.runner.sampler) if spec is not None else None
+            round_ = spec.prepare(self.scheduler, self.runner.sampler, self._valid_draft) if spec is not None else None
             plan = self.scheduler.schedule()
             masks = self._masks_for(plan) if self._constrained else None
             if round_ is not None:
@@ -197,18 +201,29 @@ class LLMEngine:
         self._record_step(seconds)
         return outputs
 
+    def _valid_draft(self, request_id: str, draft: list[int]) -> int:
+        """How many of a drafter's tokens may be verified: under a grammar, its valid prefix."""
+        matcher = self._constrained.get(request_id)
+        return len(draft) if matcher is None else matcher.valid_prefix_len(draft)
+
     def _masks_for(self, plan: SchedulerOutput) -> Callable[[], dict[str, np.ndarray]]:
         """The grammar masks of the plan's constrained items, made when the runner asks (after it
         queued the forward)."""
-        items = [item.request_id for item in plan.scheduled if item.sample and item.request_id in self._constrained]
+        items = [item for item in plan.scheduled if item.sample and item.request_id in self._constrained]
 
         def fill() -> dict[str, np.ndarray]:
-            if not items:
-                return {}
-            bitmask = allocate_bitmask(len(items), self.tokenizer.vocab_size)
-            for row, request_id in enumerate(items):
-                self._constrained[request_id].fill_bitmask(bitmask[row])
-            return {request_id: bitmask[row] for row, request_id in enumerate(items)}
+            out: dict[str, np.ndarray] = {}
+            for item in items:
+                matcher = self._constrained[item.request_id]
+                k = item.num_draft_tokens
+                bitmask = allocate_bitmask(k + 1, self.tokenizer.vocab_size)  # all allowed: rows past an EOS
+                if k:  # a mask for every position the drafts reach, the matcher left where it was
+                    matcher.fill_draft_bitmasks(item.token_ids[len(item.token_ids) - k:], bitmask)
+                    out[item.request_id] = bitmask
+                else:
+                    matcher.fill_bitmask(bitmask[0])
+                    out[item.request_id] = bitmask[0]
+            return out
 
         return fill
 

@@ -21,7 +21,7 @@ from engine_gpu.attention import AttentionBackend, PagedLayout, get_attention_ba
 from engine_gpu.config import resolve_dtype
 from engine_gpu.graph_runner import GraphRunner, graphs_wanted
 from engine_gpu.kv_cache import PagedKVCache
-from engine_gpu.sampler import SampledToken, Sampler
+from engine_gpu.sampler import SampledToken, Sampler, masked_logits
 from engine_gpu.sched_output import PENDING_TOKEN, ScheduledSeq
 from engine_gpu.speculative.verify_batch import verify_drafts
 from llm_shared.contract import SamplingParams
@@ -83,6 +83,12 @@ class StepResult:
 
 
 _NOTHING = StepResult(dict)
+
+
+def _check_rows(mask: np.ndarray, width: int) -> np.ndarray:
+    if mask.ndim != 2 or mask.shape[0] != width:
+        raise ValueError(f"an item verifying {width - 1} drafts takes a mask of {width} rows")
+    return mask
 
 
 def _rows_of(items: Sequence[ScheduledSeq], masks: Mapping[str, np.ndarray] | None) -> dict[int, np.ndarray] | None:
@@ -231,8 +237,9 @@ class ModelRunner:
 
         ``masks``: called once the forward is queued (on a GPU the host computes them while the
         device runs it): request id -> the grammar bitmask its sampled token must obey
-        (``SamplingParams.grammar``; int32 words, ``llm_shared.structured``). Items with drafts
-        take none."""
+        (``SamplingParams.grammar``; int32 words, ``llm_shared.structured``): one row, or for an
+        item verifying k drafts k + 1 rows (the target's distribution at each position is masked
+        before the acceptance test)."""
         if not batch:
             return _NOTHING
         input_ids = None
@@ -254,9 +261,12 @@ class ModelRunner:
         drafted = [n for n, width in enumerate(widths) if width > 1]
         if not drafted:  # logit row n is sampled item n's
             return self._sample_plain([batch[i] for i in rows], logits, masked)
-        if masked and any(batch[rows[n]].request_id in masked for n in drafted):
-            raise ValueError("an item verifying drafts takes no grammar mask")
         firsts = list(itertools.accumulate(widths, initial=0))  # each sampled item's first logit row
+        if masked:  # a drafted item's mask has a row per verified position: its drafts', then the bonus
+            by_row = {firsts[n] + j: row for n in drafted if (mask := masked.get(batch[rows[n]].request_id)) is not None
+                      for j, row in enumerate(_check_rows(mask, widths[n]))}
+            if by_row:
+                logits = masked_logits(logits, by_row)
         plain = [n for n, width in enumerate(widths) if width == 1]
         out: dict[str, list[SampledToken]] = {}
         if plain:

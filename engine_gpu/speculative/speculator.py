@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -79,16 +80,17 @@ class Speculator:
         log.info("speculation calibrated in %.2f s: target %s, drafter %s", time.perf_counter() - started,
                  _curve(self.controller.target.points()), _curve(self.controller.drafter.points()))
 
-    def prepare(self, scheduler: Scheduler, sampler: Sampler) -> Round:
+    def prepare(self, scheduler: Scheduler, sampler: Sampler,
+                valid: Callable[[str, list[int]], int] | None = None) -> Round:
+        """Price the step, draft, and hand the drafts to the scheduler; ``valid(request_id, draft)``
+        says how many leading draft tokens may be verified (an output grammar's valid prefix)."""
         decoding = scheduler.decoding()
         round_ = Round(batch_size=len(decoding))
         if not self.controller.may_speculate(len(decoding)):
             return round_
         drafter = self.drafter
         plan = self.controller.plan([
-            # a sequence under a grammar drafts nothing (its drafts would need a mask per position)
-            Candidate(seq.request_id, 0 if seq.params.grammar else seq.draft_room,
-                      drafter.behind(seq.request_id, seq.token_ids),
+            Candidate(seq.request_id, seq.draft_room, drafter.behind(seq.request_id, seq.token_ids),
                       seq.params.max_tokens - seq.num_output_tokens) for seq in decoding])
         if not plan:
             return round_
@@ -105,7 +107,8 @@ class Speculator:
         round_.draft_seconds = time.perf_counter() - started
         self.controller.observe_drafter(_whole_call(drafter.last_forwards, round_.draft_seconds))
         for request_id, draft in drafts.items():
-            kept = scheduler.set_draft_tokens(request_id, draft.token_ids)
+            tokens = draft.token_ids if valid is None else draft.token_ids[: valid(request_id, list(draft.token_ids))]
+            kept = scheduler.set_draft_tokens(request_id, tokens)
             if kept:
                 round_.proposed[request_id] = kept
                 round_.probs[request_id] = draft.probs[:kept] if draft.probs is not None else None

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from tiny_engine import write_tiny_model
 
-from engine_gpu.config import EngineConfig
+from engine_gpu.config import EngineConfig, SpeculativeConfig
 from engine_gpu.engine import LLMEngine
 from llm_shared.contract import SamplingParams
 from llm_shared.errors import InvalidRequestError
@@ -71,4 +71,30 @@ def test_an_aborted_constrained_request_leaves_nothing(model_cfg: ModelConfig) -
     final = engine.abort_request("c")
     assert final is not None and final.finish is not None and final.finish.reason == "abort"
     assert not engine._constrained and engine.stats()["kv_blocks_in_use"] == 0
+    engine.close()
+
+
+def test_drafts_are_cut_to_their_valid_prefix_and_verified_under_the_grammar(model_cfg: ModelConfig) -> None:
+    """Prompt-lookup drafts (which know nothing of the grammar) and a cascade's held tokens that
+    break the schema: both are cut to what the grammar allows and verified under its masks, so
+    every answer is still JSON of the schema."""
+    spec = SpeculativeConfig(method="ngram", num_draft_tokens=4, adaptive=False, max_batch=16, ngram_min=1,
+                             ngram_max=3)
+    engine = LLMEngine.from_config(model_cfg, replace(CONFIG, speculative=spec))
+    tok = engine.tokenizer
+    constrained = SamplingParams(temperature=0.0, max_tokens=400, grammar=grammar(SCHEMA))
+    bad_start = tok.encode('{"ok": 12, "size": "xl"}')  # valid up to '{"ok": ', then a number where a boolean goes
+    engine.add_request("held", [5, 6, 7], constrained, draft_ids=bad_start)
+    assert engine.scheduler._requests["held"].draft_token_ids == tok.encode('{"ok": ')
+    outs = {"held": []}
+    for i in range(3):
+        engine.add_request(f"r{i}", [9 + i, 10, 11, 12], replace(constrained, temperature=1.0, seed=i))
+        outs[f"r{i}"] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] += [t.token_id for t in out.tokens]
+    for ids in outs.values():
+        jsonschema.validate(json.loads(tok.decode(ids)), SCHEMA)
+    stats = engine.stats()
+    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
     engine.close()
