@@ -1,15 +1,20 @@
 """Output grammars on the llama.cpp edge tier (``SamplingParams.grammar``) with the embedded model:
 a JSON answer of the schema and a tool call whose arguments fit the tool, whatever the small model
-would have written; a grammar that does not compile is refused at ``generate``."""
+would have written, also for schemas hypothesis generates; a grammar that does not compile is
+refused at ``generate``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schema_strategies import top_schemas
 
 from engine_edge import create_backend
 from engine_edge.config import EdgeConfig
@@ -17,7 +22,7 @@ from engine_edge.llama_cpp_backend import LlamaCppBackend
 from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent
 from llm_shared.errors import InvalidRequestError
 from llm_shared.modelfile import default_gguf_path
-from llm_shared.structured import CallDone, build_grammar, get_family, parse_chat_constraints
+from llm_shared.structured import CallDone, GrammarCompiler, build_grammar, get_family, parse_chat_constraints
 
 pytestmark = pytest.mark.model
 
@@ -92,3 +97,37 @@ def test_a_grammar_that_does_not_compile_is_refused(backend: LlamaCppBackend) ->
         assert refused.value.param == "grammar"
 
     asyncio.run(main())
+
+
+@settings(derandomize=True, deadline=None, max_examples=12,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schema=top_schemas, seed=st.integers(0, 2**31 - 1))
+def test_answers_for_generated_schemas_fit_them(backend: LlamaCppBackend, schema: dict[str, Any], seed: int) -> None:
+    """Valid by construction with the real model: an answer that ends validates against its schema;
+    one cut off by max_tokens is a prefix the grammar accepts."""
+    grammar = grammar_of({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "out", "schema": schema, "strict": False}}})
+
+    async def main() -> list[tuple[list[int], FinishEvent]]:
+        async def one(i: int) -> tuple[list[int], FinishEvent]:
+            prompt = backend.tokenizer.encode_chat([{"role": "user", "content": "Answer with a JSON value."}])
+            ids: list[int] = []
+            async for event in backend.generate(f"h-{seed}-{i}", prompt, SamplingParams(
+                    temperature=0.8, seed=seed + i, max_tokens=96, grammar=grammar)):
+                if isinstance(event, TokenEvent):
+                    ids.append(event.token_id)
+                else:
+                    return ids, event
+            raise AssertionError("no FinishEvent")
+
+        return await asyncio.gather(one(0), one(1))
+
+    compiler = GrammarCompiler(backend.tokenizer, family=None)
+    for ids, finish in asyncio.run(main()):
+        text = backend.tokenizer.decode(ids)
+        if finish.reason == "stop":
+            jsonschema.validate(json.loads(text), schema, cls=jsonschema.Draft202012Validator)
+        else:
+            assert finish.reason == "length", (finish, text)
+            matcher = compiler.matcher(compiler.compile_text(grammar))
+            assert all(matcher.accept(t) for t in ids), text
