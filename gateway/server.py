@@ -154,13 +154,13 @@ async def _run_session(request: web.Request, state: GatewayState, key_id: str, m
         max_output_tokens=server.max_output_tokens,
     )
     session = RealtimeSession(session_id=session_id, model=model, limits=limits, beta=beta,
-                              models=frozenset(state.models))
+                              models=frozenset(state.models), family=state.grammars.family)
     assert state.router is not None  # checked by the handshake
     connection = RealtimeConnection(
         ws, session, session_id=session_id,
         codec=FrameCodec("msgpack" if subprotocol == MSGPACK_SUBPROTOCOL else "json", server.max_frame_bytes),
         router=state.router, limiter=state.limiter, key_id=key_id, metrics=state.metrics, config=server,
-        transport=request.transport if server.direct_writes else None,
+        transport=request.transport if server.direct_writes else None, grammars=state.grammars,
     )
     state.connections.add(connection)
     if state.draining:  # accepted while the drain began: it closes right after session.created

@@ -21,7 +21,10 @@ from gateway.ws.server_events import ServerEvent, TextDelta
 from llm_shared.errors import APIError
 
 MSGPACK_SUBPROTOCOL = "x-openai-realtime-msgpack"
-MAX_DEPTH = 32
+# Events nest a few levels; a tool's parameters schema sits 5 levels down (event, session or response,
+# tools, the tool, parameters) and may nest StructuredLimits.max_schema_depth (32) more, which the
+# parser bounds with an error naming the field. Past this the frame is refused whole.
+MAX_DEPTH = 40
 # Realtime client events are small objects; these bound what one frame can expand into.
 MAX_CONTAINER_LEN = 4096
 MAX_MAP_LEN = 256

@@ -25,13 +25,14 @@ from gateway.auth import RateLimitedError, RateLimiter
 from gateway.cascade.router import Router
 from gateway.config import ServerConfig
 from gateway.metrics import GatewayMetrics
+from gateway.shaping import Grammars
 from gateway.turns import Turn
 from gateway.ws.codec import DecodeError, FrameCodec
 from gateway.ws.outbox import Outbox
 from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent, TextDelta
 from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
 from llm_shared.contract import Engine, FinishEvent, Priority, StreamEvent, TokenEvent
-from llm_shared.errors import EngineError
+from llm_shared.errors import EngineError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +100,12 @@ class RealtimeConnection:
         metrics: GatewayMetrics,
         config: ServerConfig,
         transport: asyncio.Transport | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         """``transport``: the request's, once the WebSocket is prepared; it gives the outbox its
-        fast lane (without it every frame goes through the writer task)."""
+        fast lane (without it every frame goes through the writer task). ``grammars``: the
+        gateway's compilers, which turn a response's tools into the grammar its engine enforces
+        (without them a response that may call tools is refused)."""
         self.session = session
         self.session_id = session_id
         self.key_id = key_id
@@ -111,6 +115,7 @@ class RealtimeConnection:
         self._limiter = limiter
         self._metrics = metrics
         self._config = config
+        self._grammars = grammars
         self._outbox = Outbox(codec.encode_event, high=config.send_queue_high, limit=config.send_queue_limit,
                               max_bytes=config.send_queue_max_bytes,
                               direct=TransportWriter(ws, transport) if transport is not None else None)
@@ -356,10 +361,18 @@ class RealtimeConnection:
 
     def _start(self, command: StartGeneration) -> None:
         rid = command.response_id
+        if command.constraints is not None and self._grammars is None:
+            # Never run a turn that may call tools without its grammar (its calls would be unchecked).
+            self.session.engine_failed(rid, InvalidRequestError("this server cannot enforce tool calls",
+                                                                param="tools"))
+            return
+        # With tools, the grammar is compiled at prepare for the chosen engine's tokenizer; a schema
+        # it cannot enforce fails the response with an error naming the field (RealtimeSession.engine_failed).
         turn = Turn(router=self._router, model=command.model, messages=command.messages, params=command.params,
                     priority=Priority.REALTIME, request_id=rid, api="realtime", metrics=self._metrics,
                     limiter=self._limiter, key_id=self.key_id, session_id=self.session_id,
-                    abort_timeout_s=self._config.engine_abort_timeout_s)
+                    abort_timeout_s=self._config.engine_abort_timeout_s, grammars=self._grammars,
+                    constraints=command.constraints)
         try:
             turn.choose()
         except EngineError as e:

@@ -7,10 +7,16 @@ had a usable one. Inside the session every field is then trusted.
 
 Both the GA field names and the beta ones (``modalities``, ``max_response_output_tokens``)
 are accepted in either flavour; only the server's answers differ by flavour.
+
+``tools`` and ``tool_choice`` are the one exception to "parsed here": what they mean depends on
+the constraints already in force (a response's ``tool_choice`` may name a tool of the session), so
+they travel as sent in a ``ToolsPatch`` and the session parses them with the shared parser
+(``llm_shared.structured.parse_realtime_constraints``), whose errors name the same params.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -18,8 +24,9 @@ from gateway.ws.conversation import ROOT, Role
 from gateway.ws.fields import Fields, ProtocolError, is_unicode
 
 __all__ = [
-    "ClientEvent", "ItemCreate", "ItemDelete", "ItemReference", "ItemRetrieve", "ItemTruncate", "NewItem",
-    "ProtocolError", "ResponseCancel", "ResponseCreate", "SessionLimits", "SessionUpdate", "parse_client_event",
+    "ClientEvent", "ItemCreate", "ItemDelete", "ItemReference", "ItemRetrieve", "ItemTruncate", "NewFunctionCall",
+    "NewFunctionCallOutput", "NewItem", "NewItems", "ProtocolError", "ResponseCancel", "ResponseCreate",
+    "SessionLimits", "SessionUpdate", "ToolsPatch", "parse_client_event",
 ]
 
 MAX_ID_CHARS = 64  # item ids, response ids, conversation ids chosen by clients
@@ -28,26 +35,22 @@ MAX_PARTS = 64  # content parts in one item
 MAX_METADATA_PAIRS = 16  # Realtime API: 16 pairs, keys <= 64 chars, values <= 512 chars
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
+MAX_FUNCTION_NAME = 64  # OpenAI's limit on function names
 
 AUDIO_EVENTS = frozenset({
     "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
     "output_audio_buffer.clear", "transcription_session.update",
 })
 AUDIO_PART_TYPES = frozenset({"input_audio", "output_audio", "audio", "input_image"})
-TOOL_ITEM_TYPES = frozenset({
-    "function_call", "function_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
-    "mcp_approval_response",
-})
-# Fields that only configure audio, tracing or tools we do not run: accepted so that
+MCP_ITEM_TYPES = frozenset({"mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response"})
+# Fields that only configure audio, tracing or reasoning we do not run: accepted so that
 # stock clients work, and ignored (documented in docs/protocol.md).
 IGNORED_SESSION_FIELDS = frozenset({
-    "audio", "include", "tracing", "truncation", "parallel_tool_calls", "reasoning", "tool_choice",
+    "audio", "include", "tracing", "truncation", "reasoning",
     "voice", "input_audio_format", "output_audio_format", "input_audio_transcription", "turn_detection",
     "input_audio_noise_reduction", "speed", "client_secret", "expires_at", "object", "id",
 })
-IGNORED_RESPONSE_FIELDS = frozenset({
-    "audio", "voice", "output_audio_format", "parallel_tool_calls", "reasoning", "tool_choice",
-})
+IGNORED_RESPONSE_FIELDS = frozenset({"audio", "voice", "output_audio_format", "reasoning"})
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,43 @@ class NewItem:
 
 
 @dataclass(frozen=True)
+class NewFunctionCall:
+    """A ``function_call`` item sent by the client (history it replays); ``call_id`` None means
+    the server gives it one."""
+
+    id: str | None
+    call_id: str | None
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class NewFunctionCallOutput:
+    """A ``function_call_output`` item: the result of the call ``call_id``."""
+
+    id: str | None
+    call_id: str
+    output: str
+
+
+NewItems = NewItem | NewFunctionCall | NewFunctionCallOutput
+
+
+@dataclass(frozen=True)
 class ItemReference:
     """``{"type": "item_reference", "id": ...}`` inside ``response.input``."""
 
     id: str
+
+
+@dataclass(frozen=True)
+class ToolsPatch:
+    """The tool fields of a ``session`` or ``response`` object, as sent: ``raw`` holds ``tools``
+    and/or ``tool_choice`` (only the keys given); the session applies them over the constraints in
+    force. ``parallel_tool_calls`` is a plain boolean, checked here."""
+
+    raw: Mapping[str, Any]
+    parallel_tool_calls: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -96,13 +132,14 @@ class SessionUpdate:
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None
     temperature: float | None = None
+    tools: ToolsPatch | None = None  # tools / tool_choice / parallel_tool_calls, when any was given
 
 
 @dataclass(frozen=True)
 class ItemCreate:
     type: ClassVar[str] = "conversation.item.create"
     event_id: str | None
-    item: NewItem
+    item: NewItems
     previous_item_id: str | None = None
 
 
@@ -135,7 +172,7 @@ class ResponseCreate:
     type: ClassVar[str] = "response.create"
     event_id: str | None
     conversation: str = "auto"  # "auto", "none", or the session's conversation id
-    input: tuple[NewItem | ItemReference, ...] | None = None  # replaces the conversation as prompt
+    input: tuple[NewItems | ItemReference, ...] | None = None  # replaces the conversation as prompt
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None
     temperature: float | None = None
@@ -143,6 +180,7 @@ class ResponseCreate:
     # (ext) the model's end-of-sequence token does not end the response: it runs to its token
     # limit, so a benchmark's cancel or long stream does not depend on how long the model answers.
     ignore_eos: bool = False
+    tools: ToolsPatch | None = None  # overrides the session's for this response only
 
 
 @dataclass(frozen=True)
@@ -196,7 +234,6 @@ def _session_update(f: Fields, event_id: str | None, limits: SessionLimits) -> S
     if kind not in (None, "realtime"):
         raise ProtocolError("unsupported_feature", "only 'realtime' sessions are supported", "session.type")
     _check_modalities(s)
-    _check_no_tools(s)
     if s.has("prompt"):
         raise ProtocolError("unsupported_feature", "stored prompts are not supported", "session.prompt")
     update = SessionUpdate(
@@ -205,6 +242,7 @@ def _session_update(f: Fields, event_id: str | None, limits: SessionLimits) -> S
         instructions=s.string("instructions", limits.max_conversation_chars),
         max_output_tokens=_max_tokens(s, limits),
         temperature=s.number("temperature", 0.0, 2.0),
+        tools=_tools_patch(s),
     )
     s.done(IGNORED_SESSION_FIELDS)
     return update
@@ -214,8 +252,9 @@ def _item_create(f: Fields, event_id: str | None, limits: SessionLimits) -> Item
     if not f.has("item"):
         raise f.missing("item")
     item = _item(f.raw("item"), "item", limits, allow_reference=False)
-    if not isinstance(item, NewItem):  # _item returns references only when allowed
-        raise ProtocolError("invalid_value", "'item.type' must be \"message\"", "item.type")
+    if isinstance(item, ItemReference):  # _item returns references only when allowed
+        raise ProtocolError("invalid_value", "'item.type' must be \"message\", \"function_call\" or "
+                            "\"function_call_output\"", "item.type")
     previous = f.string("previous_item_id", MAX_ID_CHARS)
     f.done()
     return ItemCreate(event_id=event_id, item=item, previous_item_id=previous)
@@ -251,7 +290,6 @@ def _response_create(f: Fields, event_id: str | None, limits: SessionLimits) -> 
     r = Fields(f.raw("response") if f.has("response") else {}, "response")
     f.done()
     _check_modalities(r)
-    _check_no_tools(r)
     if r.has("prompt"):
         raise ProtocolError("unsupported_feature", "stored prompts are not supported", "response.prompt")
     conversation = r.string("conversation", MAX_ID_CHARS)
@@ -269,6 +307,7 @@ def _response_create(f: Fields, event_id: str | None, limits: SessionLimits) -> 
         temperature=r.number("temperature", 0.0, 2.0),
         metadata=_metadata(r),
         ignore_eos=bool(r.boolean("x_ignore_eos")),
+        tools=_tools_patch(r),
     )
     r.done(IGNORED_RESPONSE_FIELDS)
     return create
@@ -304,13 +343,20 @@ def _check_modalities(f: Fields) -> None:
             raise ProtocolError("invalid_value", f"'{f.param(key)}' must be [\"text\"]", f.param(key))
 
 
-def _check_no_tools(f: Fields) -> None:
-    tools = f.raw("tools")
-    if tools is None or tools == []:
-        return
-    if not isinstance(tools, list):
-        raise ProtocolError("invalid_type", f"'{f.param('tools')}' must be an array", f.param("tools"))
-    raise ProtocolError("unsupported_feature", "tools are not supported by this server", f.param("tools"))
+def _tools_patch(f: Fields) -> ToolsPatch | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a session or response object (None:
+    none given). MCP tools are refused here; the rest is the shared parser's, in the session."""
+    raw = {key: f.raw(key) for key in ("tools", "tool_choice") if f.has(key)}
+    parallel = f.boolean("parallel_tool_calls")
+    tools = raw.get("tools")
+    if isinstance(tools, list):
+        for n, tool in enumerate(tools):
+            if isinstance(tool, dict) and tool.get("type") == "mcp":
+                raise ProtocolError("unsupported_feature", "MCP tools are not supported: only function tools",
+                                    f"{f.param('tools')}[{n}].type")
+    if not raw and parallel is None:
+        return None
+    return ToolsPatch(raw, parallel)
 
 
 def _max_tokens(f: Fields, limits: SessionLimits) -> MaxTokens | None:
@@ -347,18 +393,21 @@ def _metadata(f: Fields) -> dict[str, str] | None:
     return out
 
 
-def _item(obj: object, path: str, limits: SessionLimits, *, allow_reference: bool) -> NewItem | ItemReference:
+def _item(obj: object, path: str, limits: SessionLimits, *,
+          allow_reference: bool) -> NewItems | ItemReference:
     f = Fields(obj, path)
     kind = f.string("type", 64)
     kind = "message" if kind is None else kind  # the API's items are messages unless told
-    if kind in TOOL_ITEM_TYPES:
-        raise ProtocolError("unsupported_feature", f"'{kind}' items are not supported (no tools)", f.param("type"))
+    if kind in MCP_ITEM_TYPES:
+        raise ProtocolError("unsupported_feature", f"'{kind}' items are not supported (no MCP tools)",
+                            f.param("type"))
     if kind == "item_reference" and allow_reference:
         ref = ItemReference(id=str(f.string("id", MAX_ID_CHARS, required=True)))
         f.done(frozenset({"object"}))
         return ref
-    if kind != "message":
-        raise ProtocolError("invalid_value", f"'{f.param('type')}' must be \"message\"", f.param("type"))
+    if kind not in ("message", "function_call", "function_call_output"):
+        raise ProtocolError("invalid_value", f"'{f.param('type')}' must be \"message\", \"function_call\" or "
+                            "\"function_call_output\"", f.param("type"))
     item_id = f.string("id", MAX_ID_CHARS)
     if item_id is not None and (not item_id or item_id == ROOT):
         raise ProtocolError("invalid_value", f"'{f.param('id')}' must be a non-empty id other than \"root\"",
@@ -367,6 +416,17 @@ def _item(obj: object, path: str, limits: SessionLimits, *, allow_reference: boo
         raise ProtocolError("invalid_value", f"'{f.param('object')}' must be \"realtime.item\"", f.param("object"))
     if f.string("status", 32) not in (None, "completed", "incomplete", "in_progress"):
         raise ProtocolError("invalid_value", f"'{f.param('status')}' is not a valid item status", f.param("status"))
+    if kind == "function_call":
+        call = NewFunctionCall(id=item_id, call_id=_call_id(f, required=False),
+                               name=str(f.string("name", MAX_FUNCTION_NAME, required=True)),
+                               arguments=str(f.string("arguments", limits.max_conversation_chars, required=True)))
+        f.done()
+        return call
+    if kind == "function_call_output":
+        output = NewFunctionCallOutput(id=item_id, call_id=str(_call_id(f, required=True)),
+                                       output=str(f.string("output", limits.max_conversation_chars, required=True)))
+        f.done()
+        return output
     role = f.string("role", 16, required=True)
     if role not in ("system", "user", "assistant"):
         raise ProtocolError("invalid_value", f"'{f.param('role')}' must be system, user or assistant",
@@ -391,3 +451,10 @@ def _item(obj: object, path: str, limits: SessionLimits, *, allow_reference: boo
         p.done()
     f.done()
     return NewItem(id=item_id, role=role, parts=tuple(parts))  # type: ignore[arg-type]  # role checked above
+
+
+def _call_id(f: Fields, *, required: bool) -> str | None:
+    call_id = f.string("call_id", MAX_ID_CHARS, required=required)
+    if call_id is not None and not call_id:
+        raise ProtocolError("invalid_value", f"'{f.param('call_id')}' must not be empty", f.param("call_id"))
+    return call_id

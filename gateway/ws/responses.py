@@ -1,9 +1,15 @@
 """The server events of one response, in the order the Realtime API defines.
 
 ``ResponseStream`` owns one response from ``response.created`` to ``response.done``: it opens
-the assistant message on the first output, streams deltas into it (and into the conversation
+the assistant message on the first text, streams deltas into it (and into the conversation
 when the response belongs to it), and closes everything with exactly one ``response.done``.
 After that it emits nothing more; the session drops it and ignores whatever arrives late.
+
+A response that may call tools has its output parsed by the model family's parser
+(``CallStream``): answer text goes to the message as above, and each call becomes an output
+item of its own (``function_call``), its arguments streamed as
+``response.function_call_arguments.delta`` and closed with ``.done``. Output items are
+sequential, as in the API: a message is done before the first call after it is added.
 """
 
 from __future__ import annotations
@@ -11,10 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gateway.ws.conversation import Conversation, Item
+from gateway.shaping import CallStream
+from gateway.ws.conversation import AnyItem, Conversation, FunctionCall, Item
 from gateway.ws.server_events import Emitter, TextDelta
 from gateway.ws.wire import item_wire, response_wire, usage_wire
 from llm_shared.contract import FinishEvent
+from llm_shared.structured import ArgumentsDelta, CallDone, CallStarted, ToolCallEvent
+from llm_shared.structured import TextDelta as ParsedText
 
 
 class ResponseStream:
@@ -30,9 +39,11 @@ class ResponseStream:
         beta: bool,
         ids: Callable[[str], str],
         events: Emitter,
+        calls: CallStream | None = None,  # the output may hold tool calls: parse it
     ) -> None:
         self.id = response_id
-        self.item: Item | None = None  # opened on the first engine output
+        self.item: Item | None = None  # the message being written (opened on the first text, closed before a call)
+        self.output: list[AnyItem] = []  # every output item, in order (response.done's output)
         self.tokens = 0  # tokens seen, the usage of a response cancelled before the engine reports
         self.done = False
         self._conversation = conversation
@@ -44,11 +55,18 @@ class ResponseStream:
         self._beta = beta
         self._ids = ids
         self._events = events
+        self._calls = calls
+        self._message_index = 0  # output_index of the open message
+        self._open_calls: dict[int, tuple[FunctionCall, int]] = {}  # parser index -> (item, output_index)
 
     @property
     def needs_slot(self) -> bool:
-        """True while this response will still add its message to the conversation."""
-        return self._conversation is not None and self.item is None and not self.done
+        """True while this response will still add its first item to the conversation."""
+        return self._conversation is not None and not self.output and not self.done
+
+    def owns(self, item_id: str) -> bool:
+        """``item_id`` is one of this response's output items."""
+        return any(item.id == item_id for item in self.output)
 
     def created(self) -> None:
         self._events.emit("response.created", response=self._wire("in_progress", None, None))
@@ -56,14 +74,14 @@ class ResponseStream:
     def token(self, text: str) -> None:
         self.tokens += 1
         if text:
-            self._delta(text)
+            self._output(text)
 
     def token_delta(self, text: str) -> TextDelta | None:
         """``token`` in the common case, a token with text once the message is open: its one event,
         the delta, is returned rather than queued (the caller sends it next). None where ``token``
-        would queue something else too (the message's opening events) or nothing."""
+        would queue something else too (the message's opening events, a parsed call) or nothing."""
         item = self.item
-        if item is None or not text:
+        if item is None or not text or self._calls is not None:
             self.token(text)
             return None
         self.tokens += 1
@@ -75,7 +93,7 @@ class ResponseStream:
 
     def engine_finished(self, event: FinishEvent) -> None:
         if event.text:
-            self._delta(event.text)
+            self._output(event.text)
         if event.tier:
             self._extra_metadata["x_tier"] = event.tier
         usage = usage_wire(event.prompt_tokens, event.completion_tokens, event.cached_tokens, self._beta)
@@ -102,17 +120,53 @@ class ResponseStream:
     def _streamed_usage(self) -> dict[str, Any]:
         return usage_wire(0, self.tokens, 0, self._beta)
 
+    # ----- output ---------------------------------------------------------------------------
+
+    def _output(self, text: str) -> None:
+        calls = self._calls
+        if calls is None:
+            self._delta(text)
+        else:
+            self._parsed(calls, calls.feed(text))
+
+    def _parsed(self, calls: CallStream, events: list[ToolCallEvent]) -> None:
+        for event in events:
+            if isinstance(event, ParsedText):
+                if event.text:
+                    self._delta(event.text)
+            elif isinstance(event, CallStarted):
+                self._open_call(calls.call_id(event.index), event)
+            elif isinstance(event, ArgumentsDelta):
+                self._arguments(event)
+            elif isinstance(event, CallDone):
+                self._close_call(event.index, event.arguments, complete=event.complete)
+
+    def _added(self, item: AnyItem, output_index: int) -> None:
+        """``item`` joins the output (and the conversation, when the response belongs to it)."""
+        self.output.append(item)
+        self._events.emit("response.output_item.added", response_id=self.id, output_index=output_index,
+                          item=item_wire(item, self._beta))
+        if self._conversation is not None:
+            previous_id = self._conversation.insert(item)
+            self._events.emit("conversation.item.added", previous_item_id=previous_id,
+                              item=item_wire(item, self._beta))
+
+    def _item_done(self, item: AnyItem, output_index: int) -> None:
+        self._events.emit("response.output_item.done", response_id=self.id, output_index=output_index,
+                          item=item_wire(item, self._beta))
+        conversation = self._conversation
+        if conversation is not None and not self._beta and item.id in conversation:
+            self._events.emit("conversation.item.done", previous_item_id=conversation.previous_id(item.id),
+                              item=item_wire(item, self._beta))
+
     def _open_item(self) -> Item:
         item = Item(id=self._ids("item"), role="assistant", parts=[], status="in_progress")
         self.item = item
-        self._events.emit("response.output_item.added", response_id=self.id, output_index=0,
-                   item=item_wire(item, self._beta))
-        if self._conversation is not None:
-            previous_id = self._conversation.insert(item)
-            self._events.emit("conversation.item.added", previous_item_id=previous_id, item=item_wire(item, self._beta))
+        self._message_index = len(self.output)
+        self._added(item, self._message_index)
         item.parts.append("")
-        self._events.emit("response.content_part.added", response_id=self.id, item_id=item.id, output_index=0,
-                   content_index=0, part={"type": "text", "text": ""})
+        self._events.emit("response.content_part.added", response_id=self.id, item_id=item.id,
+                          output_index=self._message_index, content_index=0, part={"type": "text", "text": ""})
         return item
 
     def _delta(self, text: str) -> None:
@@ -121,29 +175,65 @@ class ResponseStream:
     def _text(self, item: Item, text: str) -> TextDelta:
         """``text`` added to the open message, and its delta event (not queued)."""
         item.parts[0] += text
-        return self._events.text_delta(self.id, item.id, 0, 0, text)
+        return self._events.text_delta(self.id, item.id, self._message_index, 0, text)
+
+    def _close_message(self, status: str) -> None:
+        """The open message's done events; the next text, if any, opens a new message."""
+        item = self.item
+        if item is None:
+            return
+        self.item = None
+        item.status = "completed" if status == "completed" else "incomplete"
+        text = item.parts[0] if item.parts else ""
+        ids = {"response_id": self.id, "item_id": item.id, "output_index": self._message_index, "content_index": 0}
+        self._events.emit("response.output_text.done", **ids, text=text)
+        self._events.emit("response.content_part.done", **ids, part={"type": "text", "text": text})
+        self._item_done(item, self._message_index)
+
+    def _open_call(self, call_id: str, event: CallStarted) -> None:
+        self._close_message("completed")  # the text before a call is complete: the call follows it
+        item = FunctionCall(id=self._ids("item"), call_id=call_id, name=event.name, arguments="",
+                            status="in_progress")
+        output_index = len(self.output)
+        self._open_calls[event.index] = (item, output_index)
+        self._added(item, output_index)
+
+    def _arguments(self, event: ArgumentsDelta) -> None:
+        item, output_index = self._open_calls[event.index]
+        item.arguments += event.delta
+        self._events.emit("response.function_call_arguments.delta", response_id=self.id, item_id=item.id,
+                          output_index=output_index, call_id=item.call_id, delta=event.delta)
+
+    def _close_call(self, index: int, arguments: str, *, complete: bool) -> None:
+        """A call's ``.done`` events: ``complete`` False for a call the output ended inside (a
+        length limit, a cancel), whose item then ends ``incomplete`` with what was generated."""
+        item, output_index = self._open_calls.pop(index)
+        item.arguments = arguments
+        item.status = "completed" if complete else "incomplete"
+        done: dict[str, Any] = {"response_id": self.id, "item_id": item.id, "output_index": output_index,
+                                "call_id": item.call_id}
+        if not self._beta:
+            done["name"] = item.name  # GA only: the beta event has no name
+        self._events.emit("response.function_call_arguments.done", **done, arguments=item.arguments)
+        self._item_done(item, output_index)
+
+    # ----- the end ----------------------------------------------------------------------------
 
     def _finish(self, status: str, usage: dict[str, Any], *, reason: str | None = None,
                 error: dict[str, str] | None = None) -> None:
-        """Close the open message, then ``response.done``; nothing is emitted after it.
+        """Close the open items, then ``response.done``; nothing is emitted after it.
         ``reason`` explains a cancelled or incomplete response, ``error`` a failed one."""
         if self.done:
             return
-        item = self.item
-        if item is None and status in ("completed", "incomplete"):
-            item = self._open_item()  # a finished turn always has its (maybe empty) message
-        if item is not None:
-            item.status = "completed" if status == "completed" else "incomplete"
-            text = item.parts[0] if item.parts else ""
-            ids = {"response_id": self.id, "item_id": item.id, "output_index": 0, "content_index": 0}
-            self._events.emit("response.output_text.done", **ids, text=text)
-            self._events.emit("response.content_part.done", **ids, part={"type": "text", "text": text})
-            self._events.emit("response.output_item.done", response_id=self.id, output_index=0,
-                       item=item_wire(item, self._beta))
-            conversation = self._conversation
-            if conversation is not None and not self._beta and item.id in conversation:
-                self._events.emit("conversation.item.done", previous_item_id=conversation.previous_id(item.id),
-                           item=item_wire(item, self._beta))
+        calls, self._calls = self._calls, None  # nothing is parsed after the end, even if this fails
+        if calls is not None:
+            # Held-back text comes out; a call the output ended inside is cut short (incomplete).
+            self._parsed(calls, calls.finish())
+        if not self.output and status in ("completed", "incomplete"):
+            self._open_item()  # a finished turn always has its (maybe empty) message
+        self._close_message(status)
+        for index, (item, _) in list(self._open_calls.items()):  # calls the parser left open (none expected)
+            self._close_call(index, item.arguments, complete=False)
         self.done = True
         details: dict[str, Any] | None = None
         if error is not None:
@@ -159,7 +249,7 @@ class ResponseStream:
             metadata = {**(metadata or {}), **self._extra_metadata}
         return response_wire(
             response_id=self.id, status=status, status_details=details,
-            output=[item_wire(self.item, self._beta)] if self.item else [],
+            output=[item_wire(item, self._beta) for item in self.output],
             conversation_id=self._conversation_id if self._conversation is not None else None,
             max_output_tokens=self._max_output_tokens, temperature=self._temperature,
             metadata=metadata, usage=usage, beta=self._beta,

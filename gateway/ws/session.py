@@ -17,11 +17,20 @@ from __future__ import annotations
 import base64
 import logging
 import secrets
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.ws.conversation import ROOT, Conversation, Item, to_messages
+from gateway.shaping import CallStream, render_messages
+from gateway.ws.conversation import (
+    ROOT,
+    AnyItem,
+    Conversation,
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    to_history,
+)
 from gateway.ws.events import (
     ClientEvent,
     ItemCreate,
@@ -29,18 +38,24 @@ from gateway.ws.events import (
     ItemReference,
     ItemRetrieve,
     ItemTruncate,
+    NewFunctionCall,
+    NewFunctionCallOutput,
+    NewItems,
     ProtocolError,
     ResponseCancel,
     ResponseCreate,
     SessionLimits,
     SessionUpdate,
+    ToolsPatch,
     parse_client_event,
 )
 from gateway.ws.responses import ResponseStream
 from gateway.ws.server_events import Emitter, ServerEvent, TextDelta
 from gateway.ws.wire import SessionView, item_wire, session_wire
 from llm_shared.contract import FinishEvent, SamplingParams, StreamEvent, TokenEvent
-from llm_shared.errors import EngineError
+from llm_shared.errors import EngineError, InvalidRequestError
+from llm_shared.structured import OutputConstraints, SchemaError, ToolCallFamily, parse_realtime_constraints
+from llm_shared.structured.parse import REALTIME_DEFAULT
 
 __all__ = ["AbortGeneration", "Command", "RealtimeSession", "SessionLimits", "StartGeneration"]
 
@@ -55,10 +70,13 @@ class StartGeneration:
     """Command: the adapter must start an engine request under ``response_id``."""
 
     response_id: str
-    messages: list[dict[str, str]]  # chat messages in order, instructions first as "system"
+    messages: list[dict[str, str]]  # chat messages in order, rendered for the model family (tools listed)
     params: SamplingParams
     metadata: dict[str, Any]  # response.create's metadata, for logs and routing
     model: str = ""  # the session's model id when the response was created: the router's choice of route
+    # The tools the response may call (Turn compiles their grammar at prepare); None when it may
+    # call none, so an unconstrained turn compiles nothing.
+    constraints: OutputConstraints | None = None
 
 
 @dataclass(frozen=True)
@@ -105,9 +123,12 @@ class RealtimeSession:
         beta: bool = False,
         id_factory: Callable[[str], str] | None = None,
         models: frozenset[str] = frozenset(),
+        family: ToolCallFamily | None = None,
     ) -> None:
         """``models``: the ids ``session.update`` may switch to (the served ones); ``model`` is
-        always one of them."""
+        always one of them. ``family``: the served model's tool-call syntax (how tools, calls and
+        results are written in the prompt, and how calls are parsed back out of the output); None
+        when it has none, and then tools that could be called are refused."""
         self._session_id = session_id
         self._model = model
         self._models = models | {model}
@@ -117,10 +138,13 @@ class RealtimeSession:
         self._instructions = ""
         self._max_output_tokens: int | str = limits.default_max_output_tokens
         self._temperature = DEFAULT_TEMPERATURE
+        self._family = family
+        self._constraints: OutputConstraints = REALTIME_DEFAULT  # tools, tool_choice, parallel_tool_calls
         self._conversation = Conversation(id=self._ids("conv"))
         self._events = Emitter(self._ids, beta)
         self._commands: list[Command] = []
         self._active: ResponseStream | None = None
+        self._active_event_id: str | None = None  # the response.create that started it
         self._started = False
 
     # ----- public API -------------------------------------------------------------------
@@ -218,10 +242,14 @@ class RealtimeSession:
             response.annotate(metadata)
 
     def engine_failed(self, response_id: str, error: EngineError) -> None:
-        """The engine refused or lost the request: the response ends ``failed``."""
+        """The engine refused or lost the request: the response ends ``failed``. A tool schema that
+        cannot be enforced (found when the turn compiles its grammar, before any generation) is
+        also an ``error`` naming the field, answering the ``response.create``."""
         response = self._active
         if response is None or response.id != response_id:
             return
+        if isinstance(error, SchemaError):
+            self._error(ProtocolError(error.code, error.message, error.param, event_id=self._active_event_id))
         response.fail({"type": error.type, "code": error.code, "message": error.message})
         self._settle()
 
@@ -265,6 +293,9 @@ class RealtimeSession:
         if event.model is not None and event.model not in self._models:
             raise ProtocolError("invalid_value", f"model {event.model!r} is not served here; available: "
                                 f"{sorted(self._models)}", "session.model")
+        # Everything is checked before anything changes: a refused update leaves the session as it was.
+        if event.tools is not None:
+            self._constraints = self._apply_tools(event.tools, "session", self._constraints)
         if event.model is not None:
             self._model = event.model  # picks the route of the responses created from now on
         if event.instructions is not None:
@@ -282,7 +313,11 @@ class RealtimeSession:
         previous = event.previous_item_id
         if previous is not None and previous != ROOT and previous not in conversation:
             raise ProtocolError("item_not_found", f"previous item {previous!r} does not exist", "previous_item_id")
-        item = Item(id=new.id or self._ids("item"), role=new.role, parts=list(new.parts))
+        if isinstance(new, NewFunctionCallOutput) and not conversation.has_call(new.call_id):
+            # As the API: an output must answer a function_call item of the conversation.
+            raise ProtocolError("invalid_tool_call_id", f"Tool call ID {new.call_id!r} not found in conversation.",
+                                "item.call_id")
+        item = self._new_item(new)
         self._check_room(extra_items=1, extra_chars=item.chars, param="item")
         previous_id = conversation.insert(item, previous)
         self._emit("conversation.item.added", previous_item_id=previous_id, item=item_wire(item, self._beta))
@@ -303,8 +338,8 @@ class RealtimeSession:
         the engine stops and no later delta can grow the item again.
         """
         item = self._item(event.item_id, "item_id")
-        if item.role != "assistant":
-            raise ProtocolError("invalid_value", "only assistant items can be truncated", "item_id")
+        if not isinstance(item, Item) or item.role != "assistant":
+            raise ProtocolError("invalid_value", "only assistant messages can be truncated", "item_id")
         if event.content_index >= len(item.parts):
             raise ProtocolError("invalid_value", f"item {item.id!r} has no content part {event.content_index}",
                                 "content_index")
@@ -328,9 +363,13 @@ class RealtimeSession:
             raise ProtocolError("invalid_value", "conversation must be \"auto\", \"none\" or this session's "
                                 "conversation id", "response.conversation")
         in_conversation = event.conversation != "none"
+        constraints = self._constraints
+        if event.tools is not None:
+            constraints = self._apply_tools(event.tools, "response", constraints)
         items = list(self._conversation) if event.input is None else self._resolve_input(event.input)
         instructions = self._instructions if event.instructions is None else event.instructions
-        messages = to_messages(instructions, items)
+        # The tools are listed in the system prompt only when they may be called (render_messages).
+        messages = render_messages(to_history(instructions, items), constraints, self._family)
         prompt_chars = sum(len(m["content"]) for m in messages)
         if prompt_chars > self._limits.max_conversation_chars:
             raise ProtocolError("conversation_limit_exceeded",
@@ -343,19 +382,27 @@ class RealtimeSession:
         max_tokens = self._limits.max_output_tokens if max_output == "inf" else int(max_output)
         temperature = self._temperature if event.temperature is None else event.temperature
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=event.ignore_eos)
+        # The grammar Turn compiles allows calls exactly when the constraints do (build_grammar), so
+        # the output is parsed for calls from the first token, before the grammar exists.
+        # (_apply_tools refused callable tools already where the model has no family.)
+        family = self._family if constraints.calls_allowed else None
         response = ResponseStream(
             response_id=self._ids("resp"), conversation=self._conversation if in_conversation else None,
             conversation_id=self._conversation.id, max_output_tokens=max_output, temperature=temperature,
-            metadata=event.metadata, beta=self._beta, ids=self._ids, events=self._events)
+            metadata=event.metadata, beta=self._beta, ids=self._ids, events=self._events,
+            calls=CallStream(family.new_parser()) if family is not None else None)
         self._active = response
+        self._active_event_id = event.event_id
         response.created()
         self._commands.append(StartGeneration(response_id=response.id, messages=messages, params=params,
-                                              metadata=dict(event.metadata or {}), model=self._model))
+                                              metadata=dict(event.metadata or {}), model=self._model,
+                                              constraints=constraints if family is not None else None))
 
-    def _resolve_input(self, entries: tuple[Any, ...]) -> list[Item]:
+    def _resolve_input(self, entries: tuple[Any, ...]) -> list[AnyItem]:
         """The items an out-of-band input names, sized as they are resolved: references to one
-        large item repeated many times are refused before any string is joined."""
-        items: list[Item] = []
+        large item repeated many times are refused before any string is joined. A function call's
+        output must answer a call of the input before it, or of the conversation."""
+        items: list[AnyItem] = []
         chars = 0
         for n, entry in enumerate(entries):
             if isinstance(entry, ItemReference):
@@ -365,8 +412,12 @@ class RealtimeSession:
                                         f"response.input[{n}].id")
                 item = found
             else:
-                item = Item(id=entry.id or self._ids("item"), role=entry.role, parts=list(entry.parts))
-            chars += sum(len(part) for part in item.parts)
+                if isinstance(entry, NewFunctionCallOutput) and not (
+                        _has_call(items, entry.call_id) or self._conversation.has_call(entry.call_id)):
+                    raise ProtocolError("invalid_tool_call_id", f"Tool call ID {entry.call_id!r} not found in the "
+                                        "input or the conversation.", f"response.input[{n}].call_id")
+                item = self._new_item(entry)
+            chars += item.chars
             if chars > self._limits.max_conversation_chars:
                 raise ProtocolError("conversation_limit_exceeded",
                                     f"the input holds more than this server's limit of "
@@ -410,16 +461,43 @@ class RealtimeSession:
 
     def _view(self) -> SessionView:
         return SessionView(id=self._session_id, model=self._model, instructions=self._instructions,
-                           max_output_tokens=self._max_output_tokens, temperature=self._temperature)
+                           max_output_tokens=self._max_output_tokens, temperature=self._temperature,
+                           constraints=self._constraints)
 
-    def _item(self, item_id: str, param: str) -> Item:
+    def _apply_tools(self, patch: ToolsPatch, prefix: str, base: OutputConstraints) -> OutputConstraints:
+        """``base`` with the patch's tools, tool_choice and parallel_tool_calls; a ProtocolError
+        naming the field (``session.tools[0].parameters``, ``response.tool_choice.name``...) when
+        they are malformed, do not fit together, or could be called by a model that cannot call."""
+        try:
+            constraints = parse_realtime_constraints(patch.raw, param_prefix=prefix, base=base)
+        except InvalidRequestError as e:  # SchemaError included: a schema past its bounds
+            raise ProtocolError(e.code, e.message, e.param) from None
+        if patch.parallel_tool_calls is not None:
+            constraints = replace(constraints, parallel_tool_calls=patch.parallel_tool_calls)
+        if constraints.calls_allowed and self._family is None:
+            raise ProtocolError("unsupported_feature", "this model has no known tool-call format, so it cannot "
+                                "call tools; set tool_choice \"none\" or no tools", f"{prefix}.tools")
+        return constraints
+
+    def _new_item(self, new: NewItems) -> AnyItem:
+        """A client's item as stored, with the ids it left to the server."""
+        item_id = new.id or self._ids("item")
+        if isinstance(new, NewFunctionCall):
+            return FunctionCall(id=item_id, call_id=new.call_id or self._ids("call"), name=new.name,
+                                arguments=new.arguments)
+        if isinstance(new, NewFunctionCallOutput):
+            return FunctionCallOutput(id=item_id, call_id=new.call_id, output=new.output)
+        return Item(id=item_id, role=new.role, parts=list(new.parts))
+
+    def _item(self, item_id: str, param: str) -> AnyItem:
         item = self._conversation.get(item_id)
         if item is None:
             raise ProtocolError("item_not_found", f"item {item_id!r} does not exist in the conversation", param)
         return item
 
     def _is_active_item(self, item_id: str) -> bool:
-        return self._active is not None and self._active.item is not None and self._active.item.id == item_id
+        """``item_id`` is an item the active response is writing (its message or one of its calls)."""
+        return self._active is not None and self._active.owns(item_id)
 
     def _check_room(self, *, extra_items: int, extra_chars: int, param: str | None) -> None:
         """Refuse what would take the conversation past SessionLimits (counting the message an
@@ -445,3 +523,7 @@ class RealtimeSession:
 
     def _internal_error(self, event_id: str | None) -> None:
         self._error(ProtocolError("server_error", INTERNAL_ERROR_MESSAGE, type="server_error", event_id=event_id))
+
+
+def _has_call(items: Iterable[AnyItem], call_id: str) -> bool:
+    return any(isinstance(i, FunctionCall) and i.call_id == call_id for i in items)

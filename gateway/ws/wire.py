@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.ws.conversation import Item
+from gateway.ws.conversation import AnyItem, FunctionCall, FunctionCallOutput
+from llm_shared.structured import OutputConstraints
 
 BETA_EVENT_NAMES = {
     "response.output_text.delta": "response.text.delta",
@@ -32,7 +33,13 @@ def part_type(role: str, beta: bool) -> str:
     return "text" if beta else "output_text"
 
 
-def item_wire(item: Item, beta: bool) -> dict[str, Any]:
+def item_wire(item: AnyItem, beta: bool) -> dict[str, Any]:
+    if isinstance(item, FunctionCall):
+        return {"id": item.id, "object": "realtime.item", "type": "function_call", "status": item.status,
+                "call_id": item.call_id, "name": item.name, "arguments": item.arguments}
+    if isinstance(item, FunctionCallOutput):
+        return {"id": item.id, "object": "realtime.item", "type": "function_call_output", "status": item.status,
+                "call_id": item.call_id, "output": item.output}
     kind = part_type(item.role, beta)
     return {
         "id": item.id,
@@ -53,6 +60,20 @@ class SessionView:
     instructions: str
     max_output_tokens: int | str  # int or "inf"
     temperature: float  # our extension in GA (the beta API has it natively)
+    constraints: OutputConstraints  # the session's tools, tool_choice and parallel_tool_calls
+
+
+def tools_wire(constraints: OutputConstraints) -> list[dict[str, Any]]:
+    """Function tools in the Realtime shape (flat: no nested ``function``)."""
+    return [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters()}
+            for t in constraints.tools]
+
+
+def tool_choice_wire(constraints: OutputConstraints) -> str | dict[str, str]:
+    choice = constraints.tool_choice
+    if choice.name is not None:
+        return {"type": "function", "name": choice.name}
+    return choice.mode
 
 
 def session_wire(s: SessionView, beta: bool) -> dict[str, Any]:
@@ -67,8 +88,8 @@ def session_wire(s: SessionView, beta: bool) -> dict[str, Any]:
             "instructions": s.instructions,
             "temperature": s.temperature,
             "max_response_output_tokens": s.max_output_tokens,
-            "tools": [],
-            "tool_choice": "none",
+            "tools": tools_wire(s.constraints),
+            "tool_choice": tool_choice_wire(s.constraints),
             "turn_detection": None,
             "input_audio_transcription": None,
         }
@@ -81,8 +102,9 @@ def session_wire(s: SessionView, beta: bool) -> dict[str, Any]:
         "instructions": s.instructions,
         "max_output_tokens": s.max_output_tokens,
         "temperature": s.temperature,
-        "tools": [],
-        "tool_choice": "none",
+        "tools": tools_wire(s.constraints),
+        "tool_choice": tool_choice_wire(s.constraints),
+        "parallel_tool_calls": s.constraints.parallel_tool_calls,
         "tracing": None,
         "truncation": "disabled",  # we refuse an oversized conversation instead of dropping items
         "prompt": None,

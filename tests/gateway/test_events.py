@@ -10,12 +10,15 @@ from gateway.ws.events import (
     ItemCreate,
     ItemReference,
     ItemTruncate,
+    NewFunctionCall,
+    NewFunctionCallOutput,
     NewItem,
     ProtocolError,
     ResponseCancel,
     ResponseCreate,
     SessionLimits,
     SessionUpdate,
+    ToolsPatch,
     parse_client_event,
 )
 
@@ -32,7 +35,8 @@ def test_valid_events_parse_to_typed_values() -> None:
     update = parse_client_event({"type": "session.update", "event_id": "e1", "session": {
         "type": "realtime", "instructions": "Be kind.", "max_output_tokens": "inf", "temperature": 0.3,
         "output_modalities": ["text"], "tools": [], "audio": {"input": {"turn_detection": None}}}}, LIMITS)
-    assert update == SessionUpdate(event_id="e1", instructions="Be kind.", max_output_tokens="inf", temperature=0.3)
+    assert update == SessionUpdate(event_id="e1", instructions="Be kind.", max_output_tokens="inf", temperature=0.3,
+                                   tools=ToolsPatch({"tools": []}))
 
     beta_update = parse_client_event({"type": "session.update", "session": {
         "modalities": ["text"], "max_response_output_tokens": 200, "voice": "alloy", "turn_detection": None}}, LIMITS)
@@ -46,10 +50,23 @@ def test_valid_events_parse_to_typed_values() -> None:
     response = parse_client_event({"type": "response.create", "response": {
         "conversation": "none", "instructions": "Short.", "max_output_tokens": 7, "metadata": {"k": "v"},
         "input": [{"type": "item_reference", "id": "it1"}, message("system", {"type": "input_text", "text": "s"})],
-        "output_modalities": ["text"], "tool_choice": "auto"}}, LIMITS)
+        "output_modalities": ["text"], "tool_choice": "auto", "parallel_tool_calls": False}}, LIMITS)
     assert response == ResponseCreate(
         event_id=None, conversation="none", instructions="Short.", max_output_tokens=7, metadata={"k": "v"},
-        input=(ItemReference("it1"), NewItem(id=None, role="system", parts=("s",))))
+        input=(ItemReference("it1"), NewItem(id=None, role="system", parts=("s",))),
+        tools=ToolsPatch({"tool_choice": "auto"}, parallel_tool_calls=False))
+
+    # Tools travel as sent (the session parses them against the constraints in force); calls and
+    # their outputs are items of their own.
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    assert parse_client_event({"type": "session.update", "session": {"tools": tools, "tool_choice": "required"}},
+                              LIMITS).tools == ToolsPatch({"tools": tools, "tool_choice": "required"})
+    call = parse_client_event({"type": "conversation.item.create", "item": {
+        "type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}", "status": "completed"}}, LIMITS)
+    assert call == ItemCreate(event_id=None, item=NewFunctionCall(id=None, call_id="call_1", name="f", arguments="{}"))
+    output = parse_client_event({"type": "conversation.item.create", "item": {
+        "type": "function_call_output", "id": "o1", "call_id": "call_1", "output": "21 C"}}, LIMITS)
+    assert output == ItemCreate(event_id=None, item=NewFunctionCallOutput(id="o1", call_id="call_1", output="21 C"))
 
     assert parse_client_event({"type": "response.create"}, LIMITS) == ResponseCreate(event_id=None)
     assert parse_client_event({"type": "response.create", "response": {"x_ignore_eos": True}},
@@ -80,8 +97,10 @@ BAD: list[tuple[str, object, str, str | None]] = [
      "unsupported_feature", "session.output_modalities"),
     ("empty modalities", {"type": "session.update", "session": {"modalities": []}}, "invalid_value",
      "session.modalities"),
-    ("tools", {"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}},
-     "unsupported_feature", "session.tools"),
+    ("mcp tool", {"type": "session.update", "session": {"tools": [{"type": "mcp", "server_label": "s"}]}},
+     "unsupported_feature", "session.tools[0].type"),
+    ("parallel_tool_calls not a boolean", {"type": "session.update", "session": {"parallel_tool_calls": "yes"}},
+     "invalid_type", "session.parallel_tool_calls"),
     ("stored prompt", {"type": "session.update", "session": {"prompt": {"id": "p"}}}, "unsupported_feature",
      "session.prompt"),
     ("instructions too long", {"type": "session.update", "session": {"instructions": "x" * 101}},
@@ -106,8 +125,19 @@ BAD: list[tuple[str, object, str, str | None]] = [
      "session.temperature"),
     ("item missing", {"type": "conversation.item.create"}, "missing_required_parameter", "item"),
     ("item not an object", {"type": "conversation.item.create", "item": []}, "invalid_type", "item"),
-    ("function call item", {"type": "conversation.item.create", "item": {"type": "function_call", "name": "f"}},
-     "unsupported_feature", "item.type"),
+    ("function call without arguments", {"type": "conversation.item.create",
+                                         "item": {"type": "function_call", "name": "f"}},
+     "missing_required_parameter", "item.arguments"),
+    ("function call output without call_id", {"type": "conversation.item.create",
+                                              "item": {"type": "function_call_output", "output": "x"}},
+     "missing_required_parameter", "item.call_id"),
+    ("function call output too long", {"type": "conversation.item.create", "item": {
+        "type": "function_call_output", "call_id": "c", "output": "x" * 101}}, "string_above_max_length",
+     "item.output"),
+    ("function call with content", {"type": "conversation.item.create", "item": {
+        "type": "function_call", "name": "f", "arguments": "{}", "content": []}}, "unknown_parameter", "item.content"),
+    ("mcp item", {"type": "conversation.item.create", "item": {"type": "mcp_call"}}, "unsupported_feature",
+     "item.type"),
     ("item reference outside response.input", {"type": "conversation.item.create",
                                                "item": {"type": "item_reference", "id": "a"}},
      "invalid_value", "item.type"),
@@ -154,8 +184,8 @@ BAD: list[tuple[str, object, str, str | None]] = [
     ("response not an object", {"type": "response.create", "response": 3}, "invalid_type", "response"),
     ("unknown response field", {"type": "response.create", "response": {"n": 2}}, "unknown_parameter",
      "response.n"),
-    ("response tools", {"type": "response.create", "response": {"tools": [{}]}}, "unsupported_feature",
-     "response.tools"),
+    ("response mcp tool", {"type": "response.create", "response": {"tools": [{"type": "mcp"}]}},
+     "unsupported_feature", "response.tools[0].type"),
     ("response input not a list", {"type": "response.create", "response": {"input": {}}}, "invalid_type",
      "response.input"),
     ("response input too long", {"type": "response.create", "response": {"input": [message()] * 5}},

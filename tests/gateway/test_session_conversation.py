@@ -169,8 +169,8 @@ def test_repeated_references_to_a_large_item_are_refused_before_any_string_is_jo
     import gateway.ws.session as session_module
 
     joined: list[int] = []
-    real = session_module.to_messages
-    monkeypatch.setattr(session_module, "to_messages", lambda *a: joined.append(1) or real(*a))
+    real = session_module.to_history
+    monkeypatch.setattr(session_module, "to_history", lambda *a: joined.append(1) or real(*a))
     session.receive({"type": "response.create", "event_id": "r2", "response": {
         "conversation": "none", "input": [{"type": "item_reference", "id": "big"}] * 200}})
     error = error_of(drain(session))

@@ -19,6 +19,7 @@ from gateway.ws.server_events import to_wire
 from gateway.ws.session import AbortGeneration, RealtimeSession, SessionLimits, StartGeneration
 from llm_shared.contract import FinishEvent, TokenEvent
 from llm_shared.errors import EngineUnavailableError, OverloadedError
+from llm_shared.structured import SchemaError, get_family
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
@@ -29,6 +30,14 @@ json_values = st.recursive(
 known_ids = st.sampled_from(["item_3", "item_5", "item_7", "item_9", "resp_4", "resp_6", "a", "b", "root"])
 texts = st.text(max_size=12)
 maybe = st.one_of(st.none(), json_values)
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}}}}
+tools = st.just([]) | st.just([WEATHER]) | st.lists(json_values, max_size=2) | json_values
+tool_choices = st.sampled_from(["auto", "none", "required", {"type": "function", "name": "get_weather"}]) | json_values
+# Engine output: free text, and pieces of SmolLM2's call syntax (whole, split, or broken).
+outputs = texts | st.sampled_from([
+    "<tool_call>", "[{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": ", "\"Paris\"}}", "]</tool_call>",
+    "<tool", "_call>[", '<tool_call>[{"name": "get_weather", "arguments": {}}]</tool_call>', "}", "]", ", {"])
 
 
 @st.composite
@@ -63,8 +72,21 @@ def random_items(draw: st.DrawFn) -> dict[str, Any]:
     return item
 
 
+@st.composite
+def function_items(draw: st.DrawFn) -> dict[str, Any]:
+    call_ids = st.sampled_from(["c1", "c2", "call_x"]) | json_values
+    if draw(st.booleans()):
+        item = {"type": "function_call", "call_id": draw(call_ids), "name": draw(st.just("get_weather") | texts),
+                "arguments": draw(st.just('{"city": "Rome"}') | texts)}
+    else:
+        item = {"type": "function_call_output", "call_id": draw(call_ids), "output": draw(texts | json_values)}
+    for key in draw(st.lists(st.sampled_from(sorted(item)), max_size=1)):
+        del item[key]
+    return item
+
+
 def items() -> st.SearchStrategy[dict[str, Any]]:
-    return st.one_of(valid_items(), valid_items(), valid_items(), random_items())
+    return st.one_of(valid_items(), valid_items(), valid_items(), random_items(), function_items())
 
 
 @st.composite
@@ -84,7 +106,8 @@ def client_events(draw: st.DrawFn) -> object:
         event["session"] = draw(st.fixed_dictionaries({}, optional={
             "instructions": texts | json_values, "max_output_tokens": st.integers(-1, 5000) | st.just("inf"),
             "temperature": st.floats(-1, 3) | json_values, "modalities": st.just(["text"]) | json_values,
-            "tools": st.just([]) | json_values, "model": st.just("m") | texts}))
+            "tools": tools, "tool_choice": tool_choices, "parallel_tool_calls": st.booleans() | json_values,
+            "model": st.just("m") | texts}))
     elif kind == "conversation.item.create":
         event["item"] = draw(items())
         if draw(st.booleans()):
@@ -101,7 +124,7 @@ def client_events(draw: st.DrawFn) -> object:
             "instructions": texts | texts | json_values,
             "max_output_tokens": st.integers(0, 20) | st.just("inf") | json_values,
             "metadata": st.dictionaries(st.text(max_size=70), texts, max_size=3),
-            "temperature": st.floats(-1, 3)}))
+            "temperature": st.floats(-1, 3), "tools": tools, "tool_choice": tool_choices}))
     elif kind == "response.cancel" and draw(st.booleans()):
         event["response_id"] = draw(known_ids | json_values)
     return event
@@ -127,6 +150,8 @@ class Checker:
         self.last: str | None = None  # last response id, for stale engine events
         self.items: set[str] = set()  # ids in the conversation, so that edits can hit them
         self.streamed: dict[str, str] = {}  # item id -> text sent as deltas
+        self.arguments: dict[str, str] = {}  # call item id -> arguments sent as deltas
+        self.call_ids: set[str] = set()  # call_ids of function calls that joined the conversation
 
     def step(self) -> None:
         active_before = self.open
@@ -136,12 +161,18 @@ class Checker:
             self.event_ids.add(event["event_id"])
             if event["type"] in ("conversation.item.added", "conversation.item.created"):
                 self.items.add(event["item"]["id"])
+                if event["item"]["type"] == "function_call":
+                    self.call_ids.add(event["item"]["call_id"])
             elif event["type"] == "conversation.item.deleted":
                 self.items.discard(event["item_id"])
             elif event["type"].endswith("text.delta"):
                 self.streamed[event["item_id"]] = self.streamed.get(event["item_id"], "") + event["delta"]
             elif event["type"].endswith("text.done"):  # the final text is exactly what was streamed
                 assert event["text"] == self.streamed.get(event["item_id"], "")
+            elif event["type"] == "response.function_call_arguments.delta":
+                self.arguments[event["item_id"]] = self.arguments.get(event["item_id"], "") + event["delta"]
+            elif event["type"] == "response.function_call_arguments.done":  # the same for a call's arguments
+                assert event["arguments"] == self.arguments.get(event["item_id"], "")
             rid = _response_of(event)
             if rid is None:
                 continue
@@ -172,11 +203,13 @@ class SessionMachine(RuleBasedStateMachine):
         self.session: RealtimeSession | None = None
         self.checker: Checker | None = None
 
-    @initialize(beta=st.booleans())
-    def start(self, beta: bool) -> None:
+    # A prompt that lists tools carries the family's instructions (~1,000 characters): a session
+    # with the small bound of characters refuses every response that may call.
+    @initialize(beta=st.booleans(), chars=st.sampled_from([120, 3000]))
+    def start(self, beta: bool, chars: int) -> None:
         counter = itertools.count(1)
-        self.session = RealtimeSession(session_id="sess_f", model="m", beta=beta,
-                                       limits=SessionLimits(max_conversation_items=8, max_conversation_chars=120,
+        self.session = RealtimeSession(session_id="sess_f", model="m", beta=beta, family=get_family("smollm2"),
+                                       limits=SessionLimits(max_conversation_items=8, max_conversation_chars=chars,
                                                             default_max_output_tokens=8, max_output_tokens=16),
                                        id_factory=lambda prefix: f"{prefix}_{next(counter)}")
         self.checker = Checker(self.session)
@@ -210,14 +243,35 @@ class SessionMachine(RuleBasedStateMachine):
             event.update(content_index=0, x_text_end=data.draw(st.integers(0, 12)))
         self.s.receive(event)
 
+    @rule(choice=st.sampled_from(["auto", "auto", "required", "none"]))
+    def set_tools(self, choice: str) -> None:
+        self.s.receive({"type": "session.update", "session": {"tools": [WEATHER], "tool_choice": choice}})
+
+    @precondition(lambda self: self.checker is not None and bool(self.checker.call_ids))
+    @rule(data=st.data())
+    def answer_call(self, data: st.DataObject) -> None:
+        call_id = data.draw(st.sampled_from(sorted(self.c.call_ids)))
+        self.s.receive({"type": "conversation.item.create", "item": {
+            "type": "function_call_output", "call_id": call_id, "output": data.draw(texts)}})
+
     @rule()
     def respond(self) -> None:
         self.s.receive({"type": "response.create"})
 
     @precondition(lambda self: self.checker is not None and self.checker.open is not None)
-    @rule(text=texts)
+    @rule(text=outputs)
     def token(self, text: str) -> None:
         self.s.engine_event(str(self.c.open), TokenEvent(token_id=7, text=text, logprob=-1.0))
+
+    @precondition(lambda self: self.checker is not None and self.checker.open is not None)
+    @rule(data=st.data())
+    def call_tokens(self, data: st.DataObject) -> None:
+        """A well-formed call (or a prefix of one: cut short by what comes next), in random pieces."""
+        text = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
+        cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+        end = data.draw(st.sampled_from([len(text), len(text), *cuts])) if cuts else len(text)
+        for a, b in itertools.pairwise([0, *[c for c in cuts if c < end], end]):
+            self.s.engine_event(str(self.c.open), TokenEvent(token_id=7, text=text[a:b], logprob=-1.0))
 
     @precondition(lambda self: self.checker is not None and self.checker.open is not None)
     @rule(reason=st.sampled_from(["stop", "stop", "length", "abort", "error"]), text=texts)
@@ -234,9 +288,10 @@ class SessionMachine(RuleBasedStateMachine):
             self.s.engine_event(rid, event)
         self.s.engine_event("resp_unknown", event)
 
-    @rule(overloaded=st.booleans(), stale=st.booleans())
-    def engine_failed(self, overloaded: bool, stale: bool) -> None:
-        error = OverloadedError("busy") if overloaded else EngineUnavailableError("engine down")
+    @rule(kind=st.sampled_from(["overloaded", "unavailable", "schema"]), stale=st.booleans())
+    def engine_failed(self, kind: str, stale: bool) -> None:
+        error = {"overloaded": OverloadedError("busy"), "unavailable": EngineUnavailableError("engine down"),
+                 "schema": SchemaError("cannot be enforced", param="session.tools[0].parameters")}[kind]
         self.s.engine_failed(str(self.c.last if stale else self.c.open), error)
 
     @rule(reason=st.sampled_from(["client_too_slow", "server_shutdown", "client_disconnected"]))
