@@ -10,6 +10,7 @@ tool names and malformed history are refused with a 400 naming the field, before
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Literal
 
 import openai
@@ -102,3 +103,23 @@ async def test_tools_and_structured_outputs_with_the_official_sdk() -> None:
             await client.chat.completions.create(model=routing.default_model, max_tokens=8, messages=[
                 *ask, {"role": "tool", "content": "21 degrees"}])
         assert (refused.value.body or {}).get("param") == "messages[1].tool_call_id"
+
+
+async def test_an_escalated_constrained_turn_is_verified_under_the_grammar() -> None:
+    """Every turn escalates (threshold 1): the edge starts each one under the grammar, and the torch
+    tier verifies its held tokens under the same grammar before anything reaches the client; the
+    answer still parses, and the held tokens were offered for verification."""
+    config = load_config(DEFAULT_CONFIG).with_server(host="127.0.0.1", port=0, api_keys_env="")
+    config = replace(config, cascade=replace(config.cascade, threshold=1.0, min_threshold=1.0, load_aware=False))
+    async with serving(config) as (server, state):
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        for seed in (1, 2):
+            done = await client.chat.completions.parse(
+                model=config.routing.default_model, response_format=Person, max_tokens=60, temperature=0.7,
+                seed=seed, messages=[{"role": "user", "content": "Invent a person who lives in Berlin."}])
+            assert done.model_extra["x_route"]["route"] == "escalated" and done.model_extra["x_tier"] == "gpu"
+            assert isinstance(done.choices[0].message.parsed, Person), done.choices[0].message.content
+        held = sum(sample.value for metric in state.metrics.registry.collect()
+                   if metric.name == "gateway_cascade_held_tokens" for sample in metric.samples
+                   if sample.name.endswith("_total"))
+        assert held > 0
