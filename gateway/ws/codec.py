@@ -28,6 +28,7 @@ MAX_DEPTH = 40
 # Realtime client events are small objects; these bound what one frame can expand into.
 MAX_CONTAINER_LEN = 4096
 MAX_MAP_LEN = 256
+PACKER_BUFFER_BYTES = 4096  # a msgpack connection's encoder buffer to start with; it grows with the frames
 
 Encoding = Literal["json", "msgpack"]
 # A str as ``json_wire.dumps`` writes it (the same escapes, checked for every code point), for the delta's fast path.
@@ -84,9 +85,10 @@ class FrameCodec:
 
     encoding: Encoding
     max_frame_bytes: int
-    # msgpack's module-level packb builds a Packer per call; one per connection is reused.
-    _packer: msgpack.Packer = field(default_factory=lambda: msgpack.Packer(use_bin_type=True), init=False,
-                                    repr=False, compare=False)
+    # msgpack's module-level packb builds a Packer per call; one per msgpack connection is reused.
+    # JSON connections make none, and a Packer's buffer starts small: its default is 256 KiB, a
+    # dozen times what an idle session costs otherwise (bench/gateway.py's idle_sessions_per_gib).
+    _packer: msgpack.Packer | None = field(default=None, init=False, repr=False, compare=False)
     # A text delta's JSON but for its event id and text, per content part: the same for every token
     # of a response, so it is escaped once rather than per token. Holds the latest part's only.
     _delta_heads: dict[tuple[str, str, str, int, int], tuple[str, str]] = field(
@@ -160,5 +162,9 @@ class FrameCodec:
 
     def encode(self, event: dict[str, Any]) -> str | bytes:
         if self.encoding == "msgpack":
-            return self._packer.pack(event)
+            packer = self._packer
+            if packer is None:
+                packer = msgpack.Packer(use_bin_type=True, buf_size=PACKER_BUFFER_BYTES)
+                object.__setattr__(self, "_packer", packer)  # frozen: set once, on first use
+            return packer.pack(event)
         return json_wire.dumps(event)
