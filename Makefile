@@ -46,12 +46,13 @@ $(CLUSTER_STAMP): $(STAMP)
 cluster: $(CLUSTER_STAMP)
 	$(BIN)/python -m gateway serve --local-cluster --config configs/cluster.toml --host $(HOST) --port $(PORT)
 
-# The JS SDK's tests run under Node and the demo page's in Debian's Chromium (browser downloads
-# are not possible here); both come from the distribution's packages when missing.
+# The JS SDK's tests run under Node, the demo page's in Debian's Chromium (browser downloads
+# are not possible here) and the shared limits' against a real redis-server (the tests start
+# their own on a free loopback port); all come from the distribution's packages when missing.
 system-deps:
-	@command -v node >/dev/null && command -v chromium >/dev/null || { \
-	  echo ">> installing nodejs and chromium from the distribution's packages"; \
-	  apt-get update -q && apt-get install -y -q --no-install-recommends nodejs chromium; }
+	@command -v node >/dev/null && command -v chromium >/dev/null && command -v redis-server >/dev/null || { \
+	  echo ">> installing nodejs, chromium and redis-server from the distribution's packages"; \
+	  apt-get update -q && apt-get install -y -q --no-install-recommends nodejs chromium redis-server; }
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
