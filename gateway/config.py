@@ -18,6 +18,7 @@ from engine_edge.config import EdgeConfig
 from engine_gpu.config import EngineConfig, check_engine_models, parse_engine_table
 from gateway.cascade.config import CascadeConfig, RoutingConfig
 from gateway.host import HostConfig
+from gateway.limits.config import LimitsConfig
 from llm_shared.configtools import build, read_toml, require
 from llm_shared.errors import ConfigError
 from llm_shared.models import REPO_ROOT, ModelConfig, parse_models, require_model
@@ -122,6 +123,7 @@ class Config:
     cascade: CascadeConfig = field(default_factory=CascadeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the torch tier on Ray Serve replicas
     host: HostConfig = field(default_factory=HostConfig)  # the CPU budget every compute pool here shares
+    limits: LimitsConfig = field(default_factory=LimitsConfig)  # where per-key limits live (this process, or Redis)
     path: Path | None = None
 
     def __post_init__(self) -> None:
@@ -152,7 +154,7 @@ def load_config(path: str | Path = DEFAULT_CONFIG) -> Config:
 
 
 def parse_config(raw: dict, path: Path | None = None) -> Config:
-    known = {"server", "models", "edge", "engine", "routing", "cascade", "cluster", "host"}
+    known = {"server", "models", "edge", "engine", "routing", "cascade", "cluster", "host", "limits"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown}; known sections: {sorted(known)}")
@@ -165,6 +167,7 @@ def parse_config(raw: dict, path: Path | None = None) -> Config:
         cascade=build(CascadeConfig, raw.get("cascade", {}), "cascade"),
         cluster=build(ClusterConfig, raw.get("cluster", {}), "cluster"),
         host=build(HostConfig, raw.get("host", {}), "host"),
+        limits=build(LimitsConfig, raw.get("limits", {}), "limits"),
         path=path,
     )
 

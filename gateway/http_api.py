@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import math
 import secrets
 from typing import Any
 
@@ -31,6 +32,7 @@ from gateway.chat_schema import (
     usage_chunk,
 )
 from gateway.demo import add_demo_routes
+from gateway.limits import LimitsUnavailableError
 from gateway.metrics import CONTENT_TYPE
 from gateway.shaping import CallStream, call_stream, render_messages
 from gateway.state import STATE, GatewayState
@@ -52,6 +54,9 @@ def engine_http_error(e: EngineError) -> HttpError:
         return HttpError(429, e.code, e.message, type_=e.type, headers={"Retry-After": f"{e.retry_after_s:.0f}"})
     if isinstance(e, InvalidRequestError):
         return HttpError(400, e.code, e.message, param=e.param, type_=e.type)
+    if isinstance(e, LimitsUnavailableError):
+        return HttpError(503, e.code, e.message, type_="server_error",
+                         headers={"Retry-After": f"{max(1, math.ceil(e.retry_after_s))}"})
     if isinstance(e, (OverloadedError, EngineUnavailableError)):
         return HttpError(503, e.code, e.message, type_="server_error", headers={"Retry-After": "1"})
     return HttpError(500, e.code, e.message, type_="server_error")
@@ -88,10 +93,12 @@ async def readyz(request: web.Request) -> web.Response:
         return refused
     tiers = state.router.tiers_up() if state.router is not None else {}
     down = state.router.why_down() if state.router is not None else {}
+    limits = {"backend": state.config.limits.backend, "failure": state.config.limits.failure,
+              "degraded": state.limits.degraded}  # degraded: the shared store is away (fail_open: local limits)
     if state.ready:
         # degraded: the cascade serves on one tier while the other is down
         return web.json_response({"status": "ready", "tiers": tiers, "degraded": not all(tiers.values()),
-                                  "down": down})
+                                  "down": down, "limits": limits})
     status = "shutting_down" if state.shutting_down else ("loading" if not state.engines else "engine_down")
     return web.json_response({"status": status, "tiers": tiers, "down": down, "message": state.unavailable_message()},
                              status=503)
@@ -191,18 +198,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                             headers={"Retry-After": "1"})
         req = parse_chat_request(body, state.models, state.config.server)
         try:
-            state.limiter.admit(key_id)
+            await state.limits.admit(key_id)
         except RateLimitedError as e:
             metrics.rate_limited.labels("chat").inc()
             error = engine_http_error(e)
-            error.headers.update(state.limiter.headers(key_id))
+            error.headers.update(state.limits.peek(key_id).headers())
             raise error from e
+        except LimitsUnavailableError as e:
+            raise engine_http_error(e) from e
         grammars = state.grammars
         turn = Turn(router=state.router, model=req.model,
                     messages=render_messages(req.messages, req.constraints, grammars.family), params=req.params,
                     priority=req.priority,
                     request_id=f"chatcmpl-{secrets.token_hex(12)}", api="chat", metrics=metrics,
-                    limiter=state.limiter, key_id=key_id, grammars=grammars, constraints=req.constraints)
+                    limits=state.limits, key_id=key_id, grammars=grammars, constraints=req.constraints)
         try:
             await turn.prepare()
         except EngineError as e:
@@ -273,12 +282,12 @@ async def _collect(state: GatewayState, key_id: str, req: ChatRequest, ids: Comp
     if calls is not None:  # the answer's text without its call block; the calls apart
         text = "".join(e.text for e in [*calls.feed(text), *calls.finish()] if isinstance(e, TextDelta))
     body = completion(ids, text, event, logprobs, calls.calls if calls is not None else None)
-    return web.json_response(body, headers=state.limiter.headers(key_id))
+    return web.json_response(body, headers=state.limits.peek(key_id).headers())
 
 
 async def _stream(request: web.Request, state: GatewayState, key_id: str, req: ChatRequest, ids: CompletionIds,
                   turn: Turn, first: StreamEvent) -> web.StreamResponse:
-    response = web.StreamResponse(headers={**SSE_HEADERS, **state.limiter.headers(key_id)})
+    response = web.StreamResponse(headers={**SSE_HEADERS, **state.limits.peek(key_id).headers()})
     await response.prepare(request)
     try:
         await _stream_events(response, state, req, ids, turn, first)

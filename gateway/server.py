@@ -29,6 +29,7 @@ from gateway.config import Config
 from gateway.drain import RETRY_AFTER_S, drain_gate, drain_replica, jittered_hint
 from gateway.engines import close_engines, load_engines
 from gateway.http_api import add_routes
+from gateway.limits import LimitsUnavailableError
 from gateway.metrics import GcPauses
 from gateway.state import STATE, GatewayState
 from gateway.ws.codec import MSGPACK_SUBPROTOCOL, FrameCodec
@@ -123,13 +124,15 @@ async def realtime(request: web.Request) -> web.StreamResponse:
         if model not in state.models:
             raise AuthError(404, "model_not_found", f"The model '{model}' does not exist; available: "
                             f"{sorted(state.models)}")
-        state.slots.acquire(key_id)
+        lease = await state.limits.acquire_lease("session", key_id, holder=f"ws-{secrets.token_hex(8)}")
     except AuthError as e:
         return _handshake_error(state, e)
+    except LimitsUnavailableError as e:
+        return _handshake_error(state, AuthError(503, e.code, e.message, "server_error"))
     try:
         return await _run_session(request, state, key_id, model, offered)
     finally:
-        state.slots.release(key_id)
+        await state.limits.release(lease)
 
 
 async def _run_session(request: web.Request, state: GatewayState, key_id: str, model: str,
@@ -159,7 +162,7 @@ async def _run_session(request: web.Request, state: GatewayState, key_id: str, m
     connection = RealtimeConnection(
         ws, session, session_id=session_id,
         codec=FrameCodec("msgpack" if subprotocol == MSGPACK_SUBPROTOCOL else "json", server.max_frame_bytes),
-        router=state.router, limiter=state.limiter, key_id=key_id, metrics=state.metrics, config=server,
+        router=state.router, limits=state.limits, key_id=key_id, metrics=state.metrics, config=server,
         transport=request.transport if server.direct_writes else None, grammars=state.grammars,
     )
     state.connections.add(connection)
@@ -196,6 +199,7 @@ async def _on_shutdown(app: web.Application) -> None:
 async def _on_cleanup(app: web.Application) -> None:
     state = app[STATE]
     await state.close_router()
+    await state.close_limits()
     if state.owns_engines:
         await close_engines(state.engines)
 

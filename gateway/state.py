@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from prometheus_client import Gauge
 
-from gateway.auth import Authenticator, Clock, RateLimiter, SessionSlots, limiter_from_config
+from gateway.auth import Authenticator, Clock
 from gateway.cascade.router import Router
 from gateway.config import Config
 from gateway.engines import build_router, host_plan
+from gateway.limits import Limits, LimitsStore, store_from_config
 from gateway.metrics import GatewayMetrics
 from gateway.shaping import Grammars
 from llm_shared.contract import Engine
@@ -30,8 +32,7 @@ if TYPE_CHECKING:
 class GatewayState:
     config: Config
     auth: Authenticator
-    limiter: RateLimiter
-    slots: SessionSlots
+    limits: LimitsStore  # per-key request and token buckets, running and session caps ([limits])
     metrics: GatewayMetrics = field(init=False)
     grammars: Grammars = field(init=False)  # tools and response_format, compiled per tokenizer
     engines: dict[str, Engine] = field(default_factory=dict)
@@ -51,6 +52,9 @@ class GatewayState:
         self.metrics = GatewayMetrics(lambda: self.engines)
         # The tiers of one gateway share a tokenizer family (Config checks it): one tool-call syntax.
         self.grammars = Grammars(self.config.models[self.config.edge.model].family)
+        Gauge("gateway_limits_degraded", "1 while the shared limits store is unreachable and this process "
+              "applies its own limits (fail_open) or refuses (fail_closed)", registry=self.metrics.registry
+              ).set_function(lambda: float(self.limits.degraded))
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock = time.monotonic) -> GatewayState:
@@ -58,8 +62,7 @@ class GatewayState:
         return cls(
             config=config,
             auth=Authenticator(server.all_api_keys()),
-            limiter=limiter_from_config(server, clock),
-            slots=SessionSlots(server.max_sessions_per_key, server.max_sessions),
+            limits=store_from_config(config.limits, Limits.from_server(server), clock=clock),
         )
 
     def set_engines(self, engines: Mapping[str, Engine], *, owned: bool) -> None:
@@ -86,6 +89,10 @@ class GatewayState:
     async def close_router(self) -> None:
         if self.router is not None:
             await self.router.close()
+
+    async def close_limits(self) -> None:
+        """Release this process's leases and the store's connection (a Redis store's)."""
+        await self.limits.aclose()
 
     @property
     def default_model(self) -> str:

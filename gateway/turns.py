@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Literal
 
-from gateway.auth import RateLimiter, Reservation
 from gateway.cascade.route import RouteInfo
 from gateway.cascade.router import Router, prompt_token_limit
 from gateway.engines import encode_chat
+from gateway.limits import LimitsStore, Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.shaping import Grammars
 from llm_shared.channel import EventChannel, as_pushing
@@ -65,7 +65,7 @@ class Turn:
         request_id: str,
         api: Api,
         metrics: GatewayMetrics,
-        limiter: RateLimiter,
+        limits: LimitsStore,
         key_id: str,
         session_id: str = "",
         abort_timeout_s: float = ABORT_TIMEOUT_S,
@@ -87,7 +87,7 @@ class Turn:
         self._api = api
         self._metrics = metrics
         self._token_series = metrics.token_series(api)
-        self._limiter = limiter
+        self._limits = limits
         self._key_id = key_id
         self._engine: Engine | None = None
         self._route: RouteInfo | None = None
@@ -141,7 +141,7 @@ class Turn:
         self._prompt_ids = await encode_chat(engine, self._messages,
                                              prompt_token_limit(engine, self._params.max_tokens))
         # The output budget is taken now, before any token: a burst cannot overspend the key.
-        self._reservation = self._limiter.reserve(self._key_id, self._params.max_tokens)
+        self._reservation = await self._limits.reserve(self._key_id, self._params.max_tokens, holder=self.request_id)
         return engine
 
     def __aiter__(self) -> Turn:
@@ -268,7 +268,7 @@ class Turn:
 
     def _settle(self, used: int) -> None:
         if self._reservation is not None:
-            self._limiter.settle(self._reservation, used)
+            self._limits.settle_nowait(self._reservation, used)
 
     async def _close(self) -> None:
         self._settle(self._tokens)  # a turn left early pays for what it streamed (no-op once settled)

@@ -52,6 +52,9 @@ class LeaseBook:
         lease.released = True
         if self._held.pop(lease.member, None) is not None:
             self._counts[lease.kind] -= 1
+        if not self._held and self._keeper is not None:  # nothing to renew: no task left behind
+            self._keeper.cancel()
+            self._keeper = None
         return True
 
     def leases(self) -> list[Lease]:

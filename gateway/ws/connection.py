@@ -18,12 +18,14 @@ import asyncio
 import contextlib
 import logging
 import struct
+from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from gateway.auth import RateLimitedError, RateLimiter
+from gateway.auth import RateLimitedError
 from gateway.cascade.router import Router
 from gateway.config import ServerConfig
+from gateway.limits import LimitsStore, LimitsUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.shaping import Grammars
 from gateway.turns import Turn
@@ -95,7 +97,7 @@ class RealtimeConnection:
         session_id: str,
         codec: FrameCodec,
         router: Router,
-        limiter: RateLimiter,
+        limits: LimitsStore,
         key_id: str,
         metrics: GatewayMetrics,
         config: ServerConfig,
@@ -112,7 +114,7 @@ class RealtimeConnection:
         self._ws = ws
         self._codec = codec
         self._router = router
-        self._limiter = limiter
+        self._limits = limits
         self._metrics = metrics
         self._config = config
         self._grammars = grammars
@@ -276,28 +278,37 @@ class RealtimeConnection:
                 return  # CLOSE, CLOSING, CLOSED or ERROR (aiohttp already sent the close code, e.g. 1009)
             if self._closing:
                 return  # the server is closing: this frame came too late to be taken
-            self._on_frame(msg.type, msg.data)
+            event = self._decode(msg.type, msg.data)
+            if event is not None and (event.get("type") != "response.create" or await self._admit()):
+                self.session.receive(event)
             deadline = loop.time() + idle
             await self._pump()
 
-    def _on_frame(self, kind: WSMsgType, data: str | bytes) -> None:
+    def _decode(self, kind: WSMsgType, data: str | bytes) -> dict[str, Any] | None:
+        """The frame's event, or None after telling the session it was not one."""
         try:
             if kind == WSMsgType.TEXT:
-                event = self._codec.decode_text(str(data))
-            else:
-                event = self._codec.decode_binary(bytes(data))
+                return self._codec.decode_text(str(data))
+            return self._codec.decode_binary(bytes(data))
         except DecodeError as e:
             self.session.receive_invalid(e.code, e.message)
-            return
-        if event.get("type") == "response.create":
-            try:
-                self._limiter.admit(self.key_id)
-            except RateLimitedError as e:
-                self._metrics.rate_limited.labels("realtime").inc()
-                self.session.receive_invalid(e.code, e.message)
-                self.session.rate_limits(self._limiter.snapshot(self.key_id))
-                return
-        self.session.receive(event)
+            return None
+
+    async def _admit(self) -> bool:
+        """A ``response.create`` takes one of the key's requests (a round trip when the limits are
+        shared; later frames wait behind it, so events keep their order); False after telling the
+        session why not."""
+        try:
+            await self._limits.admit(self.key_id)
+        except RateLimitedError as e:
+            self._metrics.rate_limited.labels("realtime").inc()
+            self.session.receive_invalid(e.code, e.message)
+            self.session.rate_limits(self._limits.peek(self.key_id).rate_limits())
+            return False
+        except LimitsUnavailableError as e:
+            self.session.receive_invalid(e.code, e.message)
+            return False
+        return True
 
     # ----- the session's commands and events ---------------------------------------------
 
@@ -370,7 +381,7 @@ class RealtimeConnection:
         # it cannot enforce fails the response with an error naming the field (RealtimeSession.engine_failed).
         turn = Turn(router=self._router, model=command.model, messages=command.messages, params=command.params,
                     priority=Priority.REALTIME, request_id=rid, api="realtime", metrics=self._metrics,
-                    limiter=self._limiter, key_id=self.key_id, session_id=self.session_id,
+                    limits=self._limits, key_id=self.key_id, session_id=self.session_id,
                     abort_timeout_s=self._config.engine_abort_timeout_s, grammars=self._grammars,
                     constraints=command.constraints)
         try:
@@ -438,7 +449,7 @@ class RealtimeConnection:
         elif isinstance(event, FinishEvent):
             session.route(rid, turn.route.metadata())
             session.engine_event(rid, event)
-            session.rate_limits(self._limiter.snapshot(self.key_id))
+            session.rate_limits(self._limits.peek(self.key_id).rate_limits())
         else:
             session.engine_event(rid, event)
         self._pump_soon()

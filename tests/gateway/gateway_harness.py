@@ -119,7 +119,7 @@ class Gateway:
     async def wait_sessions_gone(self) -> None:
         """Sessions end asynchronously after a client disconnects; wait for the app to drop them."""
         for _ in range(1000):
-            if not self.state.connections and self.state.slots.total == 0:
+            if not self.state.connections and self.state.limits.held("session") == 0:
                 return
             await asyncio.sleep(0.005)
         raise AssertionError(f"{len(self.state.connections)} sessions still open")

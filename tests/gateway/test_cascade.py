@@ -22,10 +22,10 @@ import websockets
 from fake_engine import FakeEngine, FakeTokenizer, token_id_of
 from gateway_harness import make_config, recv_json, recv_until, send, user_item
 
-from gateway.auth import RateLimiter
 from gateway.cascade.confidence import MeanScorer, MinScorer, QuantileScorer, build_scorer
 from gateway.cascade.config import CascadeConfig
 from gateway.cascade.health import HealthMonitor
+from gateway.limits import InProcessStore, Limits
 from gateway.server import RunningServer, create_app, start_server
 from gateway.state import STATE, GatewayState
 from gateway.turns import Turn
@@ -264,7 +264,8 @@ async def test_with_the_torch_tier_down_the_edge_answers_marked_degraded() -> No
             ready = await http.get("/readyz")
             assert ready.status == 200 and await ready.json() == {
                 "status": "ready", "tiers": {"edge": True, "gpu": False}, "degraded": True,
-                "down": {"gpu": "not ready (its process is gone or restarting)"}}
+                "down": {"gpu": "not ready (its process is gone or restarting)"},
+                "limits": {"backend": "memory", "failure": "fail_open", "degraded": False}}
         text, response = await one_turn(cascade)
         assert text == "".join(EDGE_REPLY)
         meta = response["metadata"]
@@ -495,7 +496,7 @@ async def test_a_decided_turn_is_pushed_from_the_serving_tiers_step(edge_logprob
         metrics = cascade.state.metrics
         turn = Turn(router=cascade.state.router, model=CASCADE, messages=[{"role": "user", "content": "hello"}],
                     params=SamplingParams(max_tokens=64), priority=Priority.INTERACTIVE, request_id="push-1",
-                    api="chat", metrics=metrics, limiter=RateLimiter(requests_per_minute=60, tokens_per_minute=10_000),
+                    api="chat", metrics=metrics, limits=InProcessStore(Limits(requests_per_minute=60, tokens_per_minute=10_000)),
                     key_id="k")
         await turn.prepare()
         events: list[object] = []

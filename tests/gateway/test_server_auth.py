@@ -6,9 +6,6 @@ from gateway.auth import (
     ANONYMOUS,
     Authenticator,
     AuthError,
-    RateLimitedError,
-    RateLimiter,
-    SessionSlots,
     TokenBucket,
     key_fingerprint,
     origin_allowed,
@@ -74,42 +71,3 @@ def test_token_bucket_refills_per_minute() -> None:
     assert bucket.remaining() == 0
     clock.now += 1000
     assert bucket.remaining() == 60  # never above capacity
-
-
-def test_rate_limiter_requests_then_tokens() -> None:
-    clock = Clock()
-    limiter = RateLimiter(requests_per_minute=2, tokens_per_minute=100, clock=clock)
-    limiter.admit("k")
-    limiter.admit("k")
-    with pytest.raises(RateLimitedError) as e:
-        limiter.admit("k")
-    assert e.value.code == "rate_limit_exceeded" and e.value.type == "requests"
-    limiter.admit("other")  # buckets are per key
-    clock.now += 60
-    limiter.charge_tokens("k", 150)
-    with pytest.raises(RateLimitedError) as e:
-        limiter.admit("k")
-    assert e.value.type == "tokens" and e.value.retry_after_s > 0
-    names = {d["name"]: d for d in limiter.snapshot("k")}
-    assert names["tokens"]["remaining"] == 0 and names["requests"]["limit"] == 2
-    assert limiter.headers("k")["x-ratelimit-remaining-tokens"] == "0"
-
-
-def test_session_slots_per_key_and_total() -> None:
-    slots = SessionSlots(max_per_key=2, max_total=3)
-    slots.acquire("a")
-    slots.acquire("a")
-    with pytest.raises(AuthError) as e:
-        slots.acquire("a")
-    assert e.value.status == 429
-    slots.acquire("b")
-    with pytest.raises(AuthError) as e:
-        slots.acquire("c")
-    assert e.value.status == 503
-    slots.release("a")
-    slots.acquire("c")
-    for k in ("a", "b", "c"):
-        slots.release(k)
-    assert slots.total == 0 and slots.count("a") == 0
-    with pytest.raises(RuntimeError):
-        slots.release("a")

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from fake_engine import FakeEngine
 
-from gateway.auth import RateLimiter
 from gateway.cascade.router import Router
+from gateway.limits import InProcessStore, Limits
 from gateway.metrics import GatewayMetrics
 from gateway.turns import Turn
 from llm_shared.contract import FinishEvent, Priority, SamplingParams, StreamEvent, TokenEvent
@@ -18,11 +18,11 @@ from llm_shared.errors import EngineUnavailableError, PromptTooLongError
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 
-def make(engine: FakeEngine, *, max_tokens: int = 5) -> tuple[Turn, GatewayMetrics, RateLimiter]:
+def make(engine: FakeEngine, *, max_tokens: int = 5) -> tuple[Turn, GatewayMetrics, InProcessStore]:
     metrics = GatewayMetrics(lambda: {"edge": engine})
-    limiter = RateLimiter(requests_per_minute=60, tokens_per_minute=1000)
+    limiter = InProcessStore(Limits(requests_per_minute=60, tokens_per_minute=1000))
     turn = Turn(router=Router({"edge-model": "edge"}, {"edge": engine}), model="edge-model", messages=MESSAGES, params=SamplingParams(max_tokens=max_tokens),
-                priority=Priority.INTERACTIVE, request_id="req-1", api="chat", metrics=metrics, limiter=limiter,
+                priority=Priority.INTERACTIVE, request_id="req-1", api="chat", metrics=metrics, limits=limiter,
                 key_id="k")
     return turn, metrics, limiter
 
@@ -45,7 +45,7 @@ async def test_a_whole_turn_is_metered_and_charged_and_not_aborted() -> None:
     assert sample(metrics, "gateway_prompt_tokens_total", api="chat") == finish.prompt_tokens
     assert sample(metrics, "gateway_ttft_seconds_count", api="chat") == 1
     assert sample(metrics, "gateway_inter_token_latency_seconds_count", api="chat") == len(tokens) - 1
-    assert limiter.snapshot("k")[1]["remaining"] == 1000 - finish.completion_tokens
+    assert limiter.peek("k").rate_limits()[1]["remaining"] == 1000 - finish.completion_tokens
     assert engine.aborts == []
 
 
@@ -115,7 +115,7 @@ async def test_run_passes_every_event_and_meters_as_iterating_does(engine_class:
     assert len(tokens) == 5 and isinstance(events[-1], FinishEvent) and turn.finished
     assert sample(metrics, "gateway_output_tokens_total", api="chat") == 5
     assert sample(metrics, "gateway_inter_token_latency_seconds_count", api="chat") == 4
-    assert limiter.snapshot("k")[1]["remaining"] == 1000 - 5
+    assert limiter.peek("k").rate_limits()[1]["remaining"] == 1000 - 5
     assert engine.aborts == []
     if engine_class is FakeEngine:
         # The first event is awaited by run's task; the rest come by call from the engine's own step.
