@@ -34,13 +34,13 @@ from gateway.chat_schema import (
 from gateway.demo import add_demo_routes
 from gateway.limits import LimitsUnavailableError
 from gateway.metrics import CONTENT_TYPE
-from gateway.shaping import CallStream, call_stream, render_messages
+from gateway.shaping import CallStream, call_stream
 from gateway.state import STATE, GatewayState
 from gateway.turns import Turn
 from gateway.ws.fields import is_unicode
 from llm_shared.contract import FinishEvent, StreamEvent
 from llm_shared.errors import EngineError, EngineUnavailableError, InvalidRequestError, OverloadedError
-from llm_shared.structured import ArgumentsDelta, CallStarted, TextDelta
+from llm_shared.structured import ArgumentsDelta, CallStarted, TextDelta, render_messages
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -1,11 +1,10 @@
 """A turn's output shape: tools, tool_choice and response_format, the same for a chat completion
 and a Realtime response.
 
-The API adapters parse the request's fields into ``OutputConstraints`` (llm_shared.structured) and
-its history into ``Message``s (text, or an assistant's calls, or a tool's result). Here:
+The API adapters parse the request's fields into ``OutputConstraints`` and its history into
+``Message``s (text, or an assistant's calls, or a tool's result), which
+``llm_shared.structured.render_messages`` writes as the model family reads them. Here:
 
-- ``render_messages``: the history and the tools as the model family reads them (tools listed in
-  the system prompt, calls and results in the family's syntax), as plain role/content messages;
 - ``Grammars``: the gateway's compilers, one per tokenizer (llguidance's tokenizer view built off
   the event loop, once), so a schema that cannot be enforced is refused with the field named
   before any generation, and the grammar text travels to the tier in ``SamplingParams.grammar``;
@@ -16,7 +15,6 @@ its history into ``Message``s (text, or an assistant's calls, or a tool's result
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,8 +26,10 @@ from llm_shared.structured import (
     CallStarted,
     CompiledGrammar,
     GrammarCompiler,
+    Message,
     OutputConstraints,
     TextDelta,
+    ToolCall,
     ToolCallFamily,
     ToolCallParser,
     build_grammar,
@@ -38,72 +38,8 @@ from llm_shared.structured import (
 from llm_shared.tokenizer import Tokenizer
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    """One function call of an assistant turn (history, or a response's output)."""
-
-    call_id: str
-    name: str
-    arguments: str  # the arguments object as JSON text
-
-
-@dataclass(frozen=True)
-class Message:
-    """One turn of a conversation before rendering: text, an assistant's calls, or a tool's result
-    (role "tool", with the id of the call it answers)."""
-
-    role: str  # system, user, assistant or tool
-    content: str
-    tool_calls: tuple[ToolCall, ...] = ()
-    tool_call_id: str = ""
-
-
 def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
-
-
-def render_messages(messages: Sequence[Message], constraints: OutputConstraints | None,
-                    family: ToolCallFamily | None) -> list[dict[str, str]]:
-    """Role/content messages for the chat template. The tools the turn may call are listed in the
-    system prompt (the family's wording; the first system message keeps its text after it); a JSON
-    answer is asked for in words as well as enforced by the grammar; assistant calls and tool results
-    are written in the family's syntax. Without a family, calls and results are kept as plain JSON
-    and text, so history stays readable to any model."""
-    system: list[str] = []
-    if constraints is not None:
-        choice = constraints.tool_choice.mode
-        tools = constraints.tools if choice != "function" else tuple(
-            t for t in constraints.tools if t.name == constraints.tool_choice.name)
-        if tools and choice != "none" and family is not None:
-            system.append(family.render_tools(tools, allow_text=choice == "auto",
-                                              parallel=constraints.parallel_tool_calls))
-        fmt = constraints.response_format
-        if fmt.type == "json_schema" and fmt.schema_json is not None:
-            system.append(f"Answer with one JSON value that matches this JSON schema: {fmt.schema_json}")
-        elif fmt.type == "json_object":
-            system.append("Answer with one JSON object.")
-    out: list[dict[str, str]] = []
-    for message in messages:
-        if message.role == "system":
-            if out or not system:  # a later system turn, or nothing of ours to join it with
-                out.append({"role": "system", "content": message.content})
-            else:
-                system.append(message.content)
-            continue
-        if message.role == "tool":
-            content = family.render_tool_result(message.content) if family is not None else message.content
-            out.append({"role": "user", "content": content})
-            continue
-        content = message.content
-        if message.tool_calls:
-            calls = [(call.name, call.arguments) for call in message.tool_calls]
-            rendered = family.render_calls(calls) if family is not None else json.dumps(
-                [{"name": n, "arguments": a} for n, a in calls])
-            content = f"{content}\n{rendered}" if content else rendered
-        out.append({"role": message.role, "content": content})
-    if system:
-        out.insert(0, {"role": "system", "content": "\n\n".join(system)})
-    return out
 
 
 class Grammars:

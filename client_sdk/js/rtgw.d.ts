@@ -31,10 +31,27 @@ export interface Backoff {
   attempts?: number; // 6 connection attempts per operation, the first immediate
 }
 
+/** A function the model may call (the Realtime shape; the chat completions shape
+ * `{type: "function", function: {...}}` is accepted and unwrapped). */
+export interface FunctionTool {
+  type: "function";
+  name: string;
+  description?: string;
+  /** The arguments' JSON schema (an object schema). */
+  parameters?: Record<string, unknown>;
+}
+
+export type ToolChoice = "auto" | "none" | "required" | { type: "function"; name: string };
+
 export interface SessionSettings {
   instructions?: string;
   temperature?: number;
   maxOutputTokens?: number | "inf";
+  tools?: FunctionTool[] | { type: "function"; function: Record<string, unknown> }[];
+  /** "auto" (text or calls), "none", "required" (the answer is a call), or one named function. */
+  toolChoice?: ToolChoice;
+  /** false: at most one call per response. */
+  parallelToolCalls?: boolean;
 }
 
 export interface ResponseOptions extends SessionSettings {
@@ -61,10 +78,46 @@ export interface ClientOptions extends SessionSettings {
   random?: () => number;
 }
 
-export interface ConversationItem {
+export interface MessageItem {
   id: string;
+  type: "message";
   role: "system" | "user" | "assistant";
   text: string;
+}
+
+export interface FunctionCallItem {
+  id: string;
+  type: "function_call";
+  callId: string;
+  name: string;
+  /** The arguments object as JSON text, as generated; it grows while the call streams. */
+  arguments: string;
+  status: "in_progress" | "completed" | "incomplete";
+}
+
+export interface FunctionCallOutputItem {
+  id: string;
+  type: "function_call_output";
+  callId: string;
+  output: string;
+}
+
+export type ConversationItem = MessageItem | FunctionCallItem | FunctionCallOutputItem;
+
+/** A function call of a response, once its arguments are complete (or cut short). */
+export interface FunctionCall {
+  callId: string;
+  name: string;
+  /** The arguments object as JSON text, as generated. */
+  arguments: string;
+  /** The arguments parsed; null when they are not a JSON object (a call cut short). */
+  parsed: Record<string, unknown> | null;
+  itemId: string;
+  responseId: string | null;
+  /** incomplete: the output ended inside the call (a length limit, a cancel). */
+  status: "completed" | "incomplete";
+  /** status "completed" and the arguments parsed. */
+  complete: boolean;
 }
 
 export interface ServerErrorBody {
@@ -86,9 +139,13 @@ export interface Usage {
 export interface TurnResult {
   status: "completed" | "incomplete" | "cancelled" | "failed";
   text: string;
+  /** The functions the response called, in order: answer them with `sendToolOutput(s)`. */
+  calls: FunctionCall[];
   responseId: string | null;
+  /** The assistant message; null when the response wrote none (only calls, or cancelled first). */
   itemId: string | null;
-  userItemId: string;
+  /** The user message it answers; null for a turn that answers function calls. */
+  userItemId: string | null;
   /** The client's metadata plus the gateway's: x_tier, x_route, x_confidence, ... */
   metadata: Record<string, string>;
   usage: Usage;
@@ -106,15 +163,18 @@ export interface TurnResult {
 type Unsubscribe = () => void;
 
 export class Turn implements AsyncIterable<string> {
-  readonly userItemId: string;
+  readonly userItemId: string | null;
   readonly responseId: string | null;
   readonly itemId: string | null;
   /** The text streamed so far. */
   readonly text: string;
+  /** The function calls so far. */
+  readonly calls: FunctionCall[];
   readonly done: boolean;
   /** Resolves when the turn ends; never rejects. */
   readonly result: Promise<TurnResult>;
   on(type: "delta", fn: (text: string) => void): Unsubscribe;
+  on(type: "functionCall", fn: (call: FunctionCall) => void): Unsubscribe;
   on(type: "done", fn: (result: TurnResult) => void): Unsubscribe;
   [Symbol.asyncIterator](): AsyncIterator<string>;
 }
@@ -148,6 +208,10 @@ export class RealtimeClient {
   configure(settings: SessionSettings): Promise<void>;
   send(text: string, options?: ResponseOptions): Promise<Turn>;
   ask(text: string, options?: ResponseOptions): Promise<TurnResult>;
+  /** Answers function calls (`{[callId]: output}`; a string as it is, anything else as JSON) and
+   * starts the next response. Rejects with code `unknown_call_id` for a call the conversation lacks. */
+  sendToolOutputs(outputs: Record<string, unknown>, options?: ResponseOptions): Promise<Turn>;
+  sendToolOutput(callId: string, output: unknown, options?: ResponseOptions): Promise<Turn>;
   cancel(): Promise<TurnResult | null>;
   interrupt(heardChars: number, options?: { itemId?: string }): Promise<InterruptResult | null>;
   events(): AsyncIterableIterator<RealtimeEvent>;
@@ -155,6 +219,7 @@ export class RealtimeClient {
   on(type: "event", fn: (event: RealtimeEvent) => void): Unsubscribe;
   on(type: "delta", fn: (delta: { turn: Turn; text: string }) => void): Unsubscribe;
   on(type: "turn", fn: (turn: Turn) => void): Unsubscribe;
+  on(type: "functionCall", fn: (info: { turn: Turn; call: FunctionCall }) => void): Unsubscribe;
   on(type: "error", fn: (error: ServerErrorBody) => void): Unsubscribe;
   on(type: "connected", fn: (info: { session: Record<string, unknown>; restored: number }) => void): Unsubscribe;
   /** `reconnectInMs`: the gateway drained the session (1001 with a reconnect hint) and the client
@@ -173,6 +238,9 @@ export function realtimeUrl(url: string, model?: string | null): string;
 export function reconnectHint(code: number, reason: string): number | null;
 export function backoffDelays(backoff?: Backoff, random?: () => number): Generator<number>;
 export function newId(prefix: string): string;
+/** A call's arguments parsed: the object, or null when they are not a JSON object. */
+export function parseArguments(text: string): Record<string, unknown> | null;
+export function normalizeTools(tools: unknown[]): FunctionTool[];
 /** Length in Unicode code points, the unit of `heardChars` and the gateway's x_text_end. */
 export function codePointLength(text: string): number;
 export function codePointSlice(text: string, end: number): string;

@@ -15,6 +15,11 @@
 // (drained) closes with 1001 and a reconnect hint once no response is in progress: the client
 // then reconnects by itself after the time it names and restores the conversation the same way,
 // with no error for the application.
+//
+// Function calling: `tools` (and `toolChoice`, `parallelToolCalls`) on the client, in
+// `configure()` or per `send()`; each call of a turn comes as a `functionCall` event (on the turn
+// and on the client) with its arguments parsed, and in `result.calls`; `sendToolOutput(callId,
+// output)` answers it and starts the next response (`sendToolOutputs` answers several).
 
 export const MSGPACK_SUBPROTOCOL = "x-openai-realtime-msgpack";
 const KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key.";
@@ -119,9 +124,59 @@ function textOf(item) {
   return (item?.content ?? []).map((part) => part?.text ?? part?.transcript ?? "").join("");
 }
 
+/** A call's arguments parsed: the object, or null when they are not a JSON object (cut short). */
+export function parseArguments(text) {
+  try {
+    const parsed = JSON.parse(text);
+    return parsed !== null && typeof parsed === "object" && !Array.isArray(parsed) ? parsed : null;
+  } catch {
+    return null;
+  }
+}
+
+/** A server item as the local conversation keeps it, or null for a kind it does not keep. */
+function localItem(raw) {
+  if (typeof raw?.id !== "string") return null;
+  if (raw.type === "function_call") {
+    return { id: raw.id, type: "function_call", callId: raw.call_id ?? "", name: raw.name ?? "",
+      arguments: raw.arguments ?? "", status: raw.status ?? "completed" };
+  }
+  if (raw.type === "function_call_output") {
+    return { id: raw.id, type: "function_call_output", callId: raw.call_id ?? "", output: raw.output ?? "" };
+  }
+  if ((raw.type ?? "message") !== "message" || !["system", "user", "assistant"].includes(raw.role)) return null;
+  return { id: raw.id, type: "message", role: raw.role, text: textOf(raw) };
+}
+
 function wireItem(item) {
+  if (item.type === "function_call") {
+    // an in-progress call is restored as cut short: the response that was writing it is gone
+    return { type: "function_call", id: item.id, call_id: item.callId, name: item.name, arguments: item.arguments,
+      status: item.status === "in_progress" ? "incomplete" : item.status ?? "completed" };
+  }
+  if (item.type === "function_call_output") {
+    return { type: "function_call_output", id: item.id, call_id: item.callId, output: item.output };
+  }
   const type = item.role === "assistant" ? "output_text" : "input_text";
   return { type: "message", id: item.id, role: item.role, content: [{ type, text: item.text }] };
+}
+
+/** A function call as the application reads it. */
+function callOf(item, responseId) {
+  const parsed = parseArguments(item.arguments);
+  return { callId: item.callId, name: item.name, arguments: item.arguments, parsed, itemId: item.id, responseId,
+    status: item.status, complete: item.status === "completed" && parsed !== null };
+}
+
+/** Function tools in the Realtime shape; the chat completions shape ({type, function: {...}}) is unwrapped. */
+export function normalizeTools(tools) {
+  return tools.map((tool) => {
+    if (tool?.function && tool.name === undefined) {
+      const { strict: _strict, ...fn } = tool.function;
+      return { type: "function", ...fn };
+    }
+    return { ...tool };
+  });
 }
 
 class Emitter {
@@ -147,16 +202,18 @@ class Emitter {
 
 // --- one turn -----------------------------------------------------------------------------------
 
-/** One answer as it streams: `for await (const delta of turn)`, `turn.on("delta", fn)`, and
- * `await turn.result` ({status, text, metadata, usage, tier, cachedTokens, ttftMs, ...}); the
- * result never rejects: transport failures end the turn `failed` with an `error`. */
+/** One answer as it streams: `for await (const delta of turn)`, `turn.on("delta", fn)`,
+ * `turn.on("functionCall", fn)`, and `await turn.result` ({status, text, calls, metadata, usage,
+ * tier, cachedTokens, ttftMs, ...}); the result never rejects: transport failures end the turn
+ * `failed` with an `error`. */
 export class Turn extends Emitter {
   constructor(userItemId) {
     super();
-    this.userItemId = userItemId;
+    this.userItemId = userItemId; // null for a turn that answers function calls
     this.responseId = null;
-    this.itemId = null; // the assistant item, once the server created it
+    this.itemId = null; // the assistant message, once the server created it
     this.text = "";
+    this.calls = []; // the function calls so far, complete or cut short
     this.done = false;
     this.createEventId = newId("evt");
     this._startedAt = now();
@@ -176,13 +233,20 @@ export class Turn extends Emitter {
     this.emit("delta", text);
   }
 
+  _call(call) {
+    if (this.done) return;
+    this.calls.push(call);
+    this.emit("functionCall", call);
+  }
+
   _finish(fields) {
     if (this.done) return;
     this.done = true;
     const metadata = fields.metadata ?? {};
     const usage = fields.usage ?? {};
     const result = {
-      status: fields.status, text: fields.text ?? this.text, responseId: this.responseId, itemId: this.itemId,
+      status: fields.status, text: fields.text ?? this.text, calls: fields.calls ?? this.calls,
+      responseId: this.responseId, itemId: this.itemId,
       userItemId: this.userItemId, metadata, usage, reason: fields.reason ?? null, error: fields.error ?? null,
       tier: metadata.x_tier ?? null, cachedTokens: usage.input_token_details?.cached_tokens ?? 0,
       ttftMs: this._firstDeltaAt === null ? null : this._firstDeltaAt - this._startedAt,
@@ -211,12 +275,14 @@ export class Turn extends Emitter {
 
 // --- the client -------------------------------------------------------------------------------
 
-const SESSION_FIELDS = { instructions: "instructions", temperature: "temperature", maxOutputTokens: "max_output_tokens" };
+const SESSION_FIELDS = { instructions: "instructions", temperature: "temperature", maxOutputTokens: "max_output_tokens",
+  tools: "tools", toolChoice: "tool_choice", parallelToolCalls: "parallel_tool_calls" };
 const RESPONSE_FIELDS = { ...SESSION_FIELDS, metadata: "metadata" };
 
 function wireFields(options, names) {
   const out = {};
   for (const [name, wire] of Object.entries(names)) if (options[name] !== undefined) out[wire] = options[name];
+  if (out.tools) out.tools = normalizeTools(out.tools);
   return out;
 }
 
@@ -224,7 +290,8 @@ export class RealtimeClient extends Emitter {
   /**
    * @param {object} options  url (http(s) or ws(s) base, default http://127.0.0.1:8000), apiKey,
    *   model, framing ("json" | "msgpack"), msgpack (the codec, for msgpack framing), instructions,
-   *   temperature, maxOutputTokens, connectTimeoutMs, silenceTimeoutMs, requestTimeoutMs,
+   *   temperature, maxOutputTokens, tools, toolChoice, parallelToolCalls, connectTimeoutMs,
+   *   silenceTimeoutMs, requestTimeoutMs,
    *   backoff ({initialMs, factor, maxMs, jitter, attempts}), WebSocket, fetch, random.
    */
   constructor(options = {}) {
@@ -245,7 +312,9 @@ export class RealtimeClient extends Emitter {
     this._fetch = options.fetch ?? globalThis.fetch?.bind(globalThis);
     this._random = options.random ?? Math.random;
     this.sessionSettings = wireFields(options, SESSION_FIELDS);
-    this.conversation = []; // [{id, role, text}], oldest first
+    // oldest first: messages {id, type: "message", role, text}, function calls {id, type: "function_call",
+    // callId, name, arguments, status} and their outputs {id, type: "function_call_output", callId, output}
+    this.conversation = [];
     this.session = null; // the server's session object
     this.sessions = 0; // sessions opened (more than one: reconnected)
     this._ws = null;
@@ -439,7 +508,7 @@ export class RealtimeClient extends Emitter {
   }
 
   async _restore() {
-    const items = this.conversation.filter((item) => item.text);
+    const items = this.conversation.filter((item) => item.type !== "message" || item.text);
     await Promise.all(items.map((item) => this._request(
       { type: "conversation.item.create", item: wireItem(item) },
       (e) => (e.type === "conversation.item.added" || e.type === "conversation.item.created") && e.item?.id === item.id)));
@@ -463,6 +532,9 @@ export class RealtimeClient extends Emitter {
     } else {
       this._turn = null;
       this._keepPartial(turn);
+      for (const item of this.conversation) {
+        if (item.type === "function_call" && item.status === "in_progress") item.status = "incomplete";
+      }
       const silent = code === SILENCE_CLOSE_CODE;
       turn._finish({ status: "failed", error: silent ? turn._silenceError : {
         type: "connection_error", code: "connection_lost",
@@ -569,6 +641,14 @@ export class RealtimeClient extends Emitter {
           this.emit("delta", { turn: this._turn, text: event.delta ?? "" });
         }
         break;
+      case "response.function_call_arguments.delta": {
+        const item = this._item(event.item_id);
+        if (item?.type === "function_call") item.arguments += event.delta ?? "";
+        break;
+      }
+      case "response.output_item.done":
+        if (event.item?.type === "function_call") this._callDone(event.item, event.response_id);
+        break;
       case "response.done":
         this._responseDone(event.response ?? {});
         break;
@@ -597,15 +677,28 @@ export class RealtimeClient extends Emitter {
 
   _itemAdded(raw, previousId) {
     if (typeof raw.id !== "string" || this._item(raw.id)) return; // ours, already known
-    if (!["system", "user", "assistant"].includes(raw.role)) return;
-    const item = { id: raw.id, role: raw.role, text: textOf(raw) };
+    const item = localItem(raw);
+    if (!item) return;
     const after = this.conversation.findIndex((i) => i.id === previousId);
     if (previousId === null || previousId === undefined) {
       this.conversation.push(item);
     } else {
       this.conversation.splice(after + 1, 0, item); // -1 ("root" or unknown): first
     }
-    if (raw.role === "assistant" && this._turn && !this._turn.itemId) this._turn.itemId = raw.id;
+    if (item.role === "assistant" && this._turn && !this._turn.itemId) this._turn.itemId = raw.id;
+  }
+
+  /** A call's arguments are complete (or cut short): the local item takes the server's copy. */
+  _callDone(raw, responseId) {
+    const done = localItem(raw);
+    const item = this._item(raw.id);
+    if (item?.type === "function_call") Object.assign(item, { arguments: done.arguments, status: done.status });
+    const call = callOf(item?.type === "function_call" ? item : done, responseId ?? null);
+    const turn = this._turn;
+    if (turn && (!turn.responseId || turn.responseId === responseId)) {
+      turn._call(call);
+      this.emit("functionCall", { turn, call });
+    }
   }
 
   _keepPartial(turn) {
@@ -618,13 +711,21 @@ export class RealtimeClient extends Emitter {
     if (!turn || (turn.responseId && response.id !== turn.responseId)) return;
     this._turn = null;
     this._stopSilenceTimer();
-    const output = response.output?.[0];
-    if (output && !turn.itemId) turn.itemId = output.id ?? null;
-    const text = output ? textOf(output) || turn.text : turn.text;
+    const output = response.output ?? [];
+    const messages = output.filter((o) => (o?.type ?? "message") === "message");
+    if (messages.length && !turn.itemId) turn.itemId = messages[0].id ?? null;
+    const text = messages.length ? messages.map(textOf).join("") || turn.text : turn.text;
     turn.text = text;
     this._keepPartial(turn);
+    const calls = [];
+    for (const raw of output) {
+      if (raw?.type !== "function_call") continue;
+      const item = this._item(raw.id);
+      if (item?.type === "function_call") Object.assign(item, { arguments: raw.arguments ?? "", status: raw.status });
+      calls.push(callOf(localItem(raw), response.id ?? null));
+    }
     const details = response.status_details ?? {};
-    turn._finish({ status: response.status, text, metadata: response.metadata, usage: response.usage,
+    turn._finish({ status: response.status, text, calls, metadata: response.metadata, usage: response.usage,
       reason: details.reason, error: details.error });
     this.emit("turn", turn);
   }
@@ -683,11 +784,38 @@ export class RealtimeClient extends Emitter {
   }
 
   /** A user message and the request to answer it; resolves with the Turn once both are sent.
-   * options: maxOutputTokens, temperature, instructions, metadata (for this response only). */
+   * options: maxOutputTokens, temperature, instructions, metadata, tools, toolChoice,
+   * parallelToolCalls (for this response only). */
   async send(text, options = {}) {
+    const item = { id: newId("item"), type: "message", role: "user", text };
+    return this._startTurn([item], item.id, options);
+  }
+
+  /** Answers function calls and continues: a `function_call_output` item for each entry of
+   * `outputs` ({callId: output}; a string as it is, anything else as JSON), then the next
+   * response; resolves with its Turn. Throws for a call id that no call of the conversation has. */
+  async sendToolOutputs(outputs, options = {}) {
     if (this._turn) throw new TurnInProgress();
-    const item = { id: newId("item"), role: "user", text };
-    const turn = new Turn(item.id);
+    const entries = Object.entries(outputs ?? {});
+    if (!entries.length) throw new TypeError("no outputs: give at least one {callId: output}");
+    const known = new Set(this.conversation.filter((i) => i.type === "function_call").map((i) => i.callId));
+    const unknown = entries.find(([callId]) => !known.has(callId));
+    if (unknown) throw new GatewayError(`no function call in the conversation has the call id ${JSON.stringify(unknown[0])}`,
+      "unknown_call_id");
+    const items = entries.map(([callId, output]) => ({ id: newId("item"), type: "function_call_output", callId,
+      output: typeof output === "string" ? output : JSON.stringify(output) }));
+    return this._startTurn(items, null, options);
+  }
+
+  /** `sendToolOutputs({[callId]: output}, options)`: answers one call and continues. */
+  async sendToolOutput(callId, output, options = {}) {
+    return this.sendToolOutputs({ [callId]: output }, options);
+  }
+
+  /** Sends `items` (they join the conversation once a session is open) and the response.create. */
+  async _startTurn(items, userItemId, options) {
+    if (this._turn) throw new TurnInProgress();
+    const turn = new Turn(userItemId);
     this._turn = turn;
     try {
       await this.connect();
@@ -700,16 +828,18 @@ export class RealtimeClient extends Emitter {
       throw e;
     }
     turn._startedAt = now(); // time to first token counts from the request, not the reconnect
-    this.conversation.push(item);
+    this.conversation.push(...items);
     const response = wireFields(options, RESPONSE_FIELDS);
     turn._request = Object.keys(response).length ? { response } : {};
     this._armSilenceTimer();
-    this._request({ type: "conversation.item.create", item: wireItem(item) },
-      (e) => (e.type === "conversation.item.added" || e.type === "conversation.item.created") && e.item?.id === item.id)
-      .catch((error) => {
-        if (!(error instanceof ServerError)) return; // lost: the turn fails through _lost
-        this.conversation = this.conversation.filter((i) => i.id !== item.id);
-      });
+    for (const item of items) {
+      this._request({ type: "conversation.item.create", item: wireItem(item) },
+        (e) => (e.type === "conversation.item.added" || e.type === "conversation.item.created") && e.item?.id === item.id)
+        .catch((error) => {
+          if (!(error instanceof ServerError)) return; // lost: the turn fails through _lost
+          this.conversation = this.conversation.filter((i) => i.id !== item.id);
+        });
+    }
     try {
       this._sendEvent({ type: "response.create", event_id: turn.createEventId, ...turn._request });
     } catch {
@@ -750,7 +880,8 @@ export class RealtimeClient extends Emitter {
   async interrupt(heardChars, { itemId } = {}) {
     const turn = this._turn;
     if (turn) await this.cancel();
-    const target = itemId ?? (turn ? turn.itemId : [...this.conversation].reverse().find((i) => i.role === "assistant")?.id);
+    const target = itemId ?? (turn ? turn.itemId
+      : [...this.conversation].reverse().find((i) => i.type === "message" && i.role === "assistant")?.id);
     const item = this._item(target);
     if (!item || item.role !== "assistant") return null; // cancelled before its first token: nothing to cut
     const end = Math.max(0, Math.min(Math.floor(heardChars), codePointLength(item.text)));
@@ -771,7 +902,7 @@ export class RealtimeClient extends Emitter {
     const previous = index > 0 ? this.conversation[index - 1].id : "root";
     await this._request({ type: "conversation.item.delete", item_id: item.id },
       (e) => e.type === "conversation.item.deleted" && e.item_id === item.id);
-    const replacement = { id: item.id, role: "assistant", text: heard };
+    const replacement = { id: item.id, type: "message", role: "assistant", text: heard };
     await this._request({ type: "conversation.item.create", previous_item_id: previous, item: wireItem(replacement) },
       (e) => (e.type === "conversation.item.added" || e.type === "conversation.item.created") && e.item?.id === item.id);
     return { itemId: item.id, text: heard, method: "replace" };

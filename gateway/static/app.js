@@ -1,18 +1,43 @@
 // The demo page: a chat over the JS SDK the gateway serves at /sdk/rtgw.js; no build step.
 // Each answer streams into its bubble; in speaking mode it is revealed at a speaking rate, as a
-// voice would read it, and Stop is barge-in: the conversation keeps what was shown.
+// voice would read it, and Stop is barge-in: the conversation keeps what was shown. With the demo
+// tools on, a call is shown in the answer (its function and arguments), answered by the page with
+// a canned JSON output, and the model goes on from it in the next bubble.
 import {
   codePointLength, codePointSlice, GatewayRefused, GatewayUnreachable, RealtimeClient,
 } from "../sdk/rtgw.js";
 
 const SPEAK_RATE = 15; // characters per second, about a speaking voice
 const STORE = "rtgw-demo";
+const MAX_TOOL_ROUNDS = 3; // calls answered in a row before the model must answer in text
+
+// The demo tools, answered by this page. Strings are bounded so that a small model cannot write
+// one until it runs out of tokens.
+const DEMO_TOOLS = [
+  { type: "function", name: "get_weather", description: "The current weather in a city.",
+    parameters: { type: "object", properties: { city: { type: "string", maxLength: 40 },
+      unit: { type: "string", enum: ["C", "F"] } }, required: ["city", "unit"], additionalProperties: false } },
+  { type: "function", name: "get_time", description: "The current time in a time zone.",
+    parameters: { type: "object", properties: { timezone: { type: "string", maxLength: 40 } },
+      required: ["timezone"], additionalProperties: false } },
+];
+
+function answerCall(call) {
+  const args = call.parsed ?? {};
+  if (call.name === "get_weather") {
+    const celsius = args.unit !== "F";
+    return { city: args.city ?? "", temperature: celsius ? 21 : 70, unit: celsius ? "C" : "F", sky: "clear",
+      note: "canned by the demo page" };
+  }
+  if (call.name === "get_time") return { timezone: args.timezone ?? "UTC", time: new Date().toISOString() };
+  return { error: `no such tool: ${call.name}` };
+}
 
 const el = (id) => document.getElementById(id);
 const ui = {
   status: el("status"), banner: el("banner"), messages: el("messages"), form: el("composer"), prompt: el("prompt"),
   send: el("send"), stop: el("stop"), model: el("model"), maxTokens: el("max-tokens"), apiKey: el("api-key"),
-  speaking: el("speaking"), newChat: el("new-chat"), rate: el("rate"),
+  speaking: el("speaking"), newChat: el("new-chat"), rate: el("rate"), tools: el("tools"),
 };
 
 let client = null;
@@ -26,13 +51,14 @@ function loadSettings() {
   ui.apiKey.value = saved.apiKey ?? "";
   ui.maxTokens.value = saved.maxTokens ?? 80;
   ui.speaking.checked = Boolean(saved.speaking);
+  ui.tools.value = ["auto", "required"].includes(saved.tools) ? saved.tools : "off";
   ui.rate.textContent = String(SPEAK_RATE);
   return saved;
 }
 
 function saveSettings() {
   localStorage.setItem(STORE, JSON.stringify({ apiKey: ui.apiKey.value.trim(), model: ui.model.value,
-    maxTokens: Number(ui.maxTokens.value) || 80, speaking: ui.speaking.checked }));
+    maxTokens: Number(ui.maxTokens.value) || 80, speaking: ui.speaking.checked, tools: ui.tools.value }));
 }
 
 const authHeaders = () => (ui.apiKey.value.trim() ? { Authorization: `Bearer ${ui.apiKey.value.trim()}` } : {});
@@ -108,6 +134,7 @@ class TurnView {
     this.turn = turn;
     this.box.dataset.status = "streaming";
     turn.on("delta", () => this.render());
+    turn.on("functionCall", (call) => this.showCall(call));
     if (this.speaking) this.timer = setInterval(() => this.render(), 1000 / SPEAK_RATE);
     else this._revealed();
   }
@@ -126,6 +153,33 @@ class TurnView {
       if (this.result && this.shown >= length) this.stopReveal();
     }
     this.box.scrollIntoView({ block: "end" });
+  }
+
+  /** A call, in the answer: the function and its arguments, pretty-printed. */
+  showCall(call) {
+    this.box.dataset.calls = "true";
+    const box = document.createElement("div");
+    box.className = "call";
+    box.dataset.callId = call.callId;
+    box.dataset.status = call.status;
+    const head = document.createElement("div");
+    head.className = "call-head";
+    const name = Object.assign(document.createElement("code"), { className: "fn", textContent: call.name });
+    head.append("called ", name, call.complete ? "" : " (cut short)");
+    const args = Object.assign(document.createElement("pre"), { className: "args",
+      textContent: call.parsed ? JSON.stringify(call.parsed, null, 2) : call.arguments });
+    box.append(head, args);
+    this.metaEl.before(box);
+    this.box.scrollIntoView({ block: "end" });
+  }
+
+  showOutput(callId, output) {
+    const box = [...this.box.querySelectorAll(".call")].find((c) => c.dataset.callId === callId);
+    if (!box) return;
+    const line = Object.assign(document.createElement("div"), { className: "call-output" });
+    line.append("answered by this page: ", Object.assign(document.createElement("code"),
+      { textContent: JSON.stringify(output) }));
+    box.append(line);
   }
 
   stopReveal() {
@@ -241,22 +295,47 @@ function newChat() {
   connect();
 }
 
+function toolOptions(round) {
+  const mode = ui.tools.value;
+  if (mode === "off") return {};
+  // After a call the model answers from its output: "required" would only call again.
+  const choice = round === 0 ? mode : (mode === "required" || round >= MAX_TOOL_ROUNDS ? "none" : "auto");
+  // An answer that may call makes one call, greedily: a 135M model otherwise tends to repeat it,
+  // or to wander in its arguments.
+  return { tools: DEMO_TOOLS, toolChoice: choice, parallelToolCalls: false,
+    ...(choice === "none" ? {} : { temperature: 0 }) };
+}
+
 async function send(text) {
   hideBanner();
   addMessage("user", text);
-  const view = new TurnView(addMessage("assistant", ""), ui.speaking.checked);
+  let view = new TurnView(addMessage("assistant", ""), ui.speaking.checked);
   active = view;
   setBusy(true);
   try {
-    const turn = await client.send(text, { maxOutputTokens: Number(ui.maxTokens.value) || 80 });
-    setStatus("connected", "connected");
-    view.attach(turn);
-    const result = await turn.result;
-    view.finish(result);
-    if (result.error?.code === "connection_lost" || result.error?.code === "silence_timeout") {
-      showBanner(`${result.error.message}. The next message reconnects and restores the conversation.`);
+    const maxOutputTokens = Number(ui.maxTokens.value) || 80;
+    let turn = await client.send(text, { maxOutputTokens, ...toolOptions(0) });
+    for (let round = 1; ; round++) {
+      setStatus("connected", "connected");
+      view.attach(turn);
+      const result = await turn.result;
+      view.finish(result);
+      if (result.error?.code === "connection_lost" || result.error?.code === "silence_timeout") {
+        showBanner(`${result.error.message}. The next message reconnects and restores the conversation.`);
+      }
+      await view.revealed;
+      const calls = result.calls.filter((call) => call.complete);
+      if (result.status !== "completed" || !calls.length || active !== view) break;
+      // The page answers each call, then the model goes on from the outputs in a new bubble.
+      const outputs = {};
+      for (const call of calls) {
+        outputs[call.callId] = answerCall(call);
+        view.showOutput(call.callId, outputs[call.callId]);
+      }
+      view = new TurnView(addMessage("assistant", ""), ui.speaking.checked);
+      active = view;
+      turn = await client.sendToolOutputs(outputs, { maxOutputTokens, ...toolOptions(round) });
     }
-    await view.revealed;
   } catch (e) {
     view.fail(explain(e));
     setStatus("error", e instanceof GatewayRefused ? "refused" : "unreachable");
@@ -304,6 +383,7 @@ ui.stop.addEventListener("click", stop);
 ui.newChat.addEventListener("click", newChat);
 ui.maxTokens.addEventListener("change", saveSettings);
 ui.speaking.addEventListener("change", saveSettings);
+ui.tools.addEventListener("change", saveSettings);
 ui.model.addEventListener("change", () => { saveSettings(); newChat(); });
 ui.apiKey.addEventListener("change", async () => {
   saveSettings();

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from gateway.shaping import Message, ToolCall
+from llm_shared.structured import Message, ToolCall
 
 Role = Literal["system", "user", "assistant"]
 ItemStatus = Literal["completed", "incomplete", "in_progress"]

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.shaping import CallStream, render_messages
+from gateway.shaping import CallStream
 from gateway.ws.conversation import (
     ROOT,
     AnyItem,
@@ -54,7 +54,13 @@ from gateway.ws.server_events import Emitter, ServerEvent, TextDelta
 from gateway.ws.wire import SessionView, item_wire, session_wire
 from llm_shared.contract import FinishEvent, SamplingParams, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError, InvalidRequestError
-from llm_shared.structured import OutputConstraints, SchemaError, ToolCallFamily, parse_realtime_constraints
+from llm_shared.structured import (
+    OutputConstraints,
+    SchemaError,
+    ToolCallFamily,
+    parse_realtime_constraints,
+    render_messages,
+)
 from llm_shared.structured.parse import REALTIME_DEFAULT
 
 __all__ = ["AbortGeneration", "Command", "RealtimeSession", "SessionLimits", "StartGeneration"]

@@ -10,6 +10,7 @@ device.
   families/       each model family's tool-call syntax, prompt text and streaming parser
   compiler.py     per model: llguidance tokenizer + compiled-grammar cache (cache.py)
   matcher.py      one sequence's matcher: bitmask, accept, rollback, draft validation
+  history.py      a conversation (text, calls, tool results) rendered in the family's syntax
 """
 
 from llm_shared.structured.compiler import CompiledGrammar, GrammarCompiler, build_lltokenizer
@@ -25,6 +26,7 @@ from llm_shared.structured.families import (
     get_family,
 )
 from llm_shared.structured.grammar import GrammarSource, build_grammar
+from llm_shared.structured.history import Message, ToolCall, render_messages
 from llm_shared.structured.matcher import (
     SequenceMatcher,
     allocate_bitmask,
@@ -55,12 +57,14 @@ __all__ = [
     "FunctionTool",
     "GrammarCompiler",
     "GrammarSource",
+    "Message",
     "OutputConstraints",
     "ResponseFormat",
     "SchemaError",
     "SequenceMatcher",
     "StructuredLimits",
     "TextDelta",
+    "ToolCall",
     "ToolCallEvent",
     "ToolCallFamily",
     "ToolCallParser",
@@ -77,4 +81,5 @@ __all__ = [
     "parse_response_format",
     "parse_tool_choice",
     "parse_tools",
+    "render_messages",
 ]

@@ -1,7 +1,8 @@
 """The demo page in Debian's Chromium (through Playwright) against a real gateway process.
 
 Desktop: tokens stream into the answer, Stop cancels a long answer, the next answer completes
-with its tier and TTFT. Phone-sized: no horizontal scrolling, the input and buttons on screen,
+with its tier and TTFT; with the demo tools required, the answer shows the model's call (the
+function and its arguments, pretty-printed), the page answers it and the model goes on. Phone-sized: no horizontal scrolling, the input and buttons on screen,
 and speaking mode's Stop is barge-in (the conversation keeps what was shown). Last, the
 gateway is stopped and the page says it cannot reach it. Screenshots go to docs/img/ only when
 asked (``RTGW_UPDATE_SCREENSHOTS=1``) and everything passed: a test run leaves the tree as it was. The model runs on a busy CPU: waits are long, and observed, never slept.
@@ -9,6 +10,7 @@ asked (``RTGW_UPDATE_SCREENSHOTS=1``) and everything passed: a test run leaves t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -102,6 +104,31 @@ def desktop_flow(page: Any, url: str, shots: Path) -> None:
     page.screenshot(path=str(shots / "demo_desktop.png"))
 
 
+def tool_flow(page: Any) -> None:
+    open_settings(page)
+    page.select_option("#tools", "required")
+    before = page.locator(".msg.assistant").count()
+    ask(page, "What is the weather in Paris, in Celsius?", 80)
+    answer = page.locator(".msg.assistant").nth(before)  # the call's bubble; the answer after it comes next
+    status = wait_done(page, answer)  # waits for the whole exchange: call, output, answer
+    assert status == "completed", answer.inner_text()
+    call = answer.locator(".call")
+    assert call.count() == 1 and call.get_attribute("data-status") == "completed"
+    name = call.locator(".fn").inner_text()
+    assert name in ("get_weather", "get_time")
+    shown = call.locator(".args").inner_text()
+    arguments = json.loads(shown)
+    assert isinstance(arguments, dict) and shown == json.dumps(arguments, indent=2, ensure_ascii=False)
+    assert "answered by this page" in call.locator(".call-output").inner_text()
+    follow = last_answer(page)
+    assert page.locator(".msg.assistant").count() == before + 2
+    assert follow.get_attribute("data-status") in ("completed", "incomplete")
+    assert follow.locator(".call").count() == 0 and follow.locator(".text").inner_text().strip()
+    kinds = page.evaluate("() => window.rtgwDemo.client().conversation.map((i) => i.type)")
+    assert kinds[-4:] == ["message", "function_call", "function_call_output", "message"], kinds
+    page.select_option("#tools", "off")
+
+
 def phone_flow(page: Any, url: str, shots: Path) -> None:
     page.goto(url)
     page.wait_for_selector('#status[data-state="connected"]', timeout=WAIT_MS)
@@ -153,6 +180,7 @@ def test_demo_page_in_chromium(tmp_path: Path) -> None:
                 desktop = browser.new_page(viewport={"width": 1280, "height": 800})
                 desktop.set_default_timeout(WAIT_MS)
                 desktop_flow(desktop, f"{gateway.url}/", shots)
+                tool_flow(desktop)
                 phone_context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2,
                                                     is_mobile=True, has_touch=True)
                 phone = phone_context.new_page()

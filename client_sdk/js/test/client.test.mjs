@@ -126,6 +126,32 @@ class FakeServer {
     return item;
   }
 
+  /** Streams a function call for the current response (its arguments in `pieces`), then the end. */
+  call_(name, pieces, { finish = true } = {}) {
+    const ws = this.last;
+    const response = `resp_${this.responses}`;
+    const id = `item_call${this.responses}`;
+    const callId = `call_${this.responses}`;
+    const item = { id, object: "realtime.item", type: "function_call", status: "in_progress", call_id: callId, name,
+      arguments: "" };
+    this.items.push(id);
+    this.emit(ws, { type: "response.output_item.added", response_id: response, output_index: 0, item });
+    this.emit(ws, { type: "conversation.item.added", item, previous_item_id: this.items.at(-2) ?? null });
+    for (const delta of pieces) {
+      this.emit(ws, { type: "response.function_call_arguments.delta", response_id: response, item_id: id, output_index: 0,
+        call_id: callId, delta });
+    }
+    const done = { ...item, status: "completed", arguments: pieces.join("") };
+    this.emit(ws, { type: "response.function_call_arguments.done", response_id: response, item_id: id, output_index: 0,
+      call_id: callId, name, arguments: done.arguments });
+    this.emit(ws, { type: "response.output_item.done", response_id: response, output_index: 0, item: done });
+    if (finish) {
+      this.emit(ws, { type: "response.done", response: { id: response, status: "completed", status_details: null,
+        output: [done], metadata: { x_tier: "edge" }, usage: { input_tokens: 9, output_tokens: 12 } } });
+    }
+    return done;
+  }
+
   done(response, status, text, item = `item_srv${this.responses}`) {
     return { type: "response.done", response: { id: response, status,
       status_details: status === "cancelled" ? { type: "cancelled", reason: "client_cancelled" } : null,
@@ -291,6 +317,58 @@ test("a refused response.create fails the turn with the server's error", async (
   assert.equal(result.status, "failed");
   assert.equal(result.error.code, "rate_limit_exceeded");
   assert.equal(c.activeTurn, null);
+  c.close();
+});
+
+test("function calls: tools on the session and the turn, the call with parsed arguments, its output, the restore", async () => {
+  const server = new FakeServer();
+  const weather = { type: "function", name: "get_weather", description: "Weather.",
+    parameters: { type: "object", properties: { city: { type: "string" } }, required: ["city"] } };
+  const chatShaped = { type: "function", function: { name: "get_time", parameters: { type: "object" }, strict: true } };
+  const c = client(server, { tools: [weather, chatShaped], toolChoice: "auto" });
+  const turn = await c.send("Weather in Paris?", { toolChoice: "required", parallelToolCalls: false });
+  assert.deepEqual(server.sent("session.update")[0].session, { type: "realtime", tool_choice: "auto",
+    tools: [weather, { type: "function", name: "get_time", parameters: { type: "object" } }] });
+  assert.deepEqual(server.sent("response.create")[0].response, { tool_choice: "required", parallel_tool_calls: false });
+  const onTurn = [];
+  turn.on("functionCall", (call) => onTurn.push(call));
+  const onClient = c.once("functionCall");
+  await responseCreated(c);
+  const item = server.call_("get_weather", ['{"city": ', '"Paris"}']);
+  const result = await turn.result;
+  const call = { callId: "call_1", name: "get_weather", arguments: '{"city": "Paris"}', parsed: { city: "Paris" },
+    itemId: item.id, responseId: "resp_1", status: "completed", complete: true };
+  assert.deepEqual(onTurn, [call]);
+  assert.deepEqual((await onClient).call, call);
+  assert.deepEqual(result.calls, [call]);
+  assert.equal(result.text, "");
+  assert.equal(result.itemId, null);
+  assert.deepEqual(c.conversation.map((i) => i.type), ["message", "function_call"]);
+  assert.equal(await c.interrupt(3), null); // a call is not a message: nothing to cut
+
+  await assert.rejects(c.sendToolOutput("call_nope", "{}"), (e) => e.code === "unknown_call_id");
+  const next = await c.sendToolOutput(call.callId, { temperature: 21 }, { toolChoice: "none", maxOutputTokens: 40 });
+  const output = server.sent("conversation.item.create").at(-1).item;
+  assert.deepEqual(output, { type: "function_call_output", id: output.id, call_id: "call_1", output: '{"temperature":21}' });
+  assert.deepEqual(server.sent("response.create").at(-1).response, { tool_choice: "none", max_output_tokens: 40 });
+  assert.equal(next.userItemId, null);
+  await responseCreated(c);
+  server.answer_(["It is 21 degrees."]);
+  assert.equal((await next.result).text, "It is 21 degrees.");
+  assert.deepEqual(c.conversation.map((i) => i.type), ["message", "function_call", "function_call_output", "message"]);
+
+  // a dropped connection: the next turn's new session gets the call and its output back, same ids
+  const disconnected = c.once("disconnected");
+  server.drop(server.last);
+  await disconnected;
+  const again = await c.send("Thanks");
+  const onNew = server.received.filter(([i]) => i === 1).map(([, e]) => e).filter((e) => e.type === "conversation.item.create");
+  assert.deepEqual(onNew.slice(0, 4).map((e) => [e.item.type, e.item.id]), c.conversation.slice(0, 4).map((i) => [i.type, i.id]));
+  assert.deepEqual(onNew[1].item, { type: "function_call", id: item.id, call_id: "call_1", name: "get_weather",
+    arguments: '{"city": "Paris"}', status: "completed" });
+  await responseCreated(c);
+  server.answer_(["You're welcome."]);
+  await again.result;
   c.close();
 });
 

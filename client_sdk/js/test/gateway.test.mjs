@@ -126,6 +126,44 @@ test("a refused key is a clear GatewayRefused error, not retried", { skip: skip 
   assert.equal(c.activeTurn, null);
 });
 
+const WEATHER = { type: "function", name: "get_weather", description: "Current weather in a city.",
+  parameters: { type: "object", properties: { city: { type: "string" }, unit: { type: "string", enum: ["C", "F"] } },
+    required: ["city", "unit"], additionalProperties: false } };
+
+test("function calling: a required call with parsed arguments, its output sent back, then the answer",
+  { skip, timeout: TIMEOUT }, async () => {
+    const c = client({ tools: [WEATHER], temperature: 0 });
+    const seen = [];
+    c.on("functionCall", ({ call }) => seen.push(call));
+    const turn = await c.send("What is the weather in Paris, in Celsius?", { toolChoice: "required", parallelToolCalls: false,
+      maxOutputTokens: 80 });
+    const onTurn = [];
+    turn.on("functionCall", (call) => onTurn.push(call));
+    const result = await turn.result;
+    assert.equal(result.status, "completed", JSON.stringify(result));
+    assert.equal(result.tier, "edge");
+    assert.equal(result.calls.length, 1, JSON.stringify(result.calls));
+    const [call] = result.calls;
+    assert.deepEqual(seen, [call]);
+    assert.deepEqual(onTurn, [call]);
+    assert.equal(call.name, "get_weather");
+    assert.ok(call.complete && call.callId.startsWith("call_"), JSON.stringify(call));
+    assert.deepEqual(Object.keys(call.parsed).sort(), ["city", "unit"]);
+    assert.equal(typeof call.parsed.city, "string");
+    assert.ok(["C", "F"].includes(call.parsed.unit));
+    assert.deepEqual(JSON.parse(call.arguments), call.parsed);
+    assert.deepEqual(c.conversation.map((i) => i.type), ["message", "function_call"]);
+
+    const next = await c.sendToolOutput(call.callId, { temperature: 21, sky: "clear" },
+      { toolChoice: "none", maxOutputTokens: 40 });
+    const answer = await next.result;
+    assert.ok(["completed", "incomplete"].includes(answer.status), JSON.stringify(answer));
+    assert.ok(answer.text.trim().length > 0);
+    assert.deepEqual(answer.calls, []);
+    assert.deepEqual(c.conversation.map((i) => i.type), ["message", "function_call", "function_call_output", "message"]);
+    assert.equal(c.conversation[2].callId, call.callId);
+  });
+
 // Last: it restarts the gateway. The restart is a SIGTERM, so the gateway drains: it lets the
 // answer in progress finish, then closes the session with 1001 and a reconnect hint, and the
 // client comes back by itself to the fresh process on the same port.

@@ -1,5 +1,6 @@
 """Client SDK for the rt-llm-gateway: a Realtime session with streaming, cancel and barge-in,
-reconnect with conversation restore, JSON or msgpack frames, and an on-device fallback."""
+function calling, reconnect with conversation restore, JSON or msgpack frames, and an on-device
+fallback."""
 
 from rtgw.client import (
     Backoff,
@@ -13,9 +14,19 @@ from rtgw.client import (
     realtime_url,
 )
 from rtgw.offline import OfflineConfig, OfflineModelError
-from rtgw.protocol import ClientProtocol, Item, TextDelta, TurnResult
+from rtgw.protocol import (
+    ClientProtocol,
+    ConversationItem,
+    FunctionCall,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    Item,
+    TextDelta,
+    TurnResult,
+)
 
 __all__ = [
-    "Backoff", "ClientClosed", "ClientProtocol", "GatewayError", "GatewayRefused", "GatewayUnreachable", "Item",
-    "OfflineConfig", "OfflineModelError", "RealtimeClient", "TextDelta", "Turn", "TurnInProgress", "TurnResult", "realtime_url",
+    "Backoff", "ClientClosed", "ClientProtocol", "ConversationItem", "FunctionCall", "FunctionCallItem",
+    "FunctionCallOutputItem", "GatewayError", "GatewayRefused", "GatewayUnreachable", "Item", "OfflineConfig",
+    "OfflineModelError", "RealtimeClient", "TextDelta", "Turn", "TurnInProgress", "TurnResult", "realtime_url",
 ]

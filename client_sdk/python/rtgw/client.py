@@ -6,6 +6,11 @@
             print(delta.text, end="")
         result = await turn.result()      # TurnResult: status, text, metadata (x_tier), usage
 
+Function calling: ``tools`` (and ``tool_choice``, ``parallel_tool_calls``) on the client, in
+``update_session`` or per ``send``; a turn's calls come as ``FunctionCall`` events (``turn.events()``)
+and in ``result.calls``, their arguments parsed; ``send_tool_output(call_id, output)`` answers one
+and starts the next response (``send_tool_outputs`` answers several).
+
 ``cancel()`` stops the active turn; ``interrupt(heard_chars)`` is barge-in: cancel, then cut the
 assistant's message down to what the user heard (our ``x_text_end`` truncate, or delete and
 re-create it on a server without that extension), so the next turn's context holds only that.
@@ -28,22 +33,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import ssl
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
+from rtgw.device_response import DeviceResponse
 from rtgw.framing import MSGPACK_SUBPROTOCOL, FrameError, Framing, decode, encode
-from rtgw.offline import OfflineConfig, OfflineModel, OfflineModelError
+from rtgw.offline import OfflineConfig, OfflineModel, OfflineModelError, OfflineRequestError
 from rtgw.protocol import (
     ClientProtocol,
+    ConversationItem,
+    FunctionCall,
     Item,
     ItemRetrieved,
     ItemTruncated,
@@ -51,13 +60,15 @@ from rtgw.protocol import (
     SessionInfo,
     TextDelta,
     TurnResult,
+    new_id,
     reconnect_hint,
 )
+from rtgw.tools import ToolChoice, normalize_tools, response_fields, tool_fields
+from rtgw.turn import Turn
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
-MAX_BUFFERED_CHARS = 8 * 1024 * 1024  # undelivered text a turn holds before deltas are merged
 
 
 class GatewayError(Exception):
@@ -107,68 +118,6 @@ class Backoff:
             delay = min(self.max_delay, delay * self.factor)
 
 
-class Turn:
-    """One turn's stream: iterate for ``TextDelta`` events, or await ``result()`` / ``text()``."""
-
-    def __init__(self, offline: bool = False) -> None:
-        self.offline = offline
-        self.response_id: str | None = None
-        self._pending: list[str] = []  # undelivered deltas (merged past MAX_BUFFERED_CHARS)
-        self._pending_chars = 0
-        self._result: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None  # the offline generation, when offline
-        self._response: dict[str, Any] = {}  # its response.create options, to start it again on a new session
-        self._error: OfflineModelError | None = None  # the on-device model could not answer: raised, not empty
-
-    @property
-    def done(self) -> bool:
-        return self._result.done()
-
-    def _push(self, text: str) -> None:
-        if not text:
-            return
-        if self._pending_chars + len(text) > MAX_BUFFERED_CHARS and self._pending:
-            self._pending = ["".join(self._pending)]  # a reader that does not iterate: one growing delta
-        self._pending.append(text)
-        self._pending_chars += len(text)
-        self._wakeup.set()
-
-    def _finish(self, result: TurnResult) -> None:
-        if not self._result.done():
-            self._result.set_result(result)
-        self._wakeup.set()
-
-    def __aiter__(self) -> AsyncIterator[TextDelta]:
-        return self._deltas()
-
-    async def _deltas(self) -> AsyncIterator[TextDelta]:
-        while True:
-            if self._pending:
-                text = "".join(self._pending)
-                self._pending.clear()
-                self._pending_chars = 0
-                yield TextDelta(self.response_id or "", text)
-                continue
-            if self._result.done():
-                if self._error is not None:
-                    raise self._error
-                return
-            self._wakeup.clear()
-            await self._wakeup.wait()
-
-    async def result(self) -> TurnResult:
-        """How the turn ended. An offline turn whose on-device model could not answer raises
-        ``OfflineModelError`` (its cause and the fix) instead of ending with nothing."""
-        result = await asyncio.shield(self._result)
-        if self._error is not None:
-            raise self._error
-        return result
-
-    async def text(self) -> str:
-        return (await self.result()).text
-
-
 @dataclass
 class _Session:
     """Settings to apply again on every new session."""
@@ -192,10 +141,14 @@ class RealtimeClient:
         offline: OfflineConfig | None = None,
         retry_online_s: float = 5.0,
         seed: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> None:
         """``url``: the gateway's base URL (http(s) or ws(s)); ``silence_timeout``: the longest
         wait for a server event while a turn runs; ``request_timeout``: for acknowledgements
-        (a truncate, the session's first event)."""
+        (a truncate, the session's first event). ``tools``, ``tool_choice``, ``parallel_tool_calls``:
+        the session's function calling (``tool_fields``), for every turn unless it says otherwise."""
         if framing not in ("json", "msgpack"):
             raise ValueError("framing must be 'json' or 'msgpack'")
         self.ws_url = realtime_url(url, model)
@@ -208,6 +161,7 @@ class RealtimeClient:
         self.retry_online_s = retry_online_s
         self.protocol = ClientProtocol()
         self._session = _Session({"instructions": instructions} if instructions is not None else {})
+        self._session.fields.update(tool_fields(tools, tool_choice, parallel_tool_calls))
         self._offline = OfflineModel(offline) if offline is not None else None
         self._rng = random.Random(seed)
         self._ws: Any = None
@@ -232,7 +186,7 @@ class RealtimeClient:
         return self._ws is not None
 
     @property
-    def conversation(self) -> list[Item]:
+    def conversation(self) -> list[ConversationItem]:
         return list(self.protocol.items)
 
     async def __aenter__(self) -> RealtimeClient:
@@ -284,34 +238,58 @@ class RealtimeClient:
         return self.online
 
     async def update_session(self, **fields: Any) -> None:
-        """``session.update`` now and on every session after (instructions, temperature, model...)."""
+        """``session.update`` now and on every session after (instructions, temperature, model,
+        tools, tool_choice, parallel_tool_calls...). The on-device fallback honours them too."""
+        if fields.get("tools") is not None:
+            fields["tools"] = normalize_tools(fields["tools"])
         self._session.fields.update(fields)
         if self._ws is not None:
             await self._send(self.protocol.session_update(**fields))
 
     # --- turns ------------------------------------------------------------------------------
 
-    async def send(self, text: str, *, max_output_tokens: int | None = None,
-                   temperature: float | None = None) -> Turn:
+    async def send(self, text: str, *, max_output_tokens: int | None = None, temperature: float | None = None,
+                   tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: ToolChoice | None = None,
+                   parallel_tool_calls: bool | None = None) -> Turn:
         """Start a turn with the user's ``text``; returns once it is on its way. Opens the session
-        first when there is none, as ``connect()`` does (``ClientClosed`` included)."""
+        first when there is none, as ``connect()`` does (``ClientClosed`` included). ``tools``,
+        ``tool_choice`` and ``parallel_tool_calls`` apply to this response only."""
+        response = response_fields(max_output_tokens, temperature, tools, tool_choice, parallel_tool_calls)
+        return await self._start_turn(lambda: self.protocol.user_turn(text, **response), response)
+
+    async def send_tool_outputs(self, outputs: Mapping[str, Any], *, max_output_tokens: int | None = None,
+                                temperature: float | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                                tool_choice: ToolChoice | None = None,
+                                parallel_tool_calls: bool | None = None) -> Turn:
+        """Answer function calls and continue: a ``function_call_output`` item for each
+        ``{call_id: output}`` (a string as it is, anything else as JSON), then the next response,
+        returned as a ``Turn``. ValueError for a call id no call of the conversation has."""
+        wire = {call_id: output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+                for call_id, output in outputs.items()}
+        response = response_fields(max_output_tokens, temperature, tools, tool_choice, parallel_tool_calls)
+        self.protocol.check_tool_outputs(wire)  # before the turn starts: nothing to undo
+        return await self._start_turn(lambda: self.protocol.tool_outputs(wire, **response), response)
+
+    async def send_tool_output(self, call_id: str, output: Any, **options: Any) -> Turn:
+        """``send_tool_outputs({call_id: output}, **options)``: answer one call and continue."""
+        return await self.send_tool_outputs({call_id: output}, **options)
+
+    async def _start_turn(self, events: Callable[[], list[dict[str, Any]]], response: dict[str, Any]) -> Turn:
+        """A turn whose items ``events()`` adds to the conversation (and returns, with the
+        response.create to send); online when the gateway can be reached, else on the device."""
         self._closed = False  # before the lock, as in connect()
         async with self._lock:
             if self._turn is not None and not self._turn.done:
                 raise TurnInProgress("a turn is still running: cancel() it or await its result() first")
             online = await self._ensure_session(required=self._offline is None)
-            response: dict[str, Any] = {}
-            if max_output_tokens is not None:
-                response["max_output_tokens"] = max_output_tokens
-            if temperature is not None:
-                response["temperature"] = temperature
             if not online:
-                return self._offline_turn(text, response)
+                events()  # the items join the conversation; the device answers from it
+                return self._offline_turn(response)
+            to_send = events()
             turn = self._turn = Turn()
             turn._response = response
-            events = self.protocol.user_turn(text, **response)
             try:
-                for event in events:
+                for event in to_send:
                     await self._send(event)
             except GatewayUnreachable:
                 if turn is not self._resume:  # a drained session: the turn starts on the next one
@@ -351,7 +329,10 @@ class RealtimeClient:
         result = await self.cancel()
         if result is None and turn is not None and turn.done:
             result = await turn.result()
-        item = self.protocol.item(result.item_id) if result and result.item_id else self.protocol.last_assistant()
+        if result is not None:  # its message; none (cancelled before its first token, or only calls): nothing to cut
+            item = self.protocol.message(result.item_id) if result.item_id else None
+        else:
+            item = self.protocol.last_assistant()
         if item is None:
             return result
         heard = max(0, min(heard_chars, len(item.text)))
@@ -361,7 +342,7 @@ class RealtimeClient:
         await self._truncate(item, heard)
         return result
 
-    async def retrieve_item(self, item_id: str) -> Item:
+    async def retrieve_item(self, item_id: str) -> ConversationItem:
         """The server's copy of a conversation item (``conversation.item.retrieve``)."""
         if self._ws is None:
             raise GatewayUnreachable("not connected to the gateway")
@@ -598,6 +579,9 @@ class RealtimeClient:
                 if turn is not None and not turn.offline:
                     turn.response_id = typed.response_id
                     turn._push(typed.text)
+            elif isinstance(typed, FunctionCall):
+                if turn is not None and not turn.offline and not turn.done:
+                    turn._call(typed)
             elif isinstance(typed, TurnResult):
                 if turn is not None and not turn.offline and not turn.done:
                     turn.response_id = typed.response_id
@@ -645,43 +629,57 @@ class RealtimeClient:
 
     # --- offline ----------------------------------------------------------------------------
 
-    def _offline_turn(self, text: str, response: dict[str, Any]) -> Turn:
-        assert self._offline is not None
+    def _offline_turn(self, response: dict[str, Any]) -> Turn:
         turn = self._turn = Turn(offline=True)
-        self.protocol.add_local_turn(text, "", item_id=None)
-        item = self.protocol.items[-1]
-        turn.response_id = f"offline_{item.id}"
+        turn.response_id = new_id("resp")
         instructions = str(self._session.fields.get("instructions") or "")
-        history = self.protocol.items[:-1]
-        turn._task = asyncio.create_task(self._run_offline(turn, item, instructions, history, response))
+        turn._task = asyncio.create_task(self._run_offline(turn, instructions, list(self.protocol.items),
+                                                           dict(self._session.fields), response))
         return turn
 
-    async def _run_offline(self, turn: Turn, item: Item, instructions: str, history: list[Item],
-                           response: dict[str, Any]) -> None:
-        assert self._offline is not None
-        status, reason = "completed", None
+    async def _run_offline(self, turn: Turn, instructions: str, history: list[ConversationItem],
+                           session: dict[str, Any], response: dict[str, Any]) -> None:
+        """The device's answer, told as the gateway's events (``DeviceResponse``) and received by the
+        protocol core: its text, calls, result and conversation items are the online ones."""
+        model = self._offline
+        assert model is not None
+        device = DeviceResponse(turn.response_id or "")
+        metadata = {"x_tier": "device"}
+        self._offline_events(turn, device.created())
+        parser = None
+        status, reason, error, usage = "completed", None, None, {}
         try:
-            async for delta, finish in self._offline.generate(instructions, history,
-                                                               max_output_tokens=response.get("max_output_tokens"),
-                                                               temperature=response.get("temperature")):
-                item.text += delta
-                turn._push(delta)
+            request = await model.prepare(instructions, history, session, response)
+            parser = request.parser
+            async for delta, finish in model.generate(request, max_output_tokens=response.get("max_output_tokens"),
+                                                      temperature=response.get("temperature")):
+                self._offline_events(turn, device.parsed(parser.feed(delta)) if parser else device.text(delta))
                 if finish is not None:
                     status = {"stop": "completed", "length": "incomplete"}.get(finish, "failed")
                     reason = "max_output_tokens" if finish == "length" else None
+                    usage = dict(model.last_usage)
         except asyncio.CancelledError:
             status, reason = "cancelled", "client_cancelled"
+        except OfflineRequestError as e:  # what the gateway would refuse: failed, as a refused response online
+            status, error = "failed", e.error
         except Exception as e:  # a broken local model ends this turn, not the client, and says why
-            error = e if isinstance(e, OfflineModelError) else OfflineModelError(f"the on-device model failed: {e}")
-            log.error("%s", error)
-            turn._error = error
-            turn._finish(TurnResult(turn.response_id or "", "failed", item.text, item.id, {"x_tier": "device"},
-                                    error={"type": "device_error", "code": "offline_failed", "message": str(error)},
-                                    offline=True))
-            return
-        turn._finish(TurnResult(turn.response_id or "", status, item.text, item.id, {"x_tier": "device"},
-                                usage=dict(self._offline.last_usage) if status != "cancelled" else {},
-                                reason=reason, offline=True))
+            failure = e if isinstance(e, OfflineModelError) else OfflineModelError(f"the on-device model failed: {e}")
+            log.error("%s", failure)
+            turn._error = failure
+            status, error = "failed", {"type": "device_error", "code": "offline_failed", "message": str(failure)}
+        if parser is not None:
+            self._offline_events(turn, device.parsed(parser.finish()))  # held-back text; a call cut short
+        self._offline_events(turn, device.finish(status, reason=reason, error=error, usage=usage, metadata=metadata))
+
+    def _offline_events(self, turn: Turn, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            for typed in self.protocol.receive(event):
+                if isinstance(typed, TextDelta):
+                    turn._push(typed.text)
+                elif isinstance(typed, FunctionCall):
+                    turn._call(typed)
+                elif isinstance(typed, TurnResult):
+                    turn._finish(replace(typed, offline=True))
 
 
 def _lost(turn: Turn) -> TurnResult:

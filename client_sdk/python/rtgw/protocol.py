@@ -2,12 +2,17 @@
 
 ``ClientProtocol`` builds the client events to send (as dicts) and takes the server's events in
 (``receive``), returning typed events and keeping a local copy of the conversation: every item
-with its id, role and text, as the server last described it. The asyncio client (``client.py``)
-moves the dicts over a WebSocket; the on-device fallback (``offline.py``) appends its turns to
-the same conversation, so a later session can be restored from it (``restore_events``).
+(messages with their role and text, function calls, their outputs) as the server last described
+it. The asyncio client (``client.py``) moves the dicts over a WebSocket; the on-device fallback
+(``offline.py``) tells its answers as the same server events, so its turns join the same
+conversation and a later session can be restored from it (``restore_events``).
 
-Item ids are chosen here for user items (the API lets a client name its items), and taken from
-the server for assistant items, so the same ids survive a reconnect.
+A response that calls functions ends each call with a ``FunctionCall`` event (its arguments parsed)
+and lists them in ``TurnResult.calls``; ``tool_outputs`` answers them with ``function_call_output``
+items and asks for the next response.
+
+Item ids are chosen here for the client's items (the API lets a client name its items), and taken
+from the server for the response's items, so the same ids survive a reconnect.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import json
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 Role = Literal["system", "user", "assistant"]
 
@@ -50,6 +55,7 @@ def new_id(prefix: str) -> str:
 class Item:
     """One message of the conversation, as both sides know it."""
 
+    type: ClassVar[str] = "message"
     id: str
     role: Role
     text: str
@@ -60,6 +66,40 @@ class Item:
         return {"type": "message", "id": self.id, "role": self.role, "content": [{"type": kind, "text": self.text}]}
 
 
+@dataclass
+class FunctionCallItem:
+    """A function call a response made: its arguments grow while they stream."""
+
+    type: ClassVar[str] = "function_call"
+    id: str
+    call_id: str  # what the output that answers it names
+    name: str
+    arguments: str  # the arguments object as JSON text, as generated (cut short: incomplete)
+    status: str = "completed"
+
+    def wire(self) -> dict[str, Any]:
+        # An in-progress call is restored as cut short: the response that was writing it is gone.
+        status = "incomplete" if self.status == "in_progress" else self.status
+        return {"type": "function_call", "id": self.id, "call_id": self.call_id, "name": self.name,
+                "arguments": self.arguments, "status": status}
+
+
+@dataclass
+class FunctionCallOutputItem:
+    """The client's result of a function call, for the next response to read."""
+
+    type: ClassVar[str] = "function_call_output"
+    id: str
+    call_id: str
+    output: str
+
+    def wire(self) -> dict[str, Any]:
+        return {"type": "function_call_output", "id": self.id, "call_id": self.call_id, "output": self.output}
+
+
+ConversationItem = Item | FunctionCallItem | FunctionCallOutputItem
+
+
 @dataclass(frozen=True)
 class TextDelta:
     response_id: str
@@ -67,8 +107,40 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class FunctionCall:
+    """A function call of a response, once its arguments are complete (or cut short). Answer it with
+    ``RealtimeClient.send_tool_output(call.call_id, output)``."""
+
+    call_id: str
+    name: str
+    arguments: str  # the arguments object as JSON text, as generated
+    parsed: dict[str, Any] | None  # the arguments parsed; None when they are not a JSON object (cut short)
+    item_id: str = ""
+    response_id: str = ""
+    status: str = "completed"  # incomplete: the output ended inside the call (a length limit, a cancel)
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "completed" and self.parsed is not None
+
+    @classmethod
+    def of(cls, item: FunctionCallItem, response_id: str) -> FunctionCall:
+        return cls(item.call_id, item.name, item.arguments, parse_arguments(item.arguments), item.id, response_id,
+                   item.status)
+
+
+def parse_arguments(arguments: str) -> dict[str, Any] | None:
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+@dataclass(frozen=True)
 class TurnResult:
-    """How a turn ended. ``status``: completed, incomplete, cancelled or failed."""
+    """How a turn ended. ``status``: completed, incomplete, cancelled or failed. ``calls``: the
+    functions the response called, in order (answer them with ``send_tool_outputs``)."""
 
     response_id: str
     status: str
@@ -79,6 +151,7 @@ class TurnResult:
     reason: str | None = None  # why it was cancelled or incomplete
     error: Mapping[str, Any] | None = None  # why it failed
     offline: bool = False  # served by the on-device model, not the gateway
+    calls: tuple[FunctionCall, ...] = ()
 
     @property
     def tier(self) -> str:
@@ -108,7 +181,7 @@ class ItemTruncated:
 
 @dataclass(frozen=True)
 class ItemRetrieved:
-    item: Item  # the server's copy (the local conversation is not changed by it)
+    item: ConversationItem  # the server's copy (the local conversation is not changed by it)
 
 
 @dataclass(frozen=True)
@@ -117,19 +190,19 @@ class SessionInfo:
     model: str
 
 
-Event = TextDelta | TurnResult | ServerError | ItemTruncated | ItemRetrieved | SessionInfo
+Event = TextDelta | FunctionCall | TurnResult | ServerError | ItemTruncated | ItemRetrieved | SessionInfo
 
 
 @dataclass
 class _Active:
     response_id: str
-    item_id: str | None = None
+    item_id: str | None = None  # its (first) message
     text: str = ""
 
 
 class ClientProtocol:
     def __init__(self) -> None:
-        self.items: list[Item] = []  # the conversation, oldest first
+        self.items: list[ConversationItem] = []  # the conversation, oldest first
         self.session: SessionInfo | None = None
         self._active: _Active | None = None
 
@@ -146,15 +219,38 @@ class ClientProtocol:
         """The user's message (added to the local conversation now) and the request to answer it."""
         item = Item(new_id("item"), "user", text)
         self.items.append(item)
-        create = self.event("conversation.item.create", item=item.wire())
-        return [create, self.event("response.create", response=response) if response else self.event("response.create")]
+        return [self.event("conversation.item.create", item=item.wire()), self._response_create(response)]
+
+    def tool_outputs(self, outputs: Mapping[str, str], **response: Any) -> list[dict[str, Any]]:
+        """A ``function_call_output`` item for each call id (added to the local conversation now)
+        and the request for the next response. Raises ValueError, before anything is added, for
+        a call id that no function call of the conversation has: the server would refuse it."""
+        self.check_tool_outputs(outputs)
+        events = []
+        for call_id, output in outputs.items():
+            item = FunctionCallOutputItem(new_id("item"), call_id, output)
+            self.items.append(item)
+            events.append(self.event("conversation.item.create", item=item.wire()))
+        return [*events, self._response_create(response)]
+
+    def check_tool_outputs(self, outputs: Mapping[str, str]) -> None:
+        """ValueError unless every key is the call id of a function call in the conversation."""
+        if not outputs:
+            raise ValueError("no outputs: give at least one {call_id: output}")
+        known = {i.call_id for i in self.items if isinstance(i, FunctionCallItem)}
+        unknown = [call_id for call_id in outputs if call_id not in known]
+        if unknown:
+            raise ValueError(f"no function call in the conversation has the call_id {unknown[0]!r}")
+
+    def _response_create(self, response: Mapping[str, Any]) -> dict[str, Any]:
+        return self.event("response.create", response=dict(response)) if response else self.event("response.create")
 
     def cancel(self) -> dict[str, Any] | None:
         return self.event("response.cancel") if self._active is not None else None
 
     def truncate(self, item_id: str, heard_chars: int) -> dict[str, Any]:
         """Keep the first ``heard_chars`` characters of an assistant item (our ``x_text_end``)."""
-        item = self.item(item_id)
+        item = self.message(item_id)
         end = max(0, min(heard_chars, len(item.text) if item else heard_chars))
         return self.event("conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=0,
                           x_text_end=end)
@@ -164,6 +260,8 @@ class ClientProtocol:
         index = self._index(item_id)
         previous = self.items[index - 1].id if index > 0 else None
         item = self.items[index]
+        if not isinstance(item, Item):
+            raise ValueError(f"item {item_id!r} is a {item.type}, not a message")
         item.text = text
         create = self.event("conversation.item.create", item=item.wire())
         if previous is not None:
@@ -171,14 +269,14 @@ class ClientProtocol:
         return [self.event("conversation.item.delete", item_id=item_id), create]
 
     def restore_events(self) -> list[dict[str, Any]]:
-        """Re-create the whole conversation on a new session, in order, with the same ids."""
-        return [self.event("conversation.item.create", item=item.wire()) for item in self.items if item.text]
+        """Re-create the whole conversation on a new session, in order, with the same ids (calls
+        before the outputs that answer them, as the server requires)."""
+        return [self.event("conversation.item.create", item=item.wire()) for item in self.items
+                if not isinstance(item, Item) or item.text]
 
-    def add_local_turn(self, user_text: str | None, assistant_text: str, item_id: str | None = None) -> Item:
-        """A turn served without the gateway (on the device): it joins the conversation."""
-        if user_text is not None:
-            self.items.append(Item(new_id("item"), "user", user_text))
-        item = Item(item_id or new_id("item"), "assistant", assistant_text)
+    def add_local_user(self, text: str) -> Item:
+        """A user message of a turn served without the gateway (on the device)."""
+        item = Item(new_id("item"), "user", text)
         self.items.append(item)
         return item
 
@@ -189,11 +287,15 @@ class ClientProtocol:
         return self._active.response_id if self._active else None
 
     def connection_lost(self) -> TurnResult | None:
-        """The socket closed: the active turn (if any) ends ``failed``; its partial text stays."""
+        """The socket closed: the active turn (if any) ends ``failed``; its partial text stays,
+        and a call it was writing is kept as cut short."""
         active, self._active = self._active, None
         if active is None:
             return None
         self._keep_partial(active)
+        for item in self.items:
+            if isinstance(item, FunctionCallItem) and item.status == "in_progress":
+                item.status = "incomplete"
         return TurnResult(active.response_id, "failed", active.text, active.item_id,
                           error={"type": "connection_error", "code": "connection_lost",
                                  "message": "the connection to the gateway was lost"})
@@ -217,19 +319,24 @@ class ClientProtocol:
             active.item_id = active.item_id or event.get("item_id")
             active.text += event.get("delta", "")
             return [TextDelta(active.response_id, event.get("delta", ""))]
+        if kind == "response.function_call_arguments.delta":
+            call = self._call(event.get("item_id"))
+            if call is not None:
+                call.arguments += str(event.get("delta") or "")
+            return []
+        if kind == "response.output_item.done":
+            return self._output_item_done(event.get("item") or {}, str(event.get("response_id", "")))
         if kind == "response.done":
             return [self._response_done(event.get("response") or {})]
         if kind == "conversation.item.truncated":
-            item = self.item(str(event.get("item_id")))
+            item = self.message(str(event.get("item_id")))
             if item is None:
                 return []
             item.text = item.text[: int(event.get("x_text_end", len(item.text)))]
             return [ItemTruncated(item.id, item.text)]
         if kind == "conversation.item.retrieved":
-            raw = event.get("item") or {}
-            text = "".join(str(part.get("text") or "") for part in raw.get("content") or [])
-            return [ItemRetrieved(Item(str(raw.get("id", "")), raw.get("role", "user"), text,
-                                       str(raw.get("status", "completed"))))]
+            retrieved = _item_from_wire(event.get("item") or {}, default_role="user")
+            return [ItemRetrieved(retrieved)] if retrieved is not None else []
         if kind == "conversation.item.deleted":
             self.items = [i for i in self.items if i.id != event.get("item_id")]
             return []
@@ -239,11 +346,15 @@ class ClientProtocol:
                                 error.get("event_id"))]
         return []
 
-    def item(self, item_id: str) -> Item | None:
+    def item(self, item_id: str) -> ConversationItem | None:
         return next((i for i in self.items if i.id == item_id), None)
 
+    def message(self, item_id: str) -> Item | None:
+        item = self.item(item_id)
+        return item if isinstance(item, Item) else None
+
     def last_assistant(self) -> Item | None:
-        return next((i for i in reversed(self.items) if i.role == "assistant"), None)
+        return next((i for i in reversed(self.items) if isinstance(i, Item) and i.role == "assistant"), None)
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -253,23 +364,40 @@ class ClientProtocol:
                 return n
         raise KeyError(item_id)
 
+    def _call(self, item_id: object) -> FunctionCallItem | None:
+        item = self.item(item_id) if isinstance(item_id, str) else None
+        return item if isinstance(item, FunctionCallItem) else None
+
     def _item_added(self, raw: Mapping[str, Any], previous_id: object) -> None:
         item_id = raw.get("id")
         if not isinstance(item_id, str) or self.item(item_id) is not None:
-            return  # ours (a user item we named, or a restored one): already in the conversation
-        role = raw.get("role")
-        if role not in ("system", "user", "assistant"):
+            return  # ours (an item we named, or a restored one): already in the conversation
+        item = _item_from_wire(raw)
+        if item is None:
             return
-        text = "".join(str(part.get("text") or part.get("transcript") or "") for part in raw.get("content") or [])
-        item = Item(item_id, role, text, str(raw.get("status", "completed")))
         after = self.item(previous_id) if isinstance(previous_id, str) else None
         self.items.insert(self._index(after.id) + 1 if after else len(self.items), item)
-        if role == "assistant" and self._active is not None and self._active.item_id is None:
-            self._active.item_id = item_id
+        active = self._active
+        if isinstance(item, Item) and item.role == "assistant" and active is not None and active.item_id is None:
+            active.item_id = item_id
+
+    def _output_item_done(self, raw: Mapping[str, Any], response_id: str) -> list[Event]:
+        """A call's arguments are complete (or cut short): the local item takes the server's copy."""
+        if raw.get("type") != "function_call":
+            return []
+        call = self._call(raw.get("id"))
+        done = _item_from_wire(raw)
+        if not isinstance(done, FunctionCallItem):
+            return []
+        if call is None:  # an out-of-band response (conversation "none"): not in the conversation
+            call = done
+        else:
+            call.arguments, call.status = done.arguments, done.status
+        return [FunctionCall.of(call, response_id or self.active_response_id or "")]
 
     def _keep_partial(self, active: _Active) -> None:
         if active.item_id is not None:
-            item = self.item(active.item_id)
+            item = self.message(active.item_id)
             if item is not None:
                 item.text = active.text
 
@@ -279,13 +407,45 @@ class ClientProtocol:
         if active is None or active.response_id != response_id:
             active = _Active(response_id)
         self._active = None
-        output = response.get("output") or []
-        if output and not active.item_id:
-            active.item_id = output[0].get("id")
-        if output:
-            active.text = "".join(str(p.get("text") or "") for p in output[0].get("content") or []) or active.text
+        output = [o for o in response.get("output") or [] if isinstance(o, Mapping)]
+        messages = [o for o in output if o.get("type", "message") == "message"]
+        if messages and not active.item_id:
+            active.item_id = messages[0].get("id")
+        if messages:
+            active.text = "".join(str(p.get("text") or "") for m in messages for p in m.get("content") or []) \
+                or active.text
         self._keep_partial(active)
+        for raw in messages:
+            local = self.message(str(raw.get("id", "")))
+            if local is not None:
+                local.status = str(raw.get("status") or local.status)
+        calls = []
+        for raw in output:
+            done = _item_from_wire(raw)
+            if not isinstance(done, FunctionCallItem):
+                continue
+            local = self._call(done.id)
+            if local is not None:
+                local.arguments, local.status = done.arguments, done.status
+            calls.append(FunctionCall.of(done, response_id))
         details = response.get("status_details") or {}
         return TurnResult(response_id, str(response.get("status", "")), active.text, active.item_id,
                           metadata=dict(response.get("metadata") or {}), usage=dict(response.get("usage") or {}),
-                          reason=details.get("reason"), error=details.get("error"))
+                          reason=details.get("reason"), error=details.get("error"), calls=tuple(calls))
+
+
+def _item_from_wire(raw: Mapping[str, Any], default_role: str | None = None) -> ConversationItem | None:
+    """A server's item as ours; None for a kind we do not keep (or a message without a known role)."""
+    item_id = str(raw.get("id", ""))
+    status = str(raw.get("status", "completed"))
+    kind = raw.get("type", "message")
+    if kind == "function_call":
+        return FunctionCallItem(item_id, str(raw.get("call_id", "")), str(raw.get("name", "")),
+                                str(raw.get("arguments") or ""), status)
+    if kind == "function_call_output":
+        return FunctionCallOutputItem(item_id, str(raw.get("call_id", "")), str(raw.get("output") or ""))
+    role = raw.get("role", default_role)
+    if kind != "message" or role not in ("system", "user", "assistant"):
+        return None
+    text = "".join(str(part.get("text") or part.get("transcript") or "") for part in raw.get("content") or [])
+    return Item(item_id, role, text, status)

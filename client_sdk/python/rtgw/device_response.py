@@ -1,0 +1,130 @@
+"""An on-device answer told as the gateway's Realtime server events.
+
+The on-device fallback feeds what its model writes through the model family's tool-call parser
+(``llm_shared.structured``) and hands the parser's events here; ``DeviceResponse`` turns them into
+the events the gateway would have sent for the same output (``response.created``, the message and
+its text deltas, each ``function_call`` item with its arguments, ``response.done``), in the
+gateway's order (``gateway/ws/responses.py``). The client feeds them to its protocol core as if
+they came off the socket, so an offline turn's deltas, calls, result and conversation items are
+the online ones by construction. Pure: no I/O, and no import of the runtime (the parser's events
+are read by their ``kind`` tag), so it is tested with literals.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rtgw.protocol import new_id
+
+
+class DeviceResponse:
+    """One response of the device, from ``created`` to ``finish``; every method returns the server
+    events it makes, to be received in order."""
+
+    def __init__(self, response_id: str, *, ids: Callable[[str], str] = new_id) -> None:
+        self.id = response_id
+        self._ids = ids
+        self._output: list[dict[str, Any]] = []  # every output item, in order (response.done's output)
+        self._message: dict[str, Any] | None = None  # the open message
+        self._calls: dict[int, dict[str, Any]] = {}  # parser index -> the open call item
+        self.done = False
+
+    def created(self) -> list[dict[str, Any]]:
+        return [{"type": "response.created", "response": {"id": self.id, "object": "realtime.response",
+                                                          "status": "in_progress", "output": []}}]
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        """Answer text (no tool-call parser: the whole output is text)."""
+        if not text or self.done:
+            return []
+        events = [] if self._message is not None else self._open_message()
+        message = self._message
+        assert message is not None
+        message["content"][0]["text"] += text
+        return [*events, {"type": "response.output_text.delta", "response_id": self.id, "item_id": message["id"],
+                          "output_index": self._output.index(message), "content_index": 0, "delta": text}]
+
+    def parsed(self, events: Sequence[Any]) -> list[dict[str, Any]]:
+        """The parser's events (``TextDelta``, ``CallStarted``, ``ArgumentsDelta``, ``CallDone``)."""
+        out: list[dict[str, Any]] = []
+        for event in events:
+            kind = event.kind
+            if kind == "text":
+                out += self.text(event.text)
+            elif kind == "call_started":
+                out += self._open_call(event.index, event.name)
+            elif kind == "arguments_delta":
+                item = self._calls[event.index]
+                item["arguments"] += event.delta
+                out.append({"type": "response.function_call_arguments.delta", "response_id": self.id,
+                            "item_id": item["id"], "output_index": self._output.index(item),
+                            "call_id": item["call_id"], "delta": event.delta})
+            elif kind == "call_done":
+                out += self._close_call(event.index, event.arguments, complete=event.complete)
+        return out
+
+    def finish(self, status: str, *, reason: str | None = None, error: dict[str, Any] | None = None,
+               usage: dict[str, Any] | None = None, metadata: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """Close what is open, then ``response.done``. ``status``: completed, incomplete, cancelled or
+        failed; ``reason`` explains a cancelled or incomplete one, ``error`` a failed one. The
+        parser's ``finish()`` events go to ``parsed`` first."""
+        if self.done:
+            return []
+        out: list[dict[str, Any]] = []
+        if not self._output and status in ("completed", "incomplete"):
+            out += self._open_message()  # a finished turn always has its (maybe empty) message, as online
+        out += self._close_message(status)
+        for index, item in list(self._calls.items()):  # calls the parser left open (none expected)
+            out += self._close_call(index, item["arguments"], complete=False)
+        self.done = True
+        details: dict[str, Any] | None = None
+        if error is not None:
+            details = {"type": status, "error": error}
+        elif reason is not None:
+            details = {"type": status, "reason": reason}
+        out.append({"type": "response.done", "response": {
+            "id": self.id, "object": "realtime.response", "status": status, "status_details": details,
+            "output": copy.deepcopy(self._output), "metadata": metadata or {}, "usage": usage or {}}})
+        return out
+
+    # --- items ----------------------------------------------------------------------------------
+
+    def _added(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        previous = self._output[-1]["id"] if self._output else None
+        self._output.append(item)
+        return [{"type": "response.output_item.added", "response_id": self.id,
+                 "output_index": len(self._output) - 1, "item": copy.deepcopy(item)},
+                {"type": "conversation.item.added", "previous_item_id": previous, "item": copy.deepcopy(item)}]
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        self._message = {"id": self._ids("item"), "object": "realtime.item", "type": "message",
+                         "status": "in_progress", "role": "assistant", "content": [{"type": "output_text", "text": ""}]}
+        return self._added(self._message)
+
+    def _close_message(self, status: str) -> list[dict[str, Any]]:
+        message, self._message = self._message, None
+        if message is None:
+            return []
+        message["status"] = "completed" if status == "completed" else "incomplete"
+        return [{"type": "response.output_item.done", "response_id": self.id,
+                 "output_index": self._output.index(message), "item": copy.deepcopy(message)}]
+
+    def _open_call(self, index: int, name: str) -> list[dict[str, Any]]:
+        out = self._close_message("completed")  # the text before a call is complete: the call follows it
+        item = {"id": self._ids("item"), "object": "realtime.item", "type": "function_call", "status": "in_progress",
+                "call_id": self._ids("call"), "name": name, "arguments": ""}
+        self._calls[index] = item
+        return out + self._added(item)
+
+    def _close_call(self, index: int, arguments: str, *, complete: bool) -> list[dict[str, Any]]:
+        item = self._calls.pop(index)
+        item["arguments"] = arguments
+        item["status"] = "completed" if complete else "incomplete"
+        where = {"response_id": self.id, "item_id": item["id"], "output_index": self._output.index(item),
+                 "call_id": item["call_id"]}
+        return [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                 "arguments": arguments},
+                {"type": "response.output_item.done", "response_id": self.id, "output_index": where["output_index"],
+                 "item": copy.deepcopy(item)}]

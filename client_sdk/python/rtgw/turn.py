@@ -1,0 +1,98 @@
+"""One turn as the application reads it: its text deltas and function calls as they stream, and
+how it ended. The client (``client.py``) fills it from the protocol core's events, online or from
+the on-device model alike."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from rtgw.offline import OfflineModelError
+from rtgw.protocol import FunctionCall, TextDelta, TurnResult
+
+MAX_BUFFERED_CHARS = 8 * 1024 * 1024  # undelivered text a turn holds before deltas are merged
+
+
+class Turn:
+    """One turn's stream: iterate for ``TextDelta`` events, or ``events()`` for the text and the
+    turn's ``FunctionCall`` events in order; or await ``result()`` / ``text()``. One reader."""
+
+    def __init__(self, offline: bool = False) -> None:
+        self.offline = offline
+        self.response_id: str | None = None
+        self.calls: list[FunctionCall] = []  # the function calls so far (complete or cut short)
+        self._pending: list[str | FunctionCall] = []  # undelivered deltas and calls, in order
+        self._pending_chars = 0
+        self._result: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None  # the offline generation, when offline
+        self._response: dict[str, Any] = {}  # its response.create options, to start it again on a new session
+        self._error: OfflineModelError | None = None  # the on-device model could not answer: raised, not empty
+
+    @property
+    def done(self) -> bool:
+        return self._result.done()
+
+    def _push(self, text: str) -> None:
+        if not text:
+            return
+        pending = self._pending
+        if self._pending_chars + len(text) > MAX_BUFFERED_CHARS and pending and isinstance(pending[-1], str):
+            pending[-1] += text  # a reader that does not iterate: one growing delta
+        else:
+            pending.append(text)
+        self._pending_chars += len(text)
+        self._wakeup.set()
+
+    def _call(self, call: FunctionCall) -> None:
+        self.calls.append(call)
+        self._pending.append(call)
+        self._wakeup.set()
+
+    def _finish(self, result: TurnResult) -> None:
+        if not self._result.done():
+            self._result.set_result(result)
+        self._wakeup.set()
+
+    def __aiter__(self) -> AsyncIterator[TextDelta]:
+        return cast(AsyncIterator[TextDelta], self._stream(calls=False))
+
+    def events(self) -> AsyncIterator[TextDelta | FunctionCall]:
+        """The turn's text deltas and function calls, in the order they came."""
+        return self._stream(calls=True)
+
+    async def _stream(self, *, calls: bool) -> AsyncIterator[TextDelta | FunctionCall]:
+        while True:
+            pending = self._pending
+            if pending:
+                first = pending[0]
+                if isinstance(first, FunctionCall):
+                    del pending[0]
+                    if calls:
+                        yield first
+                    continue
+                n = next((i for i, p in enumerate(pending) if not isinstance(p, str)), len(pending))
+                text = "".join(p for p in pending[:n] if isinstance(p, str))
+                del pending[:n]
+                self._pending_chars -= len(text)
+                yield TextDelta(self.response_id or "", text)
+                continue
+            if self._result.done():
+                if self._error is not None:
+                    raise self._error
+                return
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    async def result(self) -> TurnResult:
+        """How the turn ended (``calls``: the functions it called). An offline turn whose
+        on-device model could not answer raises ``OfflineModelError`` (its cause and the fix)
+        instead of ending with nothing."""
+        result = await asyncio.shield(self._result)
+        if self._error is not None:
+            raise self._error
+        return result
+
+    async def text(self) -> str:
+        return (await self.result()).text
