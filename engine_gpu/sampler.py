@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from llm_shared.contract import SamplingParams
+from llm_shared.structured import apply_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -160,7 +161,16 @@ def token_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def masked_logits(logits: torch.Tensor, masks: Mapping[int, np.ndarray]) -> torch.Tensor:
-    """``logits`` [n, V] with the tokens each masked row may not pick at -inf (a copy)."""
+    """``logits`` [n, V] with the tokens each masked row may not pick at -inf (a copy). On a CPU
+    each row is masked in place through numpy (``apply_bitmask`` writes only the smaller of the
+    allowed and the refused sets: ~10 µs a row of 49k, where unpacking the bits as tensors took
+    ~0.15 ms); elsewhere as tensor operations on the logits' device."""
+    if logits.device.type == "cpu":
+        out = logits.clone()
+        view = out.numpy()
+        for row, mask in masks.items():
+            apply_bitmask(view[row], mask)
+        return out
     rows = sorted(masks)
     bitmask = torch.from_numpy(np.stack([masks[r] for r in rows])).to(logits.device, non_blocking=True)
     allowed = token_allowed(bitmask, logits.shape[1])  # [r, V]
