@@ -93,16 +93,23 @@ class Driver:
         check_plan(self.sched, plan)
         for item in plan.scheduled:  # the runner's RNG key: tokens streamed so far
             assert item.output_index == len(self.outputs.get(item.request_id, []))
-        for update in self.sched.update_from_output(plan, self.model.execute(plan)):
+        self._update(plan, self.model.execute(plan))
+        return plan
+
+    def _update(self, plan: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """Apply a plan's results and collect what streams; the invariants must hold after."""
+        for update in self.sched.update_from_output(plan, sampled):
             self.outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
             if update.finish_reason is not None:
                 self.finished[update.request_id] = update.finish_reason
         self.sched.check_invariants()
-        return plan
+
+    def busy(self) -> bool:
+        return self.sched.has_unfinished()
 
     def run(self, max_steps: int = 10_000) -> list[SchedulerOutput]:
         plans = []
-        while self.sched.has_unfinished():
+        while self.busy():
             assert len(plans) < max_steps, "no progress"
             plans.append(self.step())
         return plans
@@ -142,16 +149,8 @@ class AheadDriver(Driver):
                 resolved.append(replace(item, token_ids=sampled[source.request_id][-1:]))
             self.ahead = (nxt, self.model.execute(replace(nxt, scheduled=resolved)))
             self.num_ahead += 1
-        for update in self.sched.update_from_output(plan, sampled):
-            self.outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
-            if update.finish_reason is not None:
-                self.finished[update.request_id] = update.finish_reason
-        self.sched.check_invariants()
+        self._update(plan, sampled)
         return plan
 
-    def run(self, max_steps: int = 10_000) -> list[SchedulerOutput]:
-        plans = []
-        while self.sched.has_unfinished() or self.ahead is not None:
-            assert len(plans) < max_steps, "no progress"
-            plans.append(self.step())
-        return plans
+    def busy(self) -> bool:
+        return self.sched.has_unfinished() or self.ahead is not None  # a plan ahead still needs its update

@@ -8,6 +8,7 @@ import random
 from collections.abc import Sequence
 
 import pytest
+from structured_helpers import merged  # the parent directory's conftest puts it on the path
 
 from llm_shared.structured import ArgumentsDelta, CallDone, CallStarted, TextDelta, ToolCallEvent
 from llm_shared.structured.families.json_calls import JsonCallListParser
@@ -34,19 +35,6 @@ EXPECTED: list[ToolCallEvent] = [
     CallDone(3, "ping", "{}"),
     TextDelta(" after <tool_ca"),
 ]
-
-
-def merged(events: Sequence[ToolCallEvent]) -> list[ToolCallEvent]:
-    out: list[ToolCallEvent] = []
-    for e in events:
-        last = out[-1] if out else None
-        if isinstance(e, TextDelta) and isinstance(last, TextDelta):
-            out[-1] = TextDelta(last.text + e.text)
-        elif isinstance(e, ArgumentsDelta) and isinstance(last, ArgumentsDelta) and last.index == e.index:
-            out[-1] = ArgumentsDelta(e.index, last.delta + e.delta)
-        else:
-            out.append(e)
-    return out
 
 
 def run(pieces: Sequence[str]) -> list[ToolCallEvent]:
