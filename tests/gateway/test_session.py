@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import pytest
 from realtime_sdk_check import check_server_event
+from session_helpers import drain, make
 
 from gateway.ws.server_events import to_wire
 from gateway.ws.session import AbortGeneration, RealtimeSession, SessionIds, SessionLimits, StartGeneration
 from llm_shared.contract import FinishEvent, TokenEvent
 from llm_shared.errors import OverloadedError
-
-
-def make(*, beta: bool = False, limits: SessionLimits | None = None) -> RealtimeSession:
-    counter = itertools.count(1)
-    session = RealtimeSession(session_id="sess_1", model="smollm2-135m", limits=limits or SessionLimits(), beta=beta,
-                              id_factory=lambda prefix: f"{prefix}_{next(counter)}")
-    session.start()
-    drain(session)
-    return session
-
-
-def drain(session: RealtimeSession) -> list[dict[str, Any]]:
-    events = [to_wire(e) for e in session.events_to_send()]
-    for event in events:
-        check_server_event(event, beta=session.beta)
-    return events
 
 
 def user(text: str, **extra: Any) -> dict[str, Any]:

@@ -5,14 +5,13 @@ and commands out; the model family is SmolLM2's (``<tool_call>[...]</tool_call>`
 
 from __future__ import annotations
 
-import itertools
 import json
 from typing import Any
 
 import pytest
-from realtime_sdk_check import check_server_event
+from session_helpers import drain
+from session_helpers import make as make_session
 
-from gateway.ws.server_events import to_wire
 from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
 from llm_shared.contract import FinishEvent, TokenEvent
 from llm_shared.structured import SchemaError, get_family
@@ -25,20 +24,7 @@ CALL = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</to
 
 
 def make(*, beta: bool = False, family: bool = True) -> RealtimeSession:
-    counter = itertools.count(1)
-    session = RealtimeSession(session_id="sess_1", model="smollm2-135m", beta=beta,
-                              id_factory=lambda prefix: f"{prefix}_{next(counter)}",
-                              family=get_family("smollm2") if family else None)
-    session.start()
-    drain(session)
-    return session
-
-
-def drain(session: RealtimeSession) -> list[dict[str, Any]]:
-    events = [to_wire(e) for e in session.events_to_send()]
-    for event in events:
-        check_server_event(event, beta=session.beta)
-    return events
+    return make_session(beta=beta, family=get_family("smollm2") if family else None)
 
 
 def types(events: list[dict[str, Any]]) -> list[str]:
