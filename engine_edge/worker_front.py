@@ -170,7 +170,7 @@ class WorkerFront(EdgeBackend):
         The compiler is built with the first grammar (~0.1 s, once)."""
         if self._grammars is None:
             self._grammars = GrammarCompiler(self._tokenizer, family=None)
-        return self._grammars.matcher(self._grammars.compile_text(grammar))
+        return self._grammars.text_matcher(grammar)
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self._open or not self.ready:

@@ -131,7 +131,7 @@ class LLMEngine:
             return None
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, family=None)
-        return self._grammars.matcher(self._grammars.compile_text(params.grammar))
+        return self._grammars.text_matcher(params.grammar)
 
     def _track(self, request_id: str, prompt_tokens: int, params: SamplingParams,
                matcher: SequenceMatcher | None) -> None:

@@ -167,6 +167,11 @@ class GrammarCompiler:
         self._cache.put(key, compiled, size)
         return compiled
 
+    def text_matcher(self, text: str) -> SequenceMatcher:
+        """A fresh matcher of a grammar that arrived as text (``SamplingParams.grammar``): what a
+        tier makes for each constrained request."""
+        return self.matcher(self.compile_text(text))
+
     def matcher(self, compiled: CompiledGrammar) -> SequenceMatcher:
         """A fresh matcher for one sequence (a copy of the pristine one: ~1 µs)."""
         return SequenceMatcher(

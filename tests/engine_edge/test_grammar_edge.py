@@ -129,5 +129,5 @@ def test_answers_for_generated_schemas_fit_them(backend: LlamaCppBackend, schema
             jsonschema.validate(json.loads(text), schema, cls=jsonschema.Draft202012Validator)
         else:
             assert finish.reason == "length", (finish, text)
-            matcher = compiler.matcher(compiler.compile_text(grammar))
+            matcher = compiler.text_matcher(grammar)
             assert all(matcher.accept(t) for t in ids), text

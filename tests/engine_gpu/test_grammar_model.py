@@ -43,7 +43,7 @@ def check_outputs(engine: LLMEngine, schema: dict[str, Any], outputs: list[tuple
             jsonschema.validate(json.loads(text), schema, cls=jsonschema.Draft202012Validator)
         else:
             assert reason == "length", (reason, text)
-            matcher = compiler.matcher(compiler.compile_text(grammar))
+            matcher = compiler.text_matcher(grammar)
             assert all(matcher.accept(t) for t in ids), text
 
 
