@@ -19,7 +19,6 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from llm_shared.errors import InvalidRequestError
 from llm_shared.structured import (
     ArgumentsDelta,
     CallDone,
@@ -32,8 +31,8 @@ from llm_shared.structured import (
     ToolCall,
     ToolCallFamily,
     ToolCallParser,
-    build_grammar,
     get_family,
+    grammar_source,
 )
 from llm_shared.tokenizer import Tokenizer
 
@@ -72,10 +71,7 @@ class Grammars:
     async def compile(self, tokenizer: Tokenizer, constraints: OutputConstraints) -> CompiledGrammar | None:
         """The turn's compiled grammar (None: nothing constrains it); raises SchemaError naming the
         field that cannot be enforced, or InvalidRequestError when the model cannot call tools."""
-        if constraints.calls_allowed and self.family is None:
-            raise InvalidRequestError("this model has no known tool-call format, so it cannot call tools",
-                                      param="tools")
-        source = build_grammar(constraints, self.family)
+        source = grammar_source(constraints, self.family)
         if source is None:  # nothing constrains the output: no compiler needed
             return None
         compiler = await self.compiler(tokenizer)

@@ -13,7 +13,7 @@ device.
   history.py      a conversation (text, calls, tool results) rendered in the family's syntax
 """
 
-from llm_shared.structured.compiler import CompiledGrammar, GrammarCompiler, build_lltokenizer
+from llm_shared.structured.compiler import CompiledGrammar, GrammarCompiler, build_lltokenizer, grammar_source
 from llm_shared.structured.errors import SchemaError
 from llm_shared.structured.families import (
     ArgumentsDelta,
@@ -76,6 +76,7 @@ __all__ = [
     "build_grammar",
     "build_lltokenizer",
     "get_family",
+    "grammar_source",
     "parse_chat_constraints",
     "parse_realtime_constraints",
     "parse_response_format",

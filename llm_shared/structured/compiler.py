@@ -84,6 +84,15 @@ def _reason(error: str) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def grammar_source(constraints: OutputConstraints, family: ToolCallFamily | None) -> GrammarSource | None:
+    """The grammar of ``constraints`` for a model of ``family`` (None: nothing constrains the output);
+    InvalidRequestError when tools could be called by a model with no known call syntax. Needs no
+    compiler: a caller can skip building one for an unconstrained turn."""
+    if constraints.calls_allowed and family is None:
+        raise InvalidRequestError("this model has no known tool-call format, so it cannot call tools", param="tools")
+    return build_grammar(constraints, family)
+
+
 class GrammarCompiler:
     """Grammars for one model. Thread-safe (the cache locks; llguidance's matchers are built and
     copied without shared mutable state)."""
@@ -128,11 +137,7 @@ class GrammarCompiler:
 
     def compile(self, constraints: OutputConstraints) -> CompiledGrammar | None:
         """The compiled grammar for ``constraints``, None when nothing constrains the output."""
-        if constraints.calls_allowed and self.family is None:
-            raise InvalidRequestError(
-                "this model has no known tool-call format, so it cannot call tools", param="tools"
-            )
-        source = build_grammar(constraints, self.family)
+        source = grammar_source(constraints, self.family)
         return None if source is None else self.compile_source(source)
 
     def compile_text(self, text: str) -> CompiledGrammar:
