@@ -17,6 +17,8 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -134,3 +136,14 @@ class GatewayProcess:
             return self.log_path.read_text(encoding="utf-8", errors="replace")[-chars:]
         except OSError:
             return "(no log)"
+
+
+@contextmanager
+def serving(directory: Path, **config: Any) -> Iterator[GatewayProcess]:
+    """A started gateway on ``write_config(directory, **config)`` (its log beside it), stopped after."""
+    process = GatewayProcess(write_config(directory, **config), directory / "gateway.log")
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gateway_process import GatewayProcess, free_port, write_config
+from gateway_process import GatewayProcess, free_port, serving, write_config
 from rtgw import Backoff, GatewayRefused, GatewayUnreachable, OfflineConfig, RealtimeClient
 
 pytestmark = pytest.mark.model
@@ -20,13 +20,8 @@ LONG = "Write a long story about a lighthouse keeper and a storm, with many deta
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    directory = tmp_path_factory.mktemp("sdk-gateway")
-    process = GatewayProcess(write_config(directory, api_keys=(KEY,)), directory / "gateway.log")
-    process.start()
-    try:
+    with serving(tmp_path_factory.mktemp("sdk-gateway"), api_keys=(KEY,)) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def client(gateway: GatewayProcess, **options: object) -> RealtimeClient:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from gateway_process import GatewayProcess, free_port, write_config
+from gateway_process import GatewayProcess, free_port, serving, write_config
 from rtgw import (
     Backoff,
     FunctionCall,
@@ -37,13 +37,8 @@ OUTPUT = {"temperature": 21, "sky": "clear"}
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    directory = tmp_path_factory.mktemp("sdk-tools-gateway")
-    process = GatewayProcess(write_config(directory, api_keys=(KEY,)), directory / "gateway.log")
-    process.start()
-    try:
+    with serving(tmp_path_factory.mktemp("sdk-tools-gateway"), api_keys=(KEY,)) as process:
         yield process
-    finally:
-        process.stop()
 
 
 async def the_call(client: RealtimeClient, tier: str) -> tuple[FunctionCall, TurnResult]:
