@@ -20,7 +20,8 @@ MESSAGES = [{"role": "user", "content": "hello there"}]
 
 def make(engine: FakeEngine, *, max_tokens: int = 5) -> tuple[Turn, GatewayMetrics, InProcessStore]:
     metrics = GatewayMetrics(lambda: {"edge": engine})
-    limiter = InProcessStore(Limits(requests_per_minute=60, tokens_per_minute=1000))
+    # A stopped clock: the buckets refill with time, and a busy machine must not turn 995 into 996.
+    limiter = InProcessStore(Limits(requests_per_minute=60, tokens_per_minute=1000), clock=lambda: 0.0)
     turn = Turn(router=Router({"edge-model": "edge"}, {"edge": engine}), model="edge-model", messages=MESSAGES, params=SamplingParams(max_tokens=max_tokens),
                 priority=Priority.INTERACTIVE, request_id="req-1", api="chat", metrics=metrics, limits=limiter,
                 key_id="k")
