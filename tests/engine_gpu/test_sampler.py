@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,3 +156,44 @@ def test_filters_match_a_full_sort_on_a_large_vocabulary(scale: float, top_k: in
         expected = reference_probs(rows[i], temperature, top_k, top_p)
         assert torch.equal(probs[i] > 0, expected > 0)
         assert torch.allclose(probs[i], expected, atol=1e-6)
+
+
+def bitmask_of(allowed: list[set[int]], words: int) -> list[np.ndarray]:
+    masks = []
+    for ids in allowed:
+        bits = np.zeros(words * 32, dtype=np.uint8)
+        bits[sorted(ids)] = 1
+        masks.append(np.packbits(bits, bitorder="little").view(np.int32))
+    return masks
+
+
+def test_grammar_masks_pick_the_best_allowed_token_and_leave_other_rows_alone() -> None:
+    # 70 logit columns, a mask of 2 words (64 tokens): columns 64.. are never allowed.
+    logits = torch.randn(6, 70, generator=torch.Generator().manual_seed(9))
+    logits[0, 66] = 50.0  # row 0's argmax lies past the mask's vocabulary
+    logits[1, 5] = logits[1, 7] = 40.0  # row 1: a tie between two allowed tokens, the first wins
+    best = logits.argmax(dim=-1).tolist()
+    allowed = [set(range(0, 64, 3)), {5, 7, 9}, {best[2]}, set(range(64)) - {best[3]}, {11, 12, 13}]
+    masks = dict(enumerate(bitmask_of(allowed, 2)))  # row 5 has no mask
+    greedy = SamplingParams(temperature=0.0)
+    params = [greedy, greedy, greedy, greedy, SamplingParams(temperature=1.0, seed=2), greedy]
+    picks = [t.token_id for t in Sampler().sample_later(logits, params, [0] * 6, masks)()]
+    for row in (0, 1, 2, 3):
+        ids = sorted(allowed[row])
+        assert picks[row] == ids[int(logits[row, ids].argmax())], row
+    assert picks[1] == 5 and picks[2] == best[2]
+    assert picks[4] in allowed[4] and picks[5] == best[5]
+    # the masked rows' logprobs are of the unmasked distribution, and the caller's logits unchanged
+    tokens = Sampler().sample_later(logits, params, [0] * 6, masks)()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    assert tokens[0].logprob == pytest.approx(float(logprobs[0, picks[0]]), abs=1e-6)
+    assert logits[0, 66] == 50.0 and logits.argmax(dim=-1).tolist() == best
+
+
+def test_a_sampled_masked_row_draws_only_allowed_tokens() -> None:
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(5))
+    allowed = [{1, 2, 40}, set(range(64))]
+    masks = dict(enumerate(bitmask_of(allowed, 2)))
+    params = [SamplingParams(temperature=2.0), SamplingParams(temperature=0.0)]
+    seen = {Sampler().sample_later(logits, params, [i, i], masks)()[0].token_id for i in range(200)}
+    assert seen == allowed[0]
