@@ -14,14 +14,13 @@ Guarantees the adapter can rely on:
 
 from __future__ import annotations
 
-import base64
 import logging
-import secrets
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from gateway.shaping import CallStream
+from gateway.ws.commands import AbortGeneration, Command, StartGeneration
 from gateway.ws.conversation import (
     ROOT,
     AnyItem,
@@ -49,6 +48,7 @@ from gateway.ws.events import (
     ToolsPatch,
     parse_client_event,
 )
+from gateway.ws.ids import SessionIds
 from gateway.ws.responses import ResponseStream
 from gateway.ws.server_events import Emitter, ServerEvent, TextDelta
 from gateway.ws.wire import SessionView, item_wire, session_wire
@@ -63,60 +63,12 @@ from llm_shared.structured import (
 )
 from llm_shared.structured.parse import REALTIME_DEFAULT
 
-__all__ = ["AbortGeneration", "Command", "RealtimeSession", "SessionLimits", "StartGeneration"]
+__all__ = ["AbortGeneration", "Command", "RealtimeSession", "SessionIds", "SessionLimits", "StartGeneration"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TEMPERATURE = 0.8  # the Realtime API's default
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing this event."
-
-
-@dataclass(frozen=True)
-class StartGeneration:
-    """Command: the adapter must start an engine request under ``response_id``."""
-
-    response_id: str
-    messages: list[dict[str, str]]  # chat messages in order, rendered for the model family (tools listed)
-    params: SamplingParams
-    metadata: dict[str, Any]  # response.create's metadata, for logs and routing
-    model: str = ""  # the session's model id when the response was created: the router's choice of route
-    # The tools the response may call (Turn compiles their grammar at prepare); None when it may
-    # call none, so an unconstrained turn compiles nothing.
-    constraints: OutputConstraints | None = None
-
-
-@dataclass(frozen=True)
-class AbortGeneration:
-    """Command: the adapter must abort the engine request of ``response_id`` now."""
-
-    response_id: str
-
-
-Command = StartGeneration | AbortGeneration
-
-
-class SessionIds:
-    """The ids one session draws. What a client can name (items, responses, the conversation) is
-    random, so a client-created item can never take the id of one the server makes next; event
-    ids (one per token) only need to be unique, so they count up after a random per-session tag."""
-
-    RANDOM_BYTES = 12  # 16 characters, as secrets.token_urlsafe(12)
-    BATCH = 32  # ids drawn from the OS's generator at once: one getrandom() a response was ~5 µs under load
-
-    def __init__(self) -> None:
-        self._tag = secrets.token_urlsafe(9)  # 12 characters
-        self._events = 0
-        self._random = b""
-        self._used = 0
-
-    def __call__(self, prefix: str) -> str:
-        if prefix == "event":
-            self._events += 1
-            return f"event_{self._tag}{self._events:x}"
-        if self._used == len(self._random):
-            self._random, self._used = secrets.token_bytes(self.RANDOM_BYTES * self.BATCH), 0
-        start, self._used = self._used, self._used + self.RANDOM_BYTES
-        return f"{prefix}_{base64.urlsafe_b64encode(self._random[start:self._used]).decode()}"
 
 
 class RealtimeSession:

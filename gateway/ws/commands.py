@@ -1,0 +1,35 @@
+"""What a Realtime session asks its adapter to do: the commands ``RealtimeSession.commands()``
+returns. Each is a frozen record; the adapter runs it and reports back through the session's
+methods (engine events, transcripts, speech)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llm_shared.contract import SamplingParams
+from llm_shared.structured import OutputConstraints
+
+
+@dataclass(frozen=True)
+class StartGeneration:
+    """Command: the adapter must start an engine request under ``response_id``."""
+
+    response_id: str
+    messages: list[dict[str, str]]  # chat messages in order, rendered for the model family (tools listed)
+    params: SamplingParams
+    metadata: dict[str, Any]  # response.create's metadata, for logs and routing
+    model: str = ""  # the session's model id when the response was created: the router's choice of route
+    # The tools the response may call (Turn compiles their grammar at prepare); None when it may
+    # call none, so an unconstrained turn compiles nothing.
+    constraints: OutputConstraints | None = None
+
+
+@dataclass(frozen=True)
+class AbortGeneration:
+    """Command: the adapter must abort the engine request of ``response_id`` now."""
+
+    response_id: str
+
+
+Command = StartGeneration | AbortGeneration
