@@ -8,6 +8,8 @@ share its event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +32,7 @@ STOP_TIMEOUT_S = 30.0
 RSS_SETTLE_S = 1.0
 RSS_SAMPLES = 5
 LOG_MARKERS = (" WARNING ", " ERROR ", " CRITICAL ", "Traceback", "too slow")
+_WORKER_LABEL = re.compile(r',?worker="\d+"')  # gateway/worker_metrics.py's label on every series
 
 
 def derive_config(base: Path, directory: Path, clients: int, idle_sessions: int) -> Path:
@@ -61,10 +64,11 @@ def derive_config(base: Path, directory: Path, clients: int, idle_sessions: int)
 
 
 class GatewayProcess:
-    def __init__(self, config_path: Path, log_path: Path, host: str) -> None:
+    def __init__(self, config_path: Path, log_path: Path, host: str, *, tree: bool = False) -> None:
         self.config_path = config_path
         self.log_path = log_path
         self.host = host
+        self.tree = tree  # CPU and RSS of its child processes too (``server.workers``' workers)
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -86,6 +90,10 @@ class GatewayProcess:
             raise BenchError("the gateway process has not been started")
         return self._ps
 
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
         try:
             with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
@@ -103,21 +111,30 @@ class GatewayProcess:
                 status, _ = await asyncio.to_thread(self._get, "/readyz", 2.0)
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 status = 0  # not listening yet
-            if status == 200:
+            if status == 200 and (not self.tree or await asyncio.to_thread(self._every_worker_up)):
                 return
             await asyncio.sleep(0.25)
         raise BenchError(f"the gateway was not ready after {READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
 
+    def _every_worker_up(self) -> bool:
+        """No worker of ``server.workers`` still loading (a single process has no such series)."""
+        status, body = self._get("/metrics")
+        return status == 200 and not [line for line in body.decode().splitlines()
+                                      if line.startswith("gateway_worker_up{") and not line.endswith(" 1.0")]
+
     def metric(self, name: str) -> float:
         """The value of a metric in ``/metrics``: ``name`` as it appears there, labels included
-        (``'x_count{generation="2"}'``)."""
+        (``'x_count{generation="2"}'``); with several workers, their sum (their ``worker`` label
+        left out of the comparison)."""
         status, body = self._get("/metrics")
         if status != 200:
             raise BenchError(f"/metrics answered {status}")
-        for line in body.decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-        raise BenchError(f"/metrics has no {name}")
+        values = [float(value) for series, value in (line.rsplit(" ", 1) for line in body.decode().splitlines()
+                                                     if line and not line.startswith("#"))
+                  if _WORKER_LABEL.sub("", series).replace("{}", "") == name]
+        if not values:
+            raise BenchError(f"/metrics has no {name}")
+        return sum(values)
 
     def gc_pauses(self) -> dict[str, float]:
         """The gateway's full collections so far (``gateway_gc_pause_seconds``, generation 2):
@@ -127,12 +144,23 @@ class GatewayProcess:
         return {"full_collections": count, "full_collection_s": self.metric(series.format("_sum", "")),
                 "over_50ms": count - self.metric(series.format("_bucket", ',le="0.05"'))}
 
+    def _processes(self) -> list[psutil.Process]:
+        return [self.process, *(self.process.children(recursive=True) if self.tree else ())]
+
     def rss(self) -> int:
-        return int(self.process.memory_info().rss)
+        total = 0
+        for process in self._processes():
+            with contextlib.suppress(psutil.NoSuchProcess):  # a worker restarting
+                total += int(process.memory_info().rss)
+        return total
 
     def cpu_s(self) -> float:
-        times = self.process.cpu_times()
-        return times.user + times.system
+        total = 0.0
+        for process in self._processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = process.cpu_times()
+                total += times.user + times.system
+        return total
 
     async def settled_rss(self) -> int:
         """Median RSS over a second, after letting the server finish what it was doing."""

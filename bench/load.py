@@ -82,6 +82,7 @@ import socket  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import tomllib  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -141,9 +142,11 @@ SMOKE_ARGS = {"steps": [20], "cascade_steps": [20], "capacity": 10, "slow_client
 
 def synthetic_config(directory: Path, name: str, *, max_streams: int, rate: float = TOKENS_PER_S,
                      slow_client_timeout_s: float = 30.0, direct_writes: bool = True,
-                     cascade_threshold: float | None = None) -> Path:
+                     cascade_threshold: float | None = None, tables: Mapping[str, Mapping[str, Any]] | None = None,
+                     ) -> Path:
     """The default config on the synthetic edge tier; with ``cascade_threshold``, the cascade over
-    it and a synthetic torch tier (a fixed threshold: the load-aware relaxation off)."""
+    it and a synthetic torch tier (a fixed threshold: the load-aware relaxation off). ``tables``:
+    keys set last, by table (bench/limits.py: ``[limits]``, ``server.workers``)."""
     raw = tomllib.loads((REPO_ROOT / "configs" / "default.toml").read_text(encoding="utf-8"))
     raw["routing"]["default"] = "edge"
     raw["edge"].update(backend="synthetic", synthetic_tokens_per_s=rate, synthetic_max_streams=max_streams)
@@ -158,6 +161,8 @@ def synthetic_config(directory: Path, name: str, *, max_streams: int, rate: floa
         max_sessions_per_key=20_000, max_sessions=20_000, requests_per_minute=10_000_000,
         tokens_per_minute=1_000_000_000, max_concurrent_requests_per_key=20_000, idle_timeout_s=3600.0,
         slow_client_timeout_s=slow_client_timeout_s, api_keys=[], api_keys_env="", direct_writes=direct_writes)
+    for table, values in (tables or {}).items():
+        raw.setdefault(table, {}).update(values)
     path = directory / f"{name}.toml"
     path.write_text(dump_toml(raw), encoding="utf-8")
     return path
@@ -288,13 +293,15 @@ async def sustain(session: LeanSession, first_at: float, stop_at: float, out: li
 
 
 async def arm_streams(directory: Path, steps: tuple[int, ...], slo: dict[str, float], sizes: Sizes,
-                      direct_writes: bool = True, cascade_threshold: float | None = None) -> dict[str, Any]:
+                      direct_writes: bool = True, cascade_threshold: float | None = None,
+                      tables: Mapping[str, Mapping[str, Any]] | None = None, label: str = "") -> dict[str, Any]:
     """Sustained streams at each level of ``steps`` on the edge route, or on the cascade with
-    ``cascade_threshold``."""
-    route = "edge" if cascade_threshold is None else f"cascade (threshold {cascade_threshold:g})"
+    ``cascade_threshold``; ``tables`` as ``synthetic_config`` takes them. The gateway's CPU and
+    memory are its process's and its children's (the workers of ``server.workers``)."""
+    route = ("edge" if cascade_threshold is None else f"cascade (threshold {cascade_threshold:g})") + label
     server = GatewayProcess(synthetic_config(directory, "streams", max_streams=20_000, direct_writes=direct_writes,
-                                             cascade_threshold=cascade_threshold),
-                            directory / "streams.log", "127.0.0.1")
+                                             cascade_threshold=cascade_threshold, tables=tables),
+                            directory / "streams.log", "127.0.0.1", tree=True)
     server.start()
     levels = []
     sessions: list[LeanSession] = []

@@ -24,6 +24,7 @@ from llm_shared.errors import ConfigError
 from llm_shared.models import REPO_ROOT, ModelConfig, parse_models, require_model
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
+MAX_WORKERS = 64
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,13 @@ class ServerConfig:
     drain_reconnect_spread_ms: int = 5000  # drained clients are told to reconnect after 0..this many ms (jitter)
     default_max_output_tokens: int = 512
     max_output_tokens: int = 4096
+    # Gateway processes on one port (SO_REUSEPORT), each with its own event loop (gateway/workers.py);
+    # more than one needs the limits in Redis (Config checks it).
+    workers: int = 1
 
     def __post_init__(self) -> None:
         require(1 <= self.port <= 65535 or self.port == 0, f"server.port must be 0..65535, got {self.port}")
+        require(1 <= self.workers <= MAX_WORKERS, f"server.workers must be in 1..{MAX_WORKERS}, got {self.workers}")
         require(self.max_frame_bytes >= 1024, "server.max_frame_bytes must be >= 1024")
         for name in ("max_conversation_items", "max_conversation_chars", "max_sessions_per_key", "max_sessions",
                      "requests_per_minute", "tokens_per_minute", "max_concurrent_requests_per_key", "send_queue_high", "send_queue_limit", "send_queue_max_bytes",
@@ -141,6 +146,12 @@ class Config:
         require(not (self.cluster.enabled and self.engine.backend == "synthetic"),
                 "[cluster] enabled serves the torch tier on Ray replicas; engine.backend = 'synthetic' serves it "
                 "in the gateway process: choose one")
+        # The kernel spreads a client's connections over the workers at random: with each worker's
+        # own limits a key would get up to N times them, and which ones applied would be chance.
+        require(self.server.workers == 1 or self.limits.backend == "redis",
+                f'server.workers = {self.server.workers} needs [limits] backend = "redis": with the in-process '
+                "backend every worker would keep its own limits, so a key would get up to "
+                f"{self.server.workers} times its rate, token and session limits")
 
     def model(self, model_id: str) -> ModelConfig:
         return self.models[model_id]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -122,9 +122,11 @@ async def build_cluster_engine(config: Config) -> Engine:
     return await pool.start(wait_s=60.0)
 
 
-async def load_engines(config: Config) -> dict[str, Engine]:
+async def load_engines(config: Config, *,
+                       build_gpu: Callable[[Config], Awaitable[Engine]] | None = None) -> dict[str, Engine]:
     """Build every needed tier off the event loop, each with its share of the host's CPU budget;
-    on failure close the ones already built."""
+    on failure close the ones already built. ``build_gpu`` replaces ``build_gpu_engine`` (a
+    worker process connects to the torch engine core its parent started: gateway/workers.py)."""
     config = with_host_plan(config)
     engines: dict[str, Engine] = {}
     try:
@@ -132,7 +134,7 @@ async def load_engines(config: Config) -> dict[str, Engine]:
             if tier == "edge":
                 engines[tier] = await asyncio.to_thread(build_edge_engine, config)
             else:
-                engines[tier] = await build_gpu_engine(config)
+                engines[tier] = await (build_gpu or build_gpu_engine)(config)
     except BaseException:
         await close_engines(engines)
         raise

@@ -19,6 +19,7 @@ import gc
 import logging
 import secrets
 import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 REALTIME_PATH = "/v1/realtime"
 BROWSER_SUBPROTOCOL = "realtime"
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"  # how browsers ask for the beta flavour
+EngineLoader = Callable[[Config], Awaitable[dict[str, Engine]]]
 
 
 def check_bind_safety(config: Config) -> None:
@@ -240,7 +242,8 @@ async def start_server(app: web.Application, **runner_kwargs: Any) -> RunningSer
         **runner_kwargs,
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port)
+    # Several workers (gateway/workers.py) each bind the port; the kernel spreads connections over them.
+    site = web.TCPSite(runner, config.server.host, config.server.port, reuse_port=config.server.workers > 1)
     try:
         await site.start()
     except OSError:
@@ -250,10 +253,12 @@ async def start_server(app: web.Application, **runner_kwargs: Any) -> RunningSer
     return RunningServer(runner, config.server.host, port)
 
 
-async def serve(config: Config, *, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (by default on SIGINT or SIGTERM)."""
+async def serve(config: Config, *, stop: asyncio.Event | None = None, app: web.Application | None = None,
+                load: EngineLoader | None = None) -> None:
+    """Serve until ``stop`` is set (by default on SIGINT or SIGTERM). A worker process passes its
+    own ``app`` (``create_app``'s, with its additions) and ``load`` (engines shared with its siblings)."""
     check_bind_safety(config)
-    app = create_app(config)
+    app = app if app is not None else create_app(config)
     server = await start_server(app)
     log.info("listening on %s (WebSocket %s%s); loading engines", server.url,
              server.url.replace("http", "ws", 1), REALTIME_PATH)
@@ -265,14 +270,14 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None) -> None:
             loop.add_signal_handler(sig, _on_signal, stop, hurry)
     try:
         with GcPauses(app[STATE].metrics):
-            await _serve_until(app, config, server, stop, hurry)
+            await _serve_until(app, config, server, stop, hurry, load)
     finally:
         await server.stop()
 
 
 async def _serve_until(app: web.Application, config: Config, server: RunningServer, stop: asyncio.Event,
-                       hurry: asyncio.Event) -> None:
-    engines = await load_engines(config)
+                       hurry: asyncio.Event, load: EngineLoader | None) -> None:
+    engines = await (load or load_engines)(config)
     app[STATE].set_engines(engines, owned=True)
     # What start-up built (modules, tokenizers, engines) lives as long as the process: frozen
     # out of the cyclic collector, a full collection scans only what serving made since
@@ -311,8 +316,14 @@ def _on_signal(stop: asyncio.Event, hurry: asyncio.Event) -> None:
 
 
 def run(config: Config) -> None:
-    """Serve on a uvloop event loop (blocking)."""
+    """Serve on a uvloop event loop (blocking); with ``server.workers`` > 1, start that many
+    worker processes on the port and supervise them (gateway/workers.py)."""
     import uvloop
 
     check_bind_safety(config)
+    if config.server.workers > 1:
+        from gateway.workers import run_workers
+
+        run_workers(config)
+        return
     uvloop.run(serve(config))

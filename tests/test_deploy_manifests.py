@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -52,9 +53,10 @@ def documents() -> list[tuple[str, Doc]]:
     return load_documents()
 
 
-def one(documents: list[tuple[str, Doc]], kind: str) -> Doc:
-    found = [doc for _, doc in documents if doc.get("kind") == kind]
-    assert len(found) == 1, f"expected one {kind} in deploy/, found {len(found)}"
+def one(documents: list[tuple[str, Doc]], kind: str, file: str | None = None) -> Doc:
+    """The one document of ``kind`` in deploy/ (in ``file``, when given)."""
+    found = [doc for name, doc in documents if doc.get("kind") == kind and file in (None, name)]
+    assert len(found) == 1, f"expected one {kind} in deploy/{file or ''}, found {len(found)}"
     return found[0]
 
 
@@ -179,13 +181,14 @@ def app_autoscaling_keys() -> set[str]:
 
 def test_every_document_parses_and_names_itself(documents: list[tuple[str, Doc]]) -> None:
     files = {name for name, _ in documents}
-    assert {"engine-rayservice.yaml", "gateway.yaml"} <= files
+    assert {"engine-rayservice.yaml", "gateway.yaml", "limits-redis.yaml"} <= files
     for name, doc in documents:
         assert isinstance(doc, dict), f"{name}: a document that is not a mapping"
         assert doc.get("apiVersion") and doc.get("kind") and doc.get("metadata", {}).get("name"), name
     kinds = sorted(doc["kind"] for _, doc in documents)
     assert kinds == sorted(["RayService", "NetworkPolicy", "Deployment", "Service", "Ingress",
-                            "PodDisruptionBudget", "HorizontalPodAutoscaler"])
+                            "PodDisruptionBudget", "HorizontalPodAutoscaler",
+                            "StatefulSet", "Service", "NetworkPolicy"])  # the limits' Redis
 
 
 def test_no_secret_value_is_written_in_the_manifests(documents: list[tuple[str, Doc]]) -> None:
@@ -349,7 +352,7 @@ def test_the_gateway_is_probed_and_drains_before_it_is_killed(gateway: Doc, gate
 
 def test_the_ingress_keeps_websockets_and_sse_open(documents: list[tuple[str, Doc]], gateway_container: Doc,
                                                    config: Config) -> None:
-    ingress, service = one(documents, "Ingress"), one(documents, "Service")
+    ingress, service = one(documents, "Ingress"), one(documents, "Service", "gateway.yaml")
     annotations = ingress["metadata"]["annotations"]
     assert int(annotations[NGINX + "proxy-read-timeout"]) >= WEBSOCKET_TIMEOUT_S
     assert int(annotations[NGINX + "proxy-send-timeout"]) >= WEBSOCKET_TIMEOUT_S
@@ -367,14 +370,14 @@ def test_the_ingress_keeps_websockets_and_sse_open(documents: list[tuple[str, Do
 def test_service_pdb_hpa_and_network_policy_select_the_right_pods(documents: list[tuple[str, Doc]], gateway: Doc,
                                                                    rayservice: Doc) -> None:
     pod_labels = gateway["spec"]["template"]["metadata"]["labels"]
-    service, pdb, hpa = one(documents, "Service"), one(documents, "PodDisruptionBudget"), one(
+    service, pdb, hpa = one(documents, "Service", "gateway.yaml"), one(documents, "PodDisruptionBudget"), one(
         documents, "HorizontalPodAutoscaler")
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert pdb["spec"]["minAvailable"] == 1
     assert hpa["spec"]["scaleTargetRef"]["name"] == gateway["metadata"]["name"]
     assert [m["resource"]["name"] for m in hpa["spec"]["metrics"]] == ["cpu"]
-    policy = one(documents, "NetworkPolicy")
+    policy = one(documents, "NetworkPolicy", "engine-rayservice.yaml")
     ray_labels = policy["spec"]["podSelector"]["matchLabels"]
     for template in ray_pod_templates(rayservice):
         assert ray_labels.items() <= template["metadata"]["labels"].items()
@@ -385,3 +388,60 @@ def test_service_pdb_hpa_and_network_policy_select_the_right_pods(documents: lis
     gateway_rule = next(rule for rule in policy["spec"]["ingress"]
                         if {"podSelector": {"matchLabels": {"app": "rtgw-gateway"}}} in rule["from"])
     assert "ports" not in gateway_rule  # the engine cores listen on ephemeral ports
+
+
+# --- the limits' Redis --------------------------------------------------------------------------
+
+
+def test_the_gateway_config_points_at_the_limits_redis(documents: list[tuple[str, Doc]], config: Config) -> None:
+    """The pods share one key space: the URL's host and port are the Service's, and the Service
+    selects the StatefulSet's pods on the port Redis listens on."""
+    statefulset = one(documents, "StatefulSet", "limits-redis.yaml")
+    service = one(documents, "Service", "limits-redis.yaml")
+    assert config.limits.backend == "redis"
+    url = urlsplit(config.limits.url)
+    assert url.scheme == "redis" and url.hostname == service["metadata"]["name"]
+    (port,) = service["spec"]["ports"]
+    assert url.port == port["port"]
+    pod = statefulset["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert statefulset["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    (container,) = pod["spec"]["containers"]
+    assert container_port(container, port["targetPort"]) == port["port"]
+    assert not config.server.api_keys  # the config in the image holds no secret (the pods' keys come from a Secret)
+
+
+def test_one_redis_without_persistence_evicting_what_expires_first(documents: list[tuple[str, Doc]]) -> None:
+    """Two Redis pods behind one Service would split every key's limits; nothing in it outlives a
+    minute or a lease's TTL, so nothing is saved; every key expires, so eviction takes the nearest
+    expiry instead of failing writes."""
+    statefulset = one(documents, "StatefulSet", "limits-redis.yaml")
+    assert statefulset["spec"]["replicas"] == 1
+    assert "volumeClaimTemplates" not in statefulset["spec"]
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--save") + 1] == "" and args[args.index("--appendonly") + 1] == "no"
+    assert args[args.index("--maxmemory-policy") + 1] == "volatile-ttl"
+    assert container["readinessProbe"] and container["livenessProbe"]
+
+
+def test_only_the_gateway_pods_reach_the_limits_redis(documents: list[tuple[str, Doc]], gateway: Doc) -> None:
+    policy = one(documents, "NetworkPolicy", "limits-redis.yaml")
+    statefulset = one(documents, "StatefulSet", "limits-redis.yaml")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= (
+        statefulset["spec"]["template"]["metadata"]["labels"].items())
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert peer == {"podSelector": {"matchLabels": {"app": "rtgw-gateway"}}}
+    assert peer["podSelector"]["matchLabels"].items() <= gateway["spec"]["template"]["metadata"]["labels"].items()
+    assert [p["port"] for p in rule["ports"]] == [6379]
+
+
+def test_the_hpa_scales_the_gateway_pods_and_each_runs_one_worker(documents: list[tuple[str, Doc]],
+                                                                  config: Config) -> None:
+    """Pods scale out under the autoscaler (their limits shared through Redis); one worker a pod
+    keeps the CPU the autoscaler measures one process's (server.workers: docs/configuration.md)."""
+    hpa = one(documents, "HorizontalPodAutoscaler")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 10)
+    assert config.server.workers == 1

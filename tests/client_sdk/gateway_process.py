@@ -46,11 +46,15 @@ def _toml(value: Any) -> str:
 
 
 def write_config(directory: Path, *, api_keys: tuple[str, ...] = (), routing: str = "edge",
-                 server: dict[str, Any] | None = None) -> Path:
-    """The shipped config, edge tier only unless ``routing`` says otherwise, loopback, keys as given."""
+                 server: dict[str, Any] | None = None, tables: dict[str, dict[str, Any]] | None = None,
+                 name: str = "gateway.toml") -> Path:
+    """The shipped config, edge tier only unless ``routing`` says otherwise, loopback, keys as given;
+    ``tables``: keys to set in other tables (``{"edge": {"backend": "synthetic"}, "limits": {...}}``)."""
     raw = tomllib.loads((REPO_ROOT / "configs" / "default.toml").read_text(encoding="utf-8"))
     raw["routing"]["default"] = routing
     raw["server"].update({"api_keys": list(api_keys), "api_keys_env": "", **(server or {})})
+    for section, values in (tables or {}).items():
+        raw.setdefault(section, {}).update(values)
     lines: list[str] = []
     for section, table in raw.items():
         if section == "models":
@@ -65,7 +69,7 @@ def write_config(directory: Path, *, api_keys: tuple[str, ...] = (), routing: st
             if isinstance(subtable, dict):
                 lines.append(f"[{section}.{sub}]")
                 lines += [f"{k} = {_toml(v)}" for k, v in subtable.items()]
-    path = directory / "gateway.toml"
+    path = directory / name
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
