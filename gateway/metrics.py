@@ -27,6 +27,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0
 CONFIDENCE_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 GC_PAUSE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+VOICE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 # The tiers name a few numbers differently; these become one series each. The edge tier counts
@@ -154,6 +155,19 @@ class GatewayMetrics:
         self.gc_pause = Histogram(
             "gateway_gc_pause_seconds", "Event-loop pauses of Python's cyclic garbage collector (every stream "
             "waits them out)", ["generation"], buckets=GC_PAUSE_BUCKETS, registry=r)
+        self.voice_first_audio = Histogram(
+            "gateway_voice_speech_to_first_audio_seconds", "From the end of the user's speech (server VAD) to the "
+            "first audio of the answer", buckets=VOICE_BUCKETS, registry=r)
+        self.voice_vad = Counter("gateway_voice_vad_events", "Server VAD decisions", ["event"], registry=r)
+        self.voice_jobs = Counter("gateway_voice_jobs", "Recognition and synthesis jobs, by outcome",
+                                  ["kind", "outcome"], registry=r)
+        self.voice_audio = Counter("gateway_voice_audio_seconds", "Audio recognized (asr) or made (tts)", ["kind"],
+                                   registry=r)
+        self.voice_compute = Counter("gateway_voice_compute_seconds", "Worker time of recognition and synthesis "
+                                     "(divided by gateway_voice_audio_seconds: the real-time factor)", ["kind"],
+                                     registry=r)
+        self.voice_wait = Histogram("gateway_voice_queue_wait_seconds", "Time a voice job queued for a worker",
+                                    ["kind"], buckets=VOICE_BUCKETS, registry=r)
         r.register(EngineStatsCollector(engines))
         self._token_series: dict[str, TokenSeries] = {}
         r.register(TokenCollector(self._token_series))
@@ -164,6 +178,14 @@ class GatewayMetrics:
         if series is None:
             series = self._token_series[api] = TokenSeries()
         return series
+
+    def voice_job(self, kind: str, outcome: str, audio_s: float, compute_s: float, wait_s: float) -> None:
+        """One recognition or synthesis job of the voice pool (its observer)."""
+        self.voice_jobs.labels(kind, outcome).inc()
+        if compute_s > 0:
+            self.voice_audio.labels(kind).inc(audio_s)
+            self.voice_compute.labels(kind).inc(compute_s)
+        self.voice_wait.labels(kind).observe(wait_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

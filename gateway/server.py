@@ -21,7 +21,7 @@ import secrets
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -38,6 +38,9 @@ from gateway.ws.connection import WS_CLOSE_GOING_AWAY, RealtimeConnection
 from gateway.ws.session import RealtimeSession, SessionLimits
 from llm_shared.contract import Engine
 from llm_shared.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gateway.voice_service import GatewayVoice
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +61,11 @@ def check_bind_safety(config: Config) -> None:
         )
 
 
-def create_app(config: Config, engines: dict[str, Engine] | None = None) -> web.Application:
+def create_app(config: Config, engines: dict[str, Engine] | None = None,
+               voice: GatewayVoice | None = None) -> web.Application:
     """An app for ``config``. With ``engines`` it is ready at once (tests); without, ``serve``
-    loads them after the port is open and the app owns (and closes) them."""
+    loads them (and ``[voice]``'s pipeline) after the port is open and the app owns (and closes)
+    them. ``voice``: a pipeline shared by tests (the caller closes it)."""
     # Chat bodies carry whole conversations; UTF-8 and JSON escapes can take ~6 bytes a character.
     body_limit = max(1 << 20, 6 * config.server.max_conversation_chars + 65536)
     app = web.Application(client_max_size=body_limit, middlewares=[_check_host, drain_gate])
@@ -68,6 +73,7 @@ def create_app(config: Config, engines: dict[str, Engine] | None = None) -> web.
     app[STATE] = state
     if engines is not None:
         state.set_engines(engines, owned=False)
+    state.voice = voice
     add_routes(app)
     app.router.add_get(REALTIME_PATH, realtime)
     app.on_startup.append(_on_startup)
@@ -152,20 +158,27 @@ async def _run_session(request: web.Request, state: GatewayState, key_id: str, m
     await ws.prepare(request)
     beta = "realtime=v1" in request.headers.get("OpenAI-Beta", "") or BETA_SUBPROTOCOL in offered
     session_id = f"sess_{secrets.token_urlsafe(12)}"
+    voice = state.config.voice
     limits = SessionLimits(
         max_conversation_items=server.max_conversation_items,
         max_conversation_chars=server.max_conversation_chars,
         default_max_output_tokens=server.default_max_output_tokens,
         max_output_tokens=server.max_output_tokens,
+        max_audio_append_bytes=voice.max_append_bytes,
+        max_audio_buffer_ms=int(voice.max_input_buffer_s * 1000),
+        max_audio_bytes_per_s=voice.max_audio_bytes_per_s,
+        audio_burst_bytes=voice.audio_burst_bytes,
     )
     session = RealtimeSession(session_id=session_id, model=model, limits=limits, beta=beta,
-                              models=frozenset(state.models), family=state.grammars.family)
+                              models=frozenset(state.models), family=state.grammars.family,
+                              voice=state.voice.hooks if state.voice is not None else None)
     assert state.router is not None  # checked by the handshake
     connection = RealtimeConnection(
         ws, session, session_id=session_id,
         codec=FrameCodec("msgpack" if subprotocol == MSGPACK_SUBPROTOCOL else "json", server.max_frame_bytes),
         router=state.router, limits=state.limits, key_id=key_id, metrics=state.metrics, config=server,
         transport=request.transport if server.direct_writes else None, grammars=state.grammars,
+        voice=state.voice,
     )
     state.connections.add(connection)
     if state.draining:  # accepted while the drain began: it closes right after session.created
@@ -204,6 +217,8 @@ async def _on_cleanup(app: web.Application) -> None:
     await state.close_limits()
     if state.owns_engines:
         await close_engines(state.engines)
+        if state.voice is not None:
+            state.voice.close()
 
 
 @dataclass
@@ -277,8 +292,11 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None, app: web.A
 
 async def _serve_until(app: web.Application, config: Config, server: RunningServer, stop: asyncio.Event,
                        hurry: asyncio.Event, load: EngineLoader | None) -> None:
-    engines = await (load or load_engines)(config)
-    app[STATE].set_engines(engines, owned=True)
+    state = app[STATE]
+    # The voice models load beside the engines (off the loop), so /readyz waits for neither alone.
+    voice = asyncio.to_thread(state.load_voice) if state.voice is None else asyncio.sleep(0, state.voice)
+    engines, state.voice = await asyncio.gather((load or load_engines)(config), voice)
+    state.set_engines(engines, owned=True)
     # What start-up built (modules, tokenizers, engines) lives as long as the process: frozen
     # out of the cyclic collector, a full collection scans only what serving made since
     # (docs/reliability.md: 70-110 ms pauses under load before, in every stream's ITL). Full

@@ -7,6 +7,7 @@ global, so tests can run several apps in one process.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,7 +26,10 @@ from gateway.shaping import Grammars
 from llm_shared.contract import Engine
 
 if TYPE_CHECKING:
+    from gateway.voice_service import GatewayVoice
     from gateway.ws.connection import RealtimeConnection
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -47,6 +51,7 @@ class GatewayState:
     chats_in_flight: int = 0  # chat completion handlers running, counted from the request (the drain waits)
     work_ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when a session or a completion ends
     created: int = field(default_factory=lambda: int(time.time()))
+    voice: GatewayVoice | None = None  # speech in and out ([voice]); None: text-only sessions
 
     def __post_init__(self) -> None:
         self.metrics = GatewayMetrics(lambda: self.engines)
@@ -55,6 +60,23 @@ class GatewayState:
         Gauge("gateway_limits_degraded", "1 while the shared limits store is unreachable and this process "
               "applies its own limits (fail_open) or refuses (fail_closed)", registry=self.metrics.registry
               ).set_function(lambda: float(self.limits.degraded))
+
+    def load_voice(self) -> GatewayVoice | None:
+        """The voice pipeline of ``[voice]`` (seconds: models load), its jobs counted in the metrics;
+        None when voice is off. Blocking: call it off the event loop."""
+        if not self.config.voice.enabled:
+            return None
+        from gateway.voice_service import GatewayVoice  # lazy: onnxruntime, CTranslate2
+        from voice.errors import VoiceModelError
+
+        metrics = self.metrics
+        try:
+            return GatewayVoice(self.config.voice, lambda job: metrics.voice_job(job.kind, job.outcome, job.audio_s,
+                                                                                 job.compute_s, job.wait_s))
+        except VoiceModelError as e:
+            # A missing model or synthesizer must not take text service down with it.
+            log.error("voice is off: %s (sessions refuse audio until it is fixed)", e.message)
+            return None
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock = time.monotonic) -> GatewayState:

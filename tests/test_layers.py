@@ -1,4 +1,4 @@
-"""The packages depend one way: gateway -> {engine_cluster -> engine_gpu, engine_edge} -> llm_shared, and the
+"""The packages depend one way: gateway -> {engine_cluster -> engine_gpu, engine_edge, voice} -> llm_shared, and the
 client SDK -> {llm_shared, engine_edge}. Read from the source with ``ast`` (every import,
 lazy ones inside functions and ``TYPE_CHECKING`` blocks included), so a cycle cannot hide
 behind a deferred import."""
@@ -18,7 +18,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "engine_edge": frozenset({"llm_shared"}),
     "engine_gpu": frozenset({"llm_shared"}),
     "engine_cluster": frozenset({"llm_shared", "engine_gpu"}),
-    "gateway": frozenset({"llm_shared", "engine_edge", "engine_gpu", "engine_cluster"}),
+    "voice": frozenset({"llm_shared"}),
+    "gateway": frozenset({"llm_shared", "engine_edge", "engine_gpu", "engine_cluster", "voice"}),
     "client_sdk": frozenset({"llm_shared", "engine_edge"}),
 }
 OURS = frozenset(ALLOWED)
@@ -69,6 +70,8 @@ TORCH_FREE = [
     "engine_edge.config",
     "engine_gpu.config", "engine_gpu.client", "engine_gpu.scheduler", "gateway.config",
     "engine_cluster.config", "engine_cluster.policy", "engine_cluster.pool", "gateway.engines",
+    "voice.config", "voice.audio", "voice.vad", "voice.asr", "voice.tts", "voice.pool", "voice.phrases", "voice.alignment",
+    "voice.limits", "voice.service", "voice.tts_piper",
 ]
 
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import msgpack
 
 from gateway import json_wire
-from gateway.ws.server_events import ServerEvent, TextDelta
+from gateway.ws.server_events import AudioDelta, ServerEvent, TextDelta
 from llm_shared.errors import APIError
 
 MSGPACK_SUBPROTOCOL = "x-openai-realtime-msgpack"
@@ -158,6 +158,8 @@ class FrameCodec:
                     f',"response_id":{_json_string(event.response_id)},"item_id":{_json_string(event.item_id)},'
                     f'"output_index":{event.output_index:d},"content_index":{event.content_index:d},"delta":')
             return f"{head[0]}{_json_string(event.event_id)}{head[1]}{_json_string(event.delta)}}}"
+        if type(event) is AudioDelta:
+            return self.encode(event.to_wire(binary=self.encoding == "msgpack"))
         return self.encode(event.to_wire())
 
     def encode(self, event: dict[str, Any]) -> str | bytes:

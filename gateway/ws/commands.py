@@ -32,4 +32,36 @@ class AbortGeneration:
     response_id: str
 
 
-Command = StartGeneration | AbortGeneration
+
+
+@dataclass(frozen=True)
+class Transcribe:
+    """Command: transcribe a user item's speech (PCM16, 24 kHz) and report it with
+    ``RealtimeSession.transcribed`` (or ``transcription_failed``)."""
+
+    item_id: str
+    audio: bytes
+    # Which cut of the item's speech this is (its end, in session ms): a job started at a pause is
+    # replaced by one for a later cut if the user goes on speaking (the adapter cancels the older).
+    tag: int = 0
+
+
+@dataclass(frozen=True)
+class Synthesize:
+    """Command: speak phrase ``index`` of ``response_id`` and hand its audio (PCM16, 24 kHz) to
+    ``RealtimeSession.speech_ready`` (or ``speech_failed``). Phrases may come back in any order."""
+
+    response_id: str
+    index: int
+    text: str
+    voice: str
+
+
+@dataclass(frozen=True)
+class CancelSpeech:
+    """Command: drop the phrases of ``response_id`` not synthesized yet (it ended)."""
+
+    response_id: str
+
+
+Command = StartGeneration | AbortGeneration | Transcribe | Synthesize | CancelSpeech

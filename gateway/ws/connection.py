@@ -33,6 +33,7 @@ from gateway.ws.codec import DecodeError, FrameCodec
 from gateway.ws.outbox import Outbox
 from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent, TextDelta
 from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
+from gateway.ws.voice_link import VoiceLink, VoiceService
 from llm_shared.contract import Engine, FinishEvent, Priority, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError, InvalidRequestError
 
@@ -103,11 +104,13 @@ class RealtimeConnection:
         config: ServerConfig,
         transport: asyncio.Transport | None = None,
         grammars: Grammars | None = None,
+        voice: VoiceService | None = None,
     ) -> None:
         """``transport``: the request's, once the WebSocket is prepared; it gives the outbox its
         fast lane (without it every frame goes through the writer task). ``grammars``: the
         gateway's compilers, which turn a response's tools into the grammar its engine enforces
-        (without them a response that may call tools is refused)."""
+        (without them a response that may call tools is refused). ``voice``: speech recognition and
+        synthesis (the session was made with its hooks; without it the session refuses audio)."""
         self.session = session
         self.session_id = session_id
         self.key_id = key_id
@@ -132,6 +135,7 @@ class RealtimeConnection:
         self._pump_lock = asyncio.Lock()
         self._pump_task: asyncio.Task[None] | None = None  # a pump asked for by synchronous code
         self._too_slow_cancelled: str | None = None
+        self._voice = VoiceLink(voice, session, self._pump_soon, metrics) if voice is not None else None
 
     @property
     def outbox(self) -> Outbox:
@@ -203,10 +207,12 @@ class RealtimeConnection:
             # the queue is discarded, or the client would miss what came before the close frame.
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._close_task)
-        # Whatever ended the connection, no generation outlives it.
+        # Whatever ended the connection, no generation outlives it (nor speech being made for it).
         self.session.cancel_active("client_disconnected")
         self._outbox.discard()
         await self._pump()
+        if self._voice is not None:
+            await self._voice.close()
         for response_id in list(self._turns):
             await self._abort(response_id)
         tasks = list(self._tasks.values())
@@ -340,6 +346,8 @@ class RealtimeConnection:
                 self._start(command)
             elif isinstance(command, AbortGeneration):
                 await self._abort(command.response_id)
+            elif self._voice is not None:
+                self._voice.run(command)
         events += self.session.events_to_send()  # what starting produced (an early refusal), in one write
         self._queue(events)
         return True
@@ -362,6 +370,8 @@ class RealtimeConnection:
             self.session.cancel_active("client_too_slow")  # its events are drained next round
 
     def _observe(self, event: ServerEvent) -> None:
+        if self._voice is not None and self._voice.observe(event):
+            return
         if isinstance(event, ErrorEvent):
             self._metrics.errors.labels("realtime", event.code).inc()
         elif isinstance(event, ResponseDone):

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from llm_shared.structured import Message, ToolCall
+
+if TYPE_CHECKING:
+    from voice.alignment import Alignment
 
 Role = Literal["system", "user", "assistant"]
 ItemStatus = Literal["completed", "incomplete", "in_progress"]
@@ -29,6 +32,10 @@ class Item:
     role: Role
     parts: list[str]
     status: ItemStatus = "completed"
+    # Spoken content: ``parts`` hold transcripts (input_audio / output_audio parts on the wire).
+    audio: bool = False
+    transcribing: bool = False  # a user's speech whose transcript is not known yet
+    speech: Alignment | None = None  # an assistant's speech: what was said by when (truncate)
 
     @property
     def text(self) -> str:
@@ -94,7 +101,8 @@ def to_history(instructions: str, items: Iterable[AnyItem]) -> list[Message]:
                 messages.append(Message("assistant", "", (call,)))
         elif isinstance(item, FunctionCallOutput):
             messages.append(Message("tool", item.output, tool_call_id=item.call_id))
-        elif item.role != "assistant" or item.text:
+        elif (item.role != "assistant" and not item.audio) or item.text:
+            # (speech that could not be transcribed, like an empty assistant turn, says nothing)
             messages.append(Message(item.role, item.text))
     return messages
 

@@ -1,4 +1,5 @@
-"""Client events of the Realtime protocol (text subset), validated at the boundary.
+"""Client events of the Realtime protocol, validated at the boundary (audio fields and events in
+``audio_events``).
 
 ``parse_client_event`` turns one decoded frame (a dict from JSON or msgpack) into one of the
 tagged dataclasses below, or raises ``ProtocolError`` with a stable ``code``, the offending
@@ -20,11 +21,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from gateway.ws.audio_events import (
+    AUDIO_EVENT_TYPES,
+    AudioAppend,
+    AudioClear,
+    AudioCommit,
+    AudioEvent,
+    AudioPatch,
+    parse_audio_event,
+    response_audio,
+    session_audio,
+)
 from gateway.ws.conversation import ROOT, Role
 from gateway.ws.fields import Fields, ProtocolError, is_unicode
 
 __all__ = [
-    "ClientEvent", "ItemCreate", "ItemDelete", "ItemReference", "ItemRetrieve", "ItemTruncate", "NewFunctionCall",
+    "AudioAppend", "AudioClear", "AudioCommit", "ClientEvent", "ItemCreate", "ItemDelete", "ItemReference", "ItemRetrieve", "ItemTruncate", "NewFunctionCall",
     "NewFunctionCallOutput", "NewItem", "NewItems", "ProtocolError", "ResponseCancel", "ResponseCreate",
     "SessionLimits", "SessionUpdate", "ToolsPatch", "parse_client_event",
 ]
@@ -37,20 +49,14 @@ MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 MAX_FUNCTION_NAME = 64  # OpenAI's limit on function names
 
-AUDIO_EVENTS = frozenset({
-    "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
-    "output_audio_buffer.clear", "transcription_session.update",
-})
 AUDIO_PART_TYPES = frozenset({"input_audio", "output_audio", "audio", "input_image"})
 MCP_ITEM_TYPES = frozenset({"mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response"})
-# Fields that only configure audio, tracing or reasoning we do not run: accepted so that
-# stock clients work, and ignored (documented in docs/protocol.md).
+# Fields that only configure tracing or reasoning we do not run: accepted so that stock clients
+# work, and ignored (documented in docs/protocol.md).
 IGNORED_SESSION_FIELDS = frozenset({
-    "audio", "include", "tracing", "truncation", "reasoning",
-    "voice", "input_audio_format", "output_audio_format", "input_audio_transcription", "turn_detection",
-    "input_audio_noise_reduction", "speed", "client_secret", "expires_at", "object", "id",
+    "include", "tracing", "truncation", "reasoning", "client_secret", "expires_at", "object", "id",
 })
-IGNORED_RESPONSE_FIELDS = frozenset({"audio", "voice", "output_audio_format", "reasoning"})
+IGNORED_RESPONSE_FIELDS = frozenset({"reasoning"})
 
 
 @dataclass(frozen=True)
@@ -61,10 +67,17 @@ class SessionLimits:
     max_conversation_chars: int = 200_000
     default_max_output_tokens: int = 512
     max_output_tokens: int = 4096
+    max_audio_append_bytes: int = 262_144  # one input_audio_buffer.append, decoded (~2.7 s of audio/pcm)
+    max_audio_buffer_ms: int = 60_000  # the input audio buffer (and so one spoken turn)
+    # Audio may arrive faster than real time (a file streamed), up to this rate sustained, with a
+    # burst on top; beyond it an append is refused. (audio/pcm is 48,000 bytes a second.)
+    max_audio_bytes_per_s: int = 96_000
+    audio_burst_bytes: int = 480_000
 
     def __post_init__(self) -> None:
         for name in ("max_conversation_items", "max_conversation_chars", "default_max_output_tokens",
-                     "max_output_tokens"):
+                     "max_output_tokens", "max_audio_append_bytes", "max_audio_buffer_ms", "max_audio_bytes_per_s",
+                     "audio_burst_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SessionLimits.{name} must be a positive integer, got {value!r}")
@@ -133,6 +146,7 @@ class SessionUpdate:
     max_output_tokens: MaxTokens | None = None
     temperature: float | None = None
     tools: ToolsPatch | None = None  # tools / tool_choice / parallel_tool_calls, when any was given
+    audio: AudioPatch | None = None  # modalities, voice, formats, transcription, turn detection
 
 
 @dataclass(frozen=True)
@@ -163,8 +177,8 @@ class ItemTruncate:
     event_id: str | None
     item_id: str
     content_index: int
-    text_end: int  # our extension x_text_end: characters (code points) of the part to keep
-    audio_end_ms: int = 0  # accepted for SDK compatibility, echoed, has no effect on text
+    text_end: int | None  # our extension x_text_end: characters (code points) of a text part to keep
+    audio_end_ms: int = 0  # of a spoken part: the audio played; the text said by then is kept
 
 
 @dataclass(frozen=True)
@@ -181,6 +195,7 @@ class ResponseCreate:
     # limit, so a benchmark's cancel or long stream does not depend on how long the model answers.
     ignore_eos: bool = False
     tools: ToolsPatch | None = None  # overrides the session's for this response only
+    audio: AudioPatch | None = None  # output modalities and voice of this response only
 
 
 @dataclass(frozen=True)
@@ -190,7 +205,8 @@ class ResponseCancel:
     response_id: str | None = None
 
 
-ClientEvent = SessionUpdate | ItemCreate | ItemDelete | ItemRetrieve | ItemTruncate | ResponseCreate | ResponseCancel
+ClientEvent = (SessionUpdate | ItemCreate | ItemDelete | ItemRetrieve | ItemTruncate | ResponseCreate | ResponseCancel
+               | AudioEvent)
 
 
 def parse_client_event(obj: object, limits: SessionLimits) -> ClientEvent:
@@ -217,8 +233,11 @@ def _parse(obj: dict[Any, Any], event_id: str | None, limits: SessionLimits) -> 
     f = Fields(obj, "")
     f.string("event_id", MAX_EVENT_ID_CHARS)
     kind = f.string("type", 64, required=True)
-    if kind in AUDIO_EVENTS:
-        raise ProtocolError("unsupported_feature", f"'{kind}' is not supported: this server is text-only", "type")
+    if kind in AUDIO_EVENT_TYPES:
+        return parse_audio_event(kind, f, event_id, limits.max_audio_append_bytes)
+    if kind == "transcription_session.update":
+        raise ProtocolError("unsupported_feature", "transcription sessions are not supported: open a realtime "
+                            "session (speech is transcribed in it)", "type")
     parser = _PARSERS.get(kind or "")
     if parser is None:
         raise ProtocolError("unknown_event_type", f"unknown client event type {kind!r}", "type")
@@ -233,7 +252,6 @@ def _session_update(f: Fields, event_id: str | None, limits: SessionLimits) -> S
     kind = s.string("type", 64)
     if kind not in (None, "realtime"):
         raise ProtocolError("unsupported_feature", "only 'realtime' sessions are supported", "session.type")
-    _check_modalities(s)
     if s.has("prompt"):
         raise ProtocolError("unsupported_feature", "stored prompts are not supported", "session.prompt")
     update = SessionUpdate(
@@ -243,6 +261,7 @@ def _session_update(f: Fields, event_id: str | None, limits: SessionLimits) -> S
         max_output_tokens=_max_tokens(s, limits),
         temperature=s.number("temperature", 0.0, 2.0),
         tools=_tools_patch(s),
+        audio=session_audio(s),
     )
     s.done(IGNORED_SESSION_FIELDS)
     return update
@@ -277,10 +296,6 @@ def _item_truncate(f: Fields, event_id: str | None, limits: SessionLimits) -> It
     content_index = f.integer("content_index", required=True)
     audio_end_ms = f.integer("audio_end_ms")
     text_end = f.integer("x_text_end")
-    if text_end is None:
-        raise ProtocolError("missing_required_parameter",
-                            "text items are truncated by character offset: give 'x_text_end' (an extension of "
-                            "this server; 'audio_end_ms' does not apply to text)", "x_text_end")
     f.done()
     return ItemTruncate(event_id=event_id, item_id=str(item_id), content_index=int(content_index or 0),
                         text_end=text_end, audio_end_ms=audio_end_ms or 0)
@@ -289,7 +304,6 @@ def _item_truncate(f: Fields, event_id: str | None, limits: SessionLimits) -> It
 def _response_create(f: Fields, event_id: str | None, limits: SessionLimits) -> ResponseCreate:
     r = Fields(f.raw("response") if f.has("response") else {}, "response")
     f.done()
-    _check_modalities(r)
     if r.has("prompt"):
         raise ProtocolError("unsupported_feature", "stored prompts are not supported", "response.prompt")
     conversation = r.string("conversation", MAX_ID_CHARS)
@@ -308,6 +322,7 @@ def _response_create(f: Fields, event_id: str | None, limits: SessionLimits) -> 
         metadata=_metadata(r),
         ignore_eos=bool(r.boolean("x_ignore_eos")),
         tools=_tools_patch(r),
+        audio=response_audio(r),
     )
     r.done(IGNORED_RESPONSE_FIELDS)
     return create
@@ -328,19 +343,6 @@ _PARSERS = {
     "response.create": _response_create,
     "response.cancel": _response_cancel,
 }
-
-
-def _check_modalities(f: Fields) -> None:
-    for key in ("output_modalities", "modalities"):
-        values = f.array(key, 2)
-        if values is None:
-            continue
-        if any(not isinstance(v, str) for v in values):
-            raise ProtocolError("invalid_type", f"'{f.param(key)}' must be an array of strings", f.param(key))
-        if "audio" in values:
-            raise ProtocolError("unsupported_feature", "audio output is not supported: use [\"text\"]", f.param(key))
-        if values != ["text"]:
-            raise ProtocolError("invalid_value", f"'{f.param(key)}' must be [\"text\"]", f.param(key))
 
 
 def _tools_patch(f: Fields) -> ToolsPatch | None:
@@ -442,8 +444,8 @@ def _item(obj: object, path: str, limits: SessionLimits, *,
         p = Fields(raw, f"{f.param('content')}[{n}]")
         part_type = p.string("type", 32, required=True)
         if part_type in AUDIO_PART_TYPES:
-            raise ProtocolError("unsupported_feature", f"'{part_type}' content is not supported: this server is "
-                                "text-only", p.param("type"))
+            raise ProtocolError("unsupported_feature", f"'{part_type}' content is not supported in items: send "
+                                "speech with input_audio_buffer.append", p.param("type"))
         if part_type not in allowed:
             raise ProtocolError("invalid_value", f"'{p.param('type')}' must be one of {list(allowed)} for "
                                 f"{role} messages", p.param("type"))

@@ -5,6 +5,13 @@ the assistant message on the first text, streams deltas into it (and into the co
 when the response belongs to it), and closes everything with exactly one ``response.done``.
 After that it emits nothing more; the session drops it and ignores whatever arrives late.
 
+An audio response (``output_modalities: ["audio"]``) speaks its text instead: the text is cut
+into phrases (``SpeechOut``), each phrase's audio is asked of the adapter, and the phrases go out
+in order as ``response.output_audio_transcript.delta`` with their ``response.output_audio.delta``s.
+Its ``response.done`` waits for the last phrase's audio; events that follow text still being
+spoken (a tool call after it) wait with it, so output items stay sequential. A cancel ends it at
+once with the text whose audio was sent.
+
 A response that may call tools has its output parsed by the model family's parser
 (``CallStream``): answer text goes to the message as above, and each call becomes an output
 item of its own (``function_call``), its arguments streamed as
@@ -14,16 +21,21 @@ sequential, as in the API: a message is done before the first call after it is a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.shaping import CallStream
+from gateway.ws.audio_events import PCM_BYTES_PER_MS, PCM_RATE, AudioSettings
 from gateway.ws.conversation import AnyItem, Conversation, FunctionCall, Item
 from gateway.ws.server_events import Emitter, TextDelta
+from gateway.ws.speech_out import SpeechOut, audio_ms
 from gateway.ws.wire import item_wire, response_wire, usage_wire
 from llm_shared.contract import FinishEvent
 from llm_shared.structured import ArgumentsDelta, CallDone, CallStarted, ToolCallEvent
 from llm_shared.structured import TextDelta as ParsedText
+from voice.alignment import Alignment, Mark
+
+AUDIO_CHUNK_BYTES = 500 * PCM_BYTES_PER_MS  # audio deltas of at most half a second
 
 
 class ResponseStream:
@@ -40,6 +52,8 @@ class ResponseStream:
         ids: Callable[[str], str],
         events: Emitter,
         calls: CallStream | None = None,  # the output may hold tool calls: parse it
+        audio: AudioSettings | None = None,  # the session's audio settings with this response's overrides
+        speech: Callable[[Callable[[int, str], None]], SpeechOut] | None = None,  # makes the phrase queue
     ) -> None:
         self.id = response_id
         self.item: Item | None = None  # the message being written (opened on the first text, closed before a call)
@@ -56,8 +70,21 @@ class ResponseStream:
         self._ids = ids
         self._events = events
         self._calls = calls
+        self._call_ids = calls  # kept after the parser is done: calls waiting for speech still need their ids
         self._message_index = 0  # output_index of the open message
         self._open_calls: dict[int, tuple[FunctionCall, int]] = {}  # parser index -> (item, output_index)
+        self._audio = audio
+        self.voice = audio.voice if audio is not None else ""
+        self.in_conversation = conversation is not None
+        self.held = False  # created, not started: its prompt waits for a transcript
+        # Speaking: phrases asked for (index, text) are collected for the session to turn into commands.
+        self.phrases_asked: list[tuple[int, str]] = []
+        self._speech = speech(lambda i, text: self.phrases_asked.append((i, text))) \
+            if speech is not None and audio is not None and audio.output_audio else None
+        self._speaks = self._speech is not None
+        self._waiting: list[ToolCallEvent] = []  # parsed events behind text still being spoken
+        self._final: tuple[str, str | None, dict[str, str] | None, tuple[int, int, int]] | None = None
+        self.audio_ms = 0  # speech sent
 
     @property
     def needs_slot(self) -> bool:
@@ -71,6 +98,16 @@ class ResponseStream:
     def created(self) -> None:
         self._events.emit("response.created", response=self._wire("in_progress", None, None))
 
+    @property
+    def speaks(self) -> bool:
+        """An audio response (from its creation to its end)."""
+        return self._speaks
+
+    @property
+    def speaking(self) -> bool:
+        """Phrases were asked for whose audio has not been sent."""
+        return self._speech is not None and self._speech.pending
+
     def token(self, text: str) -> None:
         self.tokens += 1
         if text:
@@ -81,7 +118,7 @@ class ResponseStream:
         the delta, is returned rather than queued (the caller sends it next). None where ``token``
         would queue something else too (the message's opening events, a parsed call) or nothing."""
         item = self.item
-        if item is None or not text or self._calls is not None:
+        if item is None or not text or self._calls is not None or self._speech is not None:
             self.token(text)
             return None
         self.tokens += 1
@@ -96,18 +133,69 @@ class ResponseStream:
             self._output(event.text)
         if event.tier:
             self._extra_metadata["x_tier"] = event.tier
-        usage = usage_wire(event.prompt_tokens, event.completion_tokens, event.cached_tokens, self._beta)
+        tokens = (event.prompt_tokens, event.completion_tokens, event.cached_tokens)
         if event.reason == "stop":
-            self._finish("completed", usage)
+            final: tuple[str, str | None, dict[str, str] | None] = ("completed", None, None)
         elif event.reason == "length":
-            self._finish("incomplete", usage, reason="max_output_tokens")
+            final = ("incomplete", "max_output_tokens", None)
         elif event.reason == "abort":
             # Our own aborts end the response before the engine confirms them; an abort we did
             # not ask for is the engine giving up (e.g. shutting down).
-            self._finish("cancelled", usage, reason="engine_aborted")
+            final = ("cancelled", "engine_aborted", None)
         else:
-            self.fail({"type": "server_error", "code": "engine_error",
-                       "message": event.message or "the engine failed while generating"}, usage)
+            final = ("failed", None, {"type": "server_error", "code": "engine_error",
+                                      "message": event.message or "the engine failed while generating"})
+        speech = self._speech
+        if speech is not None and final[0] in ("completed", "incomplete"):
+            # The rest of the text is spoken before the end: held-back text out of the parser
+            # (a call cut short stays open until then), the last phrase out of the splitter.
+            calls, self._calls = self._calls, None
+            if calls is not None:
+                self._parsed(calls, calls.finish())
+            if not self._waiting:
+                speech.flush()
+            self._final = (*final, tokens)
+            self._end_when_spoken()
+            return
+        status, reason, error = final
+        self._finish(status, self._usage(tokens), reason=reason, error=error)
+
+    def spoken(self, index: int, audio: bytes, marks: Sequence[Mark] = ()) -> None:
+        """Phrase ``index``'s audio (PCM16, 24 kHz): sent with its transcript once every earlier
+        phrase was; then what waited for the speech, and the end once the engine is done."""
+        speech = self._speech
+        if speech is None or self.done:
+            return
+        for text, pcm, phrase_marks in speech.arrived(index, audio, marks):
+            item = self.item or self._open_item()
+            item.parts[0] += text
+            assert item.speech is not None
+            item.speech.add(text, len(pcm) // 2, phrase_marks)
+            self.audio_ms += audio_ms(pcm)
+            ids = {"response_id": self.id, "item_id": item.id, "output_index": self._message_index,
+                   "content_index": 0}
+            self._events.emit("response.output_audio_transcript.delta", **ids, delta=text)
+            for start in range(0, len(pcm), AUDIO_CHUNK_BYTES):
+                self._events.audio_delta(self.id, item.id, self._message_index, 0, pcm[start:start + AUDIO_CHUNK_BYTES])
+        if not speech.pending and self._waiting:
+            waiting, self._waiting = self._waiting, []
+            self._dispatch(waiting)
+            if not self._waiting and self._calls is None:
+                speech.flush()  # the engine finished while these waited: its last text is a phrase now
+        self._end_when_spoken()
+
+    def speech_failed(self, message: str) -> None:
+        self.fail({"type": "server_error", "code": "speech_failed", "message": message})
+
+    def _end_when_spoken(self) -> None:
+        final = self._final
+        if final is None or self.speaking or self._waiting:
+            return
+        status, reason, error, tokens = final
+        self._finish(status, self._usage(tokens), reason=reason, error=error)
+
+    def _usage(self, tokens: tuple[int, int, int]) -> dict[str, Any]:
+        return usage_wire(*tokens, self._beta, audio_ms=self.audio_ms)
 
     def cancel(self, reason: str) -> None:
         # Input tokens are unknown until the engine finishes; report what was streamed.
@@ -118,7 +206,7 @@ class ResponseStream:
         self._finish("failed", usage or self._streamed_usage(), error=error)
 
     def _streamed_usage(self) -> dict[str, Any]:
-        return usage_wire(0, self.tokens, 0, self._beta)
+        return usage_wire(0, self.tokens, 0, self._beta, audio_ms=self.audio_ms)
 
     # ----- output ---------------------------------------------------------------------------
 
@@ -130,12 +218,22 @@ class ResponseStream:
             self._parsed(calls, calls.feed(text))
 
     def _parsed(self, calls: CallStream, events: list[ToolCallEvent]) -> None:
-        for event in events:
+        self._dispatch(events)
+
+    def _dispatch(self, events: list[ToolCallEvent]) -> None:
+        speech = self._speech
+        for n, event in enumerate(events):
+            if speech is not None and not isinstance(event, ParsedText):
+                speech.flush()  # the text before a call is a phrase of its own
+            if speech is not None and (self._waiting or (speech.pending and not isinstance(event, ParsedText))):
+                # A call after text still being spoken waits for the speech, with all after it.
+                self._waiting.extend(events[n:])
+                return
             if isinstance(event, ParsedText):
                 if event.text:
                     self._delta(event.text)
             elif isinstance(event, CallStarted):
-                self._open_call(calls.call_id(event.index), event)
+                self._open_call(self._call_ids.call_id(event.index), event)
             elif isinstance(event, ArgumentsDelta):
                 self._arguments(event)
             elif isinstance(event, CallDone):
@@ -160,16 +258,22 @@ class ResponseStream:
                               item=item_wire(item, self._beta))
 
     def _open_item(self) -> Item:
-        item = Item(id=self._ids("item"), role="assistant", parts=[], status="in_progress")
+        speaks = self._speech is not None
+        item = Item(id=self._ids("item"), role="assistant", parts=[], status="in_progress", audio=speaks,
+                    speech=Alignment(PCM_RATE) if speaks else None)
         self.item = item
         self._message_index = len(self.output)
         self._added(item, self._message_index)
         item.parts.append("")
+        part = {"type": "audio", "transcript": ""} if speaks else {"type": "text", "text": ""}
         self._events.emit("response.content_part.added", response_id=self.id, item_id=item.id,
-                          output_index=self._message_index, content_index=0, part={"type": "text", "text": ""})
+                          output_index=self._message_index, content_index=0, part=part)
         return item
 
     def _delta(self, text: str) -> None:
+        if self._speech is not None:
+            self._speech.feed(text)  # the item opens with the first phrase's audio
+            return
         self._events.queue(self._text(self.item or self._open_item(), text))
 
     def _text(self, item: Item, text: str) -> TextDelta:
@@ -186,8 +290,13 @@ class ResponseStream:
         item.status = "completed" if status == "completed" else "incomplete"
         text = item.parts[0] if item.parts else ""
         ids = {"response_id": self.id, "item_id": item.id, "output_index": self._message_index, "content_index": 0}
-        self._events.emit("response.output_text.done", **ids, text=text)
-        self._events.emit("response.content_part.done", **ids, part={"type": "text", "text": text})
+        if item.audio:
+            self._events.emit("response.output_audio.done", **ids)
+            self._events.emit("response.output_audio_transcript.done", **ids, transcript=text)
+            self._events.emit("response.content_part.done", **ids, part={"type": "audio", "transcript": text})
+        else:
+            self._events.emit("response.output_text.done", **ids, text=text)
+            self._events.emit("response.content_part.done", **ids, part={"type": "text", "text": text})
         self._item_done(item, self._message_index)
 
     def _open_call(self, call_id: str, event: CallStarted) -> None:
@@ -226,6 +335,11 @@ class ResponseStream:
         if self.done:
             return
         calls, self._calls = self._calls, None  # nothing is parsed after the end, even if this fails
+        if self._speech is not None:
+            # Text not spoken yet was never heard: it is dropped, and so are events behind it.
+            self._speech = None
+            self._waiting = []
+            calls = None
         if calls is not None:
             # Held-back text comes out; a call the output ended inside is cut short (incomplete).
             self._parsed(calls, calls.finish())
@@ -253,4 +367,5 @@ class ResponseStream:
             conversation_id=self._conversation_id if self._conversation is not None else None,
             max_output_tokens=self._max_output_tokens, temperature=self._temperature,
             metadata=metadata, usage=usage, beta=self._beta,
+            audio=self._audio if self._audio is not None and self._audio.output_audio else None,
         )

@@ -11,6 +11,7 @@ Every event carries its wire name already (GA or beta, see ``wire.event_name``).
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -42,6 +43,25 @@ class TextDelta:
         return {"type": self.type, "event_id": self.event_id, "response_id": self.response_id,
                 "item_id": self.item_id, "output_index": self.output_index,
                 "content_index": self.content_index, "delta": self.delta}
+
+
+@dataclass(frozen=True, slots=True)
+class AudioDelta:
+    """``response.output_audio.delta`` (beta: ``response.audio.delta``): PCM16 at 24 kHz, raw
+    here; base64 in JSON, bytes as they are on the msgpack subprotocol (``FrameCodec``)."""
+
+    type: str
+    event_id: str
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    audio: bytes
+
+    def to_wire(self, binary: bool = False) -> dict[str, Any]:
+        return {"type": self.type, "event_id": self.event_id, "response_id": self.response_id,
+                "item_id": self.item_id, "output_index": self.output_index, "content_index": self.content_index,
+                "delta": self.audio if binary else base64.b64encode(self.audio).decode("ascii")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +109,7 @@ class OtherEvent:
         return {"type": self.type, "event_id": self.event_id, **self.fields}
 
 
-ServerEvent = TextDelta | ResponseDone | ErrorEvent | OtherEvent
+ServerEvent = TextDelta | AudioDelta | ResponseDone | ErrorEvent | OtherEvent
 
 
 def to_wire(event: ServerEvent) -> dict[str, Any]:
@@ -123,6 +143,11 @@ class Emitter:
         send it at once, before anything emitted after it."""
         return TextDelta(self._delta_name, self._ids("event"), response_id, item_id, output_index, content_index,
                          delta)
+
+    def audio_delta(self, response_id: str, item_id: str, output_index: int, content_index: int,
+                    audio: bytes) -> None:
+        self._events.append(AudioDelta(event_name("response.output_audio.delta", self._beta), self._ids("event"),
+                                       response_id, item_id, output_index, content_index, audio))
 
     def queue(self, event: ServerEvent) -> None:
         self._events.append(event)

@@ -15,18 +15,17 @@ Guarantees the adapter can rely on:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from gateway.shaping import CallStream
+from gateway.ws.audio_events import AudioSettings
+from gateway.ws.audio_input import InputAudio
 from gateway.ws.commands import AbortGeneration, Command, StartGeneration
 from gateway.ws.conversation import (
-    ROOT,
-    AnyItem,
     Conversation,
-    FunctionCall,
-    FunctionCallOutput,
     Item,
     to_history,
 )
@@ -34,12 +33,8 @@ from gateway.ws.events import (
     ClientEvent,
     ItemCreate,
     ItemDelete,
-    ItemReference,
     ItemRetrieve,
     ItemTruncate,
-    NewFunctionCall,
-    NewFunctionCallOutput,
-    NewItems,
     ProtocolError,
     ResponseCancel,
     ResponseCreate,
@@ -51,6 +46,9 @@ from gateway.ws.events import (
 from gateway.ws.ids import SessionIds
 from gateway.ws.responses import ResponseStream
 from gateway.ws.server_events import Emitter, ServerEvent, TextDelta
+from gateway.ws.session_items import SessionItems
+from gateway.ws.session_voice import SessionVoice, VoiceHooks
+from gateway.ws.speech_out import SpeechOut
 from gateway.ws.wire import SessionView, item_wire, session_wire
 from llm_shared.contract import FinishEvent, SamplingParams, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError, InvalidRequestError
@@ -71,7 +69,7 @@ DEFAULT_TEMPERATURE = 0.8  # the Realtime API's default
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing this event."
 
 
-class RealtimeSession:
+class RealtimeSession(SessionItems, SessionVoice):
     def __init__(
         self,
         *,
@@ -82,11 +80,15 @@ class RealtimeSession:
         id_factory: Callable[[str], str] | None = None,
         models: frozenset[str] = frozenset(),
         family: ToolCallFamily | None = None,
+        voice: VoiceHooks | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``models``: the ids ``session.update`` may switch to (the served ones); ``model`` is
         always one of them. ``family``: the served model's tool-call syntax (how tools, calls and
         results are written in the prompt, and how calls are parsed back out of the output); None
-        when it has none, and then tools that could be called are refused."""
+        when it has none, and then tools that could be called are refused. ``voice``: the
+        pipeline's pure parts (VAD, phrase splitting); None where the server has no voice, and then
+        audio events and audio output are refused. ``clock``: the audio rate bound's."""
         self._session_id = session_id
         self._model = model
         self._models = models | {model}
@@ -104,6 +106,19 @@ class RealtimeSession:
         self._active: ResponseStream | None = None
         self._active_event_id: str | None = None  # the response.create that started it
         self._started = False
+        self._voice = voice
+        self._audio = AudioSettings()
+        self._input = InputAudio(limits, voice.segmenters if voice is not None else None, clock=clock)
+        self._input.configure(self._audio.turn_detection)
+        self._speech_item: str | None = None  # the user item the speech in progress will become
+        self._speech_start_ms = 0
+        # User items whose transcript is being made, with the cut of their speech it will be for.
+        self._transcribing: dict[str, tuple[Item, int]] = {}
+        # The job started at the latest pause of the speech in progress (item id, cut), and its
+        # transcript if it came before the speech ended.
+        self._eager: tuple[str, int] | None = None
+        self._early: dict[str, tuple[int, str, float]] = {}
+        self._held: Callable[[], None] | None = None  # starts the active response once transcripts are in
 
     # ----- public API -------------------------------------------------------------------
 
@@ -181,8 +196,8 @@ class RealtimeSession:
         already waiting, a token of no text, another response) the token goes through
         ``engine_event`` and None is returned: drain as usual."""
         response = self._active
-        if response is None or response.id != response_id or self._events.pending or self._commands:
-            self.engine_event(response_id, event)
+        if response is None or response.id != response_id or self._events.pending or self._commands or response.speaks:
+            self.engine_event(response_id, event)  # (a spoken response asks for phrases: commands)
             return None
         try:
             delta = response.token_delta(event.text)
@@ -246,14 +261,22 @@ class RealtimeSession:
             self._response_create(event)
         elif isinstance(event, ResponseCancel):
             self._response_cancel(event)
+        else:
+            self._audio_event(event)
 
     def _session_update(self, event: SessionUpdate) -> None:
         if event.model is not None and event.model not in self._models:
             raise ProtocolError("invalid_value", f"model {event.model!r} is not served here; available: "
                                 f"{sorted(self._models)}", "session.model")
         # Everything is checked before anything changes: a refused update leaves the session as it was.
+        audio = self._audio.apply(event.audio)
+        if audio.output_audio and self._voice is None:
+            raise ProtocolError("unsupported_feature", "voice is not enabled on this server: use "
+                                "output_modalities [\"text\"]", "session.output_modalities")
         if event.tools is not None:
             self._constraints = self._apply_tools(event.tools, "session", self._constraints)
+        self._audio = audio
+        self._input.configure(audio.turn_detection)
         if event.model is not None:
             self._model = event.model  # picks the route of the responses created from now on
         if event.instructions is not None:
@@ -263,54 +286,6 @@ class RealtimeSession:
         if event.temperature is not None:
             self._temperature = event.temperature
         self._emit("session.updated", session=session_wire(self._view(), self._beta))
-
-    def _item_create(self, event: ItemCreate) -> None:
-        new, conversation = event.item, self._conversation
-        if new.id is not None and (new.id in conversation or self._is_active_item(new.id)):
-            raise ProtocolError("duplicate_item_id", f"an item with id {new.id!r} already exists", "item.id")
-        previous = event.previous_item_id
-        if previous is not None and previous != ROOT and previous not in conversation:
-            raise ProtocolError("item_not_found", f"previous item {previous!r} does not exist", "previous_item_id")
-        if isinstance(new, NewFunctionCallOutput) and not conversation.has_call(new.call_id):
-            # As the API: an output must answer a function_call item of the conversation.
-            raise ProtocolError("invalid_tool_call_id", f"Tool call ID {new.call_id!r} not found in conversation.",
-                                "item.call_id")
-        item = self._new_item(new)
-        self._check_room(extra_items=1, extra_chars=item.chars, param="item")
-        previous_id = conversation.insert(item, previous)
-        self._emit("conversation.item.added", previous_item_id=previous_id, item=item_wire(item, self._beta))
-        if not self._beta:
-            self._emit("conversation.item.done", previous_item_id=previous_id, item=item_wire(item, self._beta))
-
-    def _item_delete(self, event: ItemDelete) -> None:
-        self._item(event.item_id, "item_id")
-        if self._active is not None and self._is_active_item(event.item_id):
-            self._cancel(self._active, "client_cancelled")
-        self._conversation.delete(event.item_id)
-        self._emit("conversation.item.deleted", item_id=event.item_id)
-
-    def _item_truncate(self, event: ItemTruncate) -> None:
-        """Text barge-in: keep only the first ``x_text_end`` characters the user saw.
-
-        Truncating the item the active response is writing cancels that response first, so
-        the engine stops and no later delta can grow the item again.
-        """
-        item = self._item(event.item_id, "item_id")
-        if not isinstance(item, Item) or item.role != "assistant":
-            raise ProtocolError("invalid_value", "only assistant messages can be truncated", "item_id")
-        if event.content_index >= len(item.parts):
-            raise ProtocolError("invalid_value", f"item {item.id!r} has no content part {event.content_index}",
-                                "content_index")
-        if event.text_end > len(item.parts[event.content_index]):
-            raise ProtocolError("invalid_value", f"x_text_end {event.text_end} is past the end of the text "
-                                f"({len(item.parts[event.content_index])} characters)", "x_text_end")
-        if self._active is not None and self._is_active_item(item.id):
-            self._cancel(self._active, "client_cancelled")
-        # What follows the cut, in this part and in later parts, was never seen.
-        item.parts[event.content_index] = item.parts[event.content_index][:event.text_end]
-        del item.parts[event.content_index + 1:]
-        self._emit("conversation.item.truncated", item_id=item.id, content_index=event.content_index,
-                   audio_end_ms=event.audio_end_ms, x_text_end=event.text_end)
 
     def _response_create(self, event: ResponseCreate) -> None:
         if self._active is not None:
@@ -324,16 +299,26 @@ class RealtimeSession:
         constraints = self._constraints
         if event.tools is not None:
             constraints = self._apply_tools(event.tools, "response", constraints)
+        audio = self._audio.apply(event.audio)
+        if audio.output_audio and self._voice is None:
+            raise ProtocolError("unsupported_feature", "voice is not enabled on this server: use "
+                                "output_modalities [\"text\"]", "response.output_modalities")
         items = list(self._conversation) if event.input is None else self._resolve_input(event.input)
         instructions = self._instructions if event.instructions is None else event.instructions
-        # The tools are listed in the system prompt only when they may be called (render_messages).
-        messages = render_messages(to_history(instructions, items), constraints, self._family)
-        prompt_chars = sum(len(m["content"]) for m in messages)
-        if prompt_chars > self._limits.max_conversation_chars:
-            raise ProtocolError("conversation_limit_exceeded",
-                                f"the prompt has {prompt_chars} characters, more than this server's limit of "
-                                f"{self._limits.max_conversation_chars}; delete items or shorten the instructions",
-                                "response.input" if event.input is not None else None)
+
+        def render() -> list[dict[str, str]]:
+            # The tools are listed in the system prompt only when they may be called (render_messages).
+            messages = render_messages(to_history(instructions, items), constraints, self._family)
+            prompt_chars = sum(len(m["content"]) for m in messages)
+            if prompt_chars > self._limits.max_conversation_chars:
+                raise ProtocolError("conversation_limit_exceeded",
+                                    f"the prompt has {prompt_chars} characters, more than this server's limit of "
+                                    f"{self._limits.max_conversation_chars}; delete items or shorten the "
+                                    "instructions", "response.input" if event.input is not None else None)
+            return messages
+
+        waits = any(item.id in self._transcribing for item in items)
+        messages = [] if waits else render()
         if in_conversation:
             self._check_room(extra_items=1, extra_chars=0, param=None)
         max_output = event.max_output_tokens if event.max_output_tokens is not None else self._max_output_tokens
@@ -348,40 +333,34 @@ class RealtimeSession:
             response_id=self._ids("resp"), conversation=self._conversation if in_conversation else None,
             conversation_id=self._conversation.id, max_output_tokens=max_output, temperature=temperature,
             metadata=event.metadata, beta=self._beta, ids=self._ids, events=self._events,
-            calls=CallStream(family.new_parser()) if family is not None else None)
+            calls=CallStream(family.new_parser()) if family is not None else None,
+            audio=audio, speech=self._speech_factory())
         self._active = response
         self._active_event_id = event.event_id
         response.created()
-        self._commands.append(StartGeneration(response_id=response.id, messages=messages, params=params,
-                                              metadata=dict(event.metadata or {}), model=self._model,
-                                              constraints=constraints if family is not None else None))
+        model = self._model
 
-    def _resolve_input(self, entries: tuple[Any, ...]) -> list[AnyItem]:
-        """The items an out-of-band input names, sized as they are resolved: references to one
-        large item repeated many times are refused before any string is joined. A function call's
-        output must answer a call of the input before it, or of the conversation."""
-        items: list[AnyItem] = []
-        chars = 0
-        for n, entry in enumerate(entries):
-            if isinstance(entry, ItemReference):
-                found = self._conversation.get(entry.id)
-                if found is None:
-                    raise ProtocolError("item_not_found", f"referenced item {entry.id!r} does not exist",
-                                        f"response.input[{n}].id")
-                item = found
-            else:
-                if isinstance(entry, NewFunctionCallOutput) and not (
-                        _has_call(items, entry.call_id) or self._conversation.has_call(entry.call_id)):
-                    raise ProtocolError("invalid_tool_call_id", f"Tool call ID {entry.call_id!r} not found in the "
-                                        "input or the conversation.", f"response.input[{n}].call_id")
-                item = self._new_item(entry)
-            chars += item.chars
-            if chars > self._limits.max_conversation_chars:
-                raise ProtocolError("conversation_limit_exceeded",
-                                    f"the input holds more than this server's limit of "
-                                    f"{self._limits.max_conversation_chars} characters", f"response.input[{n}]")
-            items.append(item)
-        return items
+        def start(messages: list[dict[str, str]]) -> None:
+            self._commands.append(StartGeneration(response_id=response.id, messages=messages, params=params,
+                                                  metadata=dict(event.metadata or {}), model=model,
+                                                  constraints=constraints if family is not None else None))
+
+        if not waits:
+            start(messages)
+            return
+        response.held = True
+
+        def release() -> None:  # the transcripts are in: render the prompt now, or fail the response
+            response.held = False
+            try:
+                messages = render()
+            except ProtocolError as e:
+                response.fail({"type": "invalid_request_error", "code": e.code, "message": e.message})
+                self._settle()
+                return
+            start(messages)
+
+        self._held = release
 
     def _response_cancel(self, event: ResponseCancel) -> None:
         active = self._active
@@ -395,14 +374,19 @@ class RealtimeSession:
     # ----- responses --------------------------------------------------------------------
 
     def _cancel(self, response: ResponseStream, reason: str) -> None:
-        self._commands.append(AbortGeneration(response.id))
+        if response.held:  # created but never started: no engine request to abort
+            self._held = None
+        else:
+            self._commands.append(AbortGeneration(response.id))
         response.cancel(reason)
         self._settle()
 
     def _abandon(self, response: ResponseStream) -> None:
         """End a response whose state a bug may have broken: abort the engine and report a
         generic failure; if even that fails, forget the response without another event."""
-        self._commands.append(AbortGeneration(response.id))
+        if not response.held:
+            self._commands.append(AbortGeneration(response.id))
+        self._held = None
         try:
             response.fail({"type": "server_error", "code": "server_error", "message": INTERNAL_ERROR_MESSAGE})
         except Exception:
@@ -411,16 +395,37 @@ class RealtimeSession:
 
     def _settle(self) -> None:
         """Forget the active response once it has sent response.done: later engine events for
-        it no longer find it, which is the ordering guarantee."""
+        it no longer find it, which is the ordering guarantee. Phrases it asked to speak become
+        commands first; once it is done, what it asked and was not spoken is cancelled."""
+        self._collect_speech()
         if self._active is not None and self._active.done:
+            if self._active.speaks:
+                self._stop_speech(self._active.id)
             self._active = None
+            self._held = None
+
+    def _release_held(self) -> None:
+        """Start the held response once no transcript its prompt needs is still being made."""
+        held = self._held
+        if held is None or self._active is None:
+            return
+        if self._transcribing:  # any transcript still being made (the user may have said more)
+            return
+        self._held = None
+        held()
+
+    def _speech_factory(self) -> Callable[[Callable[[int, str], None]], SpeechOut] | None:
+        voice = self._voice
+        if voice is None:
+            return None
+        return lambda request: SpeechOut(voice.phrases(), request)
 
     # ----- helpers ----------------------------------------------------------------------
 
     def _view(self) -> SessionView:
         return SessionView(id=self._session_id, model=self._model, instructions=self._instructions,
                            max_output_tokens=self._max_output_tokens, temperature=self._temperature,
-                           constraints=self._constraints)
+                           constraints=self._constraints, audio=self._audio)
 
     def _apply_tools(self, patch: ToolsPatch, prefix: str, base: OutputConstraints) -> OutputConstraints:
         """``base`` with the patch's tools, tool_choice and parallel_tool_calls; a ProtocolError
@@ -437,41 +442,9 @@ class RealtimeSession:
                                 "call tools; set tool_choice \"none\" or no tools", f"{prefix}.tools")
         return constraints
 
-    def _new_item(self, new: NewItems) -> AnyItem:
-        """A client's item as stored, with the ids it left to the server."""
-        item_id = new.id or self._ids("item")
-        if isinstance(new, NewFunctionCall):
-            return FunctionCall(id=item_id, call_id=new.call_id or self._ids("call"), name=new.name,
-                                arguments=new.arguments)
-        if isinstance(new, NewFunctionCallOutput):
-            return FunctionCallOutput(id=item_id, call_id=new.call_id, output=new.output)
-        return Item(id=item_id, role=new.role, parts=list(new.parts))
-
-    def _item(self, item_id: str, param: str) -> AnyItem:
-        item = self._conversation.get(item_id)
-        if item is None:
-            raise ProtocolError("item_not_found", f"item {item_id!r} does not exist in the conversation", param)
-        return item
-
     def _is_active_item(self, item_id: str) -> bool:
         """``item_id`` is an item the active response is writing (its message or one of its calls)."""
         return self._active is not None and self._active.owns(item_id)
-
-    def _check_room(self, *, extra_items: int, extra_chars: int, param: str | None) -> None:
-        """Refuse what would take the conversation past SessionLimits (counting the message an
-        active response has not opened yet, so that it always has room)."""
-        active = self._active
-        reserved = 1 if active is not None and active.needs_slot else 0
-        items = len(self._conversation) + reserved + extra_items
-        if items > self._limits.max_conversation_items:
-            raise ProtocolError("conversation_limit_exceeded",
-                                f"the conversation would have {items} items, more than this server's limit of "
-                                f"{self._limits.max_conversation_items}; delete old items first", param)
-        chars = self._conversation.chars + extra_chars
-        if chars > self._limits.max_conversation_chars:
-            raise ProtocolError("conversation_limit_exceeded",
-                                f"the conversation would have {chars} characters, more than this server's limit "
-                                f"of {self._limits.max_conversation_chars}; delete old items first", param)
 
     def _emit(self, ga_type: str, **fields: Any) -> None:
         self._events.emit(ga_type, **fields)
@@ -482,6 +455,3 @@ class RealtimeSession:
     def _internal_error(self, event_id: str | None) -> None:
         self._error(ProtocolError("server_error", INTERNAL_ERROR_MESSAGE, type="server_error", event_id=event_id))
 
-
-def _has_call(items: Iterable[AnyItem], call_id: str) -> bool:
-    return any(isinstance(i, FunctionCall) and i.call_id == call_id for i in items)

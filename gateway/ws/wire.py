@@ -13,14 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.ws.audio_events import PCM_RATE, AudioSettings
 from gateway.ws.conversation import AnyItem, FunctionCall, FunctionCallOutput
 from llm_shared.structured import OutputConstraints
 
 BETA_EVENT_NAMES = {
     "response.output_text.delta": "response.text.delta",
     "response.output_text.done": "response.text.done",
+    "response.output_audio.delta": "response.audio.delta",
+    "response.output_audio.done": "response.audio.done",
+    "response.output_audio_transcript.delta": "response.audio_transcript.delta",
+    "response.output_audio_transcript.done": "response.audio_transcript.done",
     "conversation.item.added": "conversation.item.created",
 }
+AUDIO_TOKEN_MS = 50  # one output audio token in usage: 50 ms of speech (our convention, documented)
 
 
 def event_name(ga_name: str, beta: bool) -> str:
@@ -40,14 +46,19 @@ def item_wire(item: AnyItem, beta: bool) -> dict[str, Any]:
     if isinstance(item, FunctionCallOutput):
         return {"id": item.id, "object": "realtime.item", "type": "function_call_output", "status": item.status,
                 "call_id": item.call_id, "output": item.output}
-    kind = part_type(item.role, beta)
+    if item.audio:
+        kind = "input_audio" if item.role == "user" else ("audio" if beta else "output_audio")
+        content = [{"type": kind, "transcript": None if item.transcribing else text} for text in item.parts]
+    else:
+        kind = part_type(item.role, beta)
+        content = [{"type": kind, "text": text} for text in item.parts]
     return {
         "id": item.id,
         "object": "realtime.item",
         "type": "message",
         "status": item.status,
         "role": item.role,
-        "content": [{"type": kind, "text": text} for text in item.parts],
+        "content": content,
     }
 
 
@@ -61,6 +72,7 @@ class SessionView:
     max_output_tokens: int | str  # int or "inf"
     temperature: float  # our extension in GA (the beta API has it natively)
     constraints: OutputConstraints  # the session's tools, tool_choice and parallel_tool_calls
+    audio: AudioSettings = AudioSettings()  # noqa: RUF009  # frozen: one shared default is safe
 
 
 def tools_wire(constraints: OutputConstraints) -> list[dict[str, Any]]:
@@ -84,21 +96,24 @@ def session_wire(s: SessionView, beta: bool) -> dict[str, Any]:
             "id": s.id,
             "object": "realtime.session",
             "model": s.model,
-            "modalities": ["text"],
+            "modalities": ["text", "audio"] if s.audio.output_audio else ["text"],
             "instructions": s.instructions,
             "temperature": s.temperature,
             "max_response_output_tokens": s.max_output_tokens,
             "tools": tools_wire(s.constraints),
             "tool_choice": tool_choice_wire(s.constraints),
-            "turn_detection": None,
-            "input_audio_transcription": None,
+            "voice": s.audio.voice,
+            "input_audio_format": "pcm16",
+            "output_audio_format": "pcm16",
+            "turn_detection": vad.wire() if (vad := s.audio.turn_detection) is not None else None,
+            "input_audio_transcription": t.wire() if (t := s.audio.transcription) is not None else None,
         }
     return {
         "type": "realtime",
         "object": "realtime.session",
         "id": s.id,
         "model": s.model,
-        "output_modalities": ["text"],
+        "output_modalities": s.audio.modalities(),
         "instructions": s.instructions,
         "max_output_tokens": s.max_output_tokens,
         "temperature": s.temperature,
@@ -108,20 +123,35 @@ def session_wire(s: SessionView, beta: bool) -> dict[str, Any]:
         "tracing": None,
         "truncation": "disabled",  # we refuse an oversized conversation instead of dropping items
         "prompt": None,
+        "audio": audio_wire(s.audio),
     }
 
 
-def usage_wire(input_tokens: int, output_tokens: int, cached_tokens: int, beta: bool) -> dict[str, Any]:
+def audio_wire(a: AudioSettings) -> dict[str, Any]:
+    pcm = {"type": "audio/pcm", "rate": PCM_RATE}
+    return {
+        "input": {"format": pcm, "transcription": a.transcription.wire() if a.transcription is not None else None,
+                  "noise_reduction": None,
+                  "turn_detection": a.turn_detection.wire() if a.turn_detection is not None else None},
+        "output": {"format": pcm, "voice": a.voice, "speed": 1.0},
+    }
+
+
+def usage_wire(input_tokens: int, output_tokens: int, cached_tokens: int, beta: bool,
+               audio_ms: int = 0) -> dict[str, Any]:
+    """Token usage; ``audio_ms`` of speech made count as output audio tokens (``AUDIO_TOKEN_MS``
+    each) beside the text tokens the model generated (which its speech reads out)."""
+    audio_tokens = -(-audio_ms // AUDIO_TOKEN_MS)
     details: dict[str, Any] = {"cached_tokens": cached_tokens, "text_tokens": input_tokens, "audio_tokens": 0}
     if not beta:
         details["image_tokens"] = 0
         details["cached_tokens_details"] = {"text_tokens": cached_tokens, "audio_tokens": 0, "image_tokens": 0}
     return {
-        "total_tokens": input_tokens + output_tokens,
+        "total_tokens": input_tokens + output_tokens + audio_tokens,
         "input_tokens": input_tokens,
-        "output_tokens": output_tokens,
+        "output_tokens": output_tokens + audio_tokens,
         "input_token_details": details,
-        "output_token_details": {"text_tokens": output_tokens, "audio_tokens": 0},
+        "output_token_details": {"text_tokens": output_tokens, "audio_tokens": audio_tokens},
     }
 
 
@@ -137,6 +167,7 @@ def response_wire(
     metadata: dict[str, str] | None,
     usage: dict[str, Any] | None,
     beta: bool,
+    audio: AudioSettings | None = None,  # an audio response's modalities and voice
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "object": "realtime.response",
@@ -149,10 +180,16 @@ def response_wire(
         "metadata": metadata,
         "usage": usage,
     }
+    speaks = audio is not None and audio.output_audio
     if beta:
-        body["modalities"] = ["text"]
+        body["modalities"] = ["text", "audio"] if speaks else ["text"]
         body["temperature"] = temperature
+        if audio is not None:
+            body["voice"] = audio.voice
+            body["output_audio_format"] = "pcm16"
     else:
-        body["output_modalities"] = ["text"]
+        body["output_modalities"] = ["audio"] if speaks else ["text"]
         body["temperature"] = temperature  # extension in GA
+        if audio is not None:
+            body["audio"] = {"output": {"format": {"type": "audio/pcm", "rate": PCM_RATE}, "voice": audio.voice}}
     return body

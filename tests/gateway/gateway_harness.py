@@ -18,6 +18,7 @@ from gateway.config import DEFAULT_CONFIG, Config, load_config
 from gateway.server import RunningServer, create_app, start_server
 from gateway.state import STATE, GatewayState
 from llm_shared.models import ModelConfig
+from voice.config import VoiceConfig
 
 MODEL = "smollm2-135m-edge"  # the edge tier's own id in the shipped config
 KEY = "sk-test-key-1"
@@ -29,7 +30,8 @@ def make_config(**server: Any) -> Config:
     environment unless a test asks for them."""
     base = {"host": "127.0.0.1", "port": 0, "api_keys_env": ""}
     config = load_config(DEFAULT_CONFIG).with_server(**{**base, **server})
-    return replace(config, routing=replace(config.routing, default="edge"))
+    # No voice models loaded by serve(): a test that needs them passes a pipeline to create_app.
+    return replace(config, routing=replace(config.routing, default="edge"), voice=VoiceConfig(enabled=False))
 
 
 def gpu_tier_config(method: str = "off", *, num_blocks: int = 256, max_model_len: int = 2048) -> Config:

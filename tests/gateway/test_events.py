@@ -6,7 +6,10 @@ from typing import Any
 
 import pytest
 
+from gateway.ws.audio_events import AudioPatch, ServerVad, Transcription
 from gateway.ws.events import (
+    AudioAppend,
+    AudioCommit,
     ItemCreate,
     ItemReference,
     ItemTruncate,
@@ -23,7 +26,7 @@ from gateway.ws.events import (
 )
 
 LIMITS = SessionLimits(max_conversation_items=4, max_conversation_chars=100, default_max_output_tokens=100,
-                       max_output_tokens=300)
+                       max_output_tokens=300, max_audio_append_bytes=1024)
 
 
 def message(role: str = "user", *parts: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -31,16 +34,54 @@ def message(role: str = "user", *parts: dict[str, Any], **extra: Any) -> dict[st
     return {"type": "message", "role": role, "content": content, **extra}
 
 
+def test_audio_settings_parse_from_ga_and_beta_shapes() -> None:
+    ga = parse_client_event({"type": "session.update", "session": {
+        "output_modalities": ["audio"],
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                            "transcription": {"model": "whisper-1", "language": "en"},
+                            "turn_detection": {"type": "server_vad", "threshold": 0.6, "silence_duration_ms": 400,
+                                               "create_response": False}},
+                  "output": {"format": {"type": "audio/pcm"}, "voice": "marin", "speed": 1.0}}}}, LIMITS)
+    assert isinstance(ga, SessionUpdate)
+    assert ga.audio == AudioPatch(output_audio=True, voice="marin",
+                                  transcription=Transcription(model="whisper-1", language="en"),
+                                  turn_detection=ServerVad(threshold=0.6, silence_duration_ms=400,
+                                                           create_response=False))
+    beta = parse_client_event({"type": "session.update", "session": {
+        "modalities": ["text", "audio"], "voice": "echo", "input_audio_format": "pcm16",
+        "output_audio_format": "pcm16", "input_audio_transcription": None,
+        "turn_detection": {"type": "server_vad", "prefix_padding_ms": 100}}}, LIMITS)
+    assert isinstance(beta, SessionUpdate)
+    assert beta.audio == AudioPatch(output_audio=True, voice="echo", transcription=None,
+                                    turn_detection=ServerVad(prefix_padding_ms=100))
+    response = parse_client_event({"type": "response.create", "response": {
+        "output_modalities": ["text"], "audio": {"output": {"voice": "ash"}}}}, LIMITS)
+    assert response.audio == AudioPatch(output_audio=False, voice="ash")  # type: ignore[union-attr]
+
+
+def test_audio_arrives_as_base64_or_bytes() -> None:
+    assert parse_client_event({"type": "input_audio_buffer.append", "event_id": "a", "audio": "AQIDBA=="},
+                              LIMITS) == AudioAppend(event_id="a", audio=b"\x01\x02\x03\x04")
+    assert parse_client_event({"type": "input_audio_buffer.append", "audio": b"\x00\x01"},
+                              LIMITS) == AudioAppend(event_id=None, audio=b"\x00\x01")
+    assert parse_client_event({"type": "input_audio_buffer.commit"}, LIMITS) == AudioCommit(event_id=None)
+    with pytest.raises(ProtocolError) as e:
+        parse_client_event({"type": "input_audio_buffer.append", "audio": b"\x00" * 1026}, LIMITS)
+    assert e.value.code == "audio_too_large"
+
+
 def test_valid_events_parse_to_typed_values() -> None:
     update = parse_client_event({"type": "session.update", "event_id": "e1", "session": {
         "type": "realtime", "instructions": "Be kind.", "max_output_tokens": "inf", "temperature": 0.3,
         "output_modalities": ["text"], "tools": [], "audio": {"input": {"turn_detection": None}}}}, LIMITS)
     assert update == SessionUpdate(event_id="e1", instructions="Be kind.", max_output_tokens="inf", temperature=0.3,
-                                   tools=ToolsPatch({"tools": []}))
+                                   tools=ToolsPatch({"tools": []}),
+                                   audio=AudioPatch(output_audio=False, turn_detection=None))
 
     beta_update = parse_client_event({"type": "session.update", "session": {
         "modalities": ["text"], "max_response_output_tokens": 200, "voice": "alloy", "turn_detection": None}}, LIMITS)
-    assert beta_update == SessionUpdate(event_id=None, max_output_tokens=200)
+    assert beta_update == SessionUpdate(event_id=None, max_output_tokens=200,
+                                        audio=AudioPatch(output_audio=False, voice="alloy", turn_detection=None))
 
     create = parse_client_event({"type": "conversation.item.create", "previous_item_id": "root", "item": message(
         "assistant", {"type": "output_text", "text": "a"}, {"type": "text", "text": "b"}, id="it1")}, LIMITS)
@@ -54,7 +95,8 @@ def test_valid_events_parse_to_typed_values() -> None:
     assert response == ResponseCreate(
         event_id=None, conversation="none", instructions="Short.", max_output_tokens=7, metadata={"k": "v"},
         input=(ItemReference("it1"), NewItem(id=None, role="system", parts=("s",))),
-        tools=ToolsPatch({"tool_choice": "auto"}, parallel_tool_calls=False))
+        tools=ToolsPatch({"tool_choice": "auto"}, parallel_tool_calls=False),
+        audio=AudioPatch(output_audio=False))
 
     # Tools travel as sent (the session parses them against the constraints in force); calls and
     # their outputs are items of their own.
@@ -82,7 +124,34 @@ BAD: list[tuple[str, object, str, str | None]] = [
     ("no type", {"event_id": "x"}, "missing_required_parameter", "type"),
     ("type not a string", {"type": 5}, "invalid_type", "type"),
     ("unknown type", {"type": "session.delete"}, "unknown_event_type", "type"),
-    ("audio event", {"type": "input_audio_buffer.append", "audio": "AAAA"}, "unsupported_feature", "type"),
+    ("odd audio", {"type": "input_audio_buffer.append", "audio": "AA=="}, "invalid_audio", "audio"),
+    ("audio not base64", {"type": "input_audio_buffer.append", "audio": "AA!A"}, "invalid_audio", "audio"),
+    ("audio missing", {"type": "input_audio_buffer.append"}, "missing_required_parameter", "audio"),
+    ("audio a number", {"type": "input_audio_buffer.append", "audio": 7}, "invalid_type", "audio"),
+    ("audio too large", {"type": "input_audio_buffer.append", "audio": "AAAA" * 400}, "audio_too_large", "audio"),
+    ("output buffer", {"type": "output_audio_buffer.clear"}, "unsupported_feature", "type"),
+    ("commit with junk", {"type": "input_audio_buffer.commit", "x": 1}, "unknown_parameter", "x"),
+    ("g711", {"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
+     "unsupported_feature", "session.audio.input.format.type"),
+    ("pcm at 16k", {"type": "session.update", "session": {"audio": {"output": {"format": {
+        "type": "audio/pcm", "rate": 16000}}}}}, "invalid_value", "session.audio.output.format.rate"),
+    ("beta g711", {"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}},
+     "unsupported_feature", "session.input_audio_format"),
+    ("semantic vad", {"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "semantic_vad"}}}}}, "unsupported_feature", "session.audio.input.turn_detection.type"),
+    ("vad threshold", {"type": "session.update", "session": {"turn_detection": {"type": "server_vad",
+                                                                               "threshold": 1.5}}},
+     "invalid_value", "session.turn_detection.threshold"),
+    ("vad silence", {"type": "session.update", "session": {"turn_detection": {"silence_duration_ms": 60_000}}},
+     "invalid_value", "session.turn_detection.silence_duration_ms"),
+    ("unknown voice", {"type": "session.update", "session": {"audio": {"output": {"voice": "bob"}}}},
+     "invalid_value", "session.audio.output.voice"),
+    ("custom voice", {"type": "response.create", "response": {"audio": {"output": {"voice": {"id": "v1"}}}}},
+     "unsupported_feature", "response.audio.output.voice"),
+    ("speed", {"type": "session.update", "session": {"audio": {"output": {"speed": 1.2}}}},
+     "unsupported_feature", "session.audio.output.speed"),
+    ("non-English transcription", {"type": "session.update", "session": {"audio": {"input": {"transcription": {
+        "model": "whisper-1", "language": "fr"}}}}}, "unsupported_feature", "session.audio.input.transcription.language"),
     ("non-string key", {"type": "response.create", 1: 2}, "invalid_type", None),
     ("unknown top-level field", {"type": "response.cancel", "foo": 1}, "unknown_parameter", "foo"),
     ("event_id not a string", {"type": "response.cancel", "event_id": 3}, "invalid_type", "event_id"),
@@ -93,8 +162,8 @@ BAD: list[tuple[str, object, str, str | None]] = [
      "session.colour"),
     ("transcription session", {"type": "session.update", "session": {"type": "transcription"}},
      "unsupported_feature", "session.type"),
-    ("audio modality", {"type": "session.update", "session": {"output_modalities": ["audio"]}},
-     "unsupported_feature", "session.output_modalities"),
+    ("both modalities in GA", {"type": "session.update", "session": {"output_modalities": ["audio", "image"]}},
+     "invalid_value", "session.output_modalities"),
     ("empty modalities", {"type": "session.update", "session": {"modalities": []}}, "invalid_value",
      "session.modalities"),
     ("mcp tool", {"type": "session.update", "session": {"tools": [{"type": "mcp", "server_label": "s"}]}},

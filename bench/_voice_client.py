@@ -1,0 +1,247 @@
+"""A voice client for bench/voice.py: a real-time microphone and a simulated speaker on one
+Realtime WebSocket (JSON frames, base64 audio, as the official SDKs send it).
+
+The microphone task sends ``CHUNK_MS`` of PCM16 at 24 kHz every ``CHUNK_MS`` of wall time, on
+absolute deadlines (no drift): silence, or the utterance queued by ``turn``. The reader task
+records when each response's first audio arrives and what the answer said. A turn measures
+``first_audio_ms`` from the moment its last speech sample left; a barge-in turn speaks again
+400 ms into the answer and measures until the answer's cancelled ``response.done``, then
+truncates the answer at what a real-time player would have played and reads back what the
+server kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import websockets
+
+from bench._common import BenchError
+
+CHUNK_MS = 40
+ONSET_LEVEL = 328  # -40 dBFS: where a clip's voice begins
+BYTES_PER_MS = 48  # PCM16 mono at 24 kHz
+BARGE_AFTER_S = 0.4  # the user talks over the answer this long after it starts playing
+TURN_TIMEOUT_S = 120.0
+LONG_ANSWER_TOKENS = 400  # a barge-in turn's answer: still being generated when the user talks over it
+
+
+def speech_clips(texts: list[str]) -> dict[str, bytes]:
+    """flite's speech for each text, as 24 kHz PCM16 (a client's microphone rate), from its
+    first audible sample (flite leads with ~0.2 s of silence: a barge-in is timed from the voice)."""
+    from voice.audio import REALTIME_RATE, resample, to_int16
+    from voice.tts import FliteSynthesizer
+
+    flite = FliteSynthesizer()
+    clips = {}
+    for text in texts:
+        made = flite.synthesize(text, "alloy")
+        samples = to_int16(resample(made.samples, made.sample_rate, REALTIME_RATE))
+        loud = np.flatnonzero(np.abs(samples.astype(np.int32)) > ONSET_LEVEL)
+        clips[text] = samples[loud[0] if loud.size else 0:].astype("<i2").tobytes()
+    return clips
+
+
+@dataclass
+class Cut:
+    played_ms: int  # where the client truncated the answer
+    audio: bytes  # the answer's audio up to there
+    stored: str  # the transcript the server kept
+
+
+@dataclass
+class TurnResult:
+    first_audio_ms: float
+    # from the end of speech: the server's speech_stopped, its transcript (what the first audio waited for)
+    stopped_ms: float | None = None
+    transcribed_ms: float | None = None
+    barge_in_ms: float | None = None
+    cut: Cut | None = None
+
+
+@dataclass
+class _Response:
+    first_audio_at: float | None = None
+    audio: bytearray = field(default_factory=bytearray)
+    item_id: str | None = None
+    done: asyncio.Future[dict[str, Any]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    first_audio: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class VoiceSession:
+    def __init__(self, url: str, model: str, *, silence_ms: int, max_output_tokens: int) -> None:
+        self._url = f"{url.replace('http', 'ws', 1)}/v1/realtime?model={model}"
+        self._silence_ms = silence_ms
+        self._max_output_tokens = max_output_tokens
+        self._ws: websockets.ClientConnection | None = None
+        self._speech = bytearray()  # queued for the microphone
+        self._spoken = asyncio.Event()  # the queued speech has been sent
+        self._speech_started_at: float | None = None
+        self._responses: dict[str, _Response] = {}
+        self._new_response: asyncio.Queue[str] = asyncio.Queue()
+        self._answers: dict[str, asyncio.Future[dict[str, Any]]] = {}  # event type -> the next one
+        self._tasks: list[asyncio.Task[None]] = []
+        self.error: str | None = None
+        self._stopped_at: float | None = None  # the latest speech_stopped
+        self._transcribed_at: float | None = None  # the latest transcript
+
+    async def __aenter__(self) -> VoiceSession:
+        self._ws = await websockets.connect(self._url, max_size=None, open_timeout=60)
+        await self._send({"type": "session.update", "session": {
+            "type": "realtime", "output_modalities": ["audio"],
+            "instructions": "You are a voice assistant. Answer in one short sentence.",
+            "max_output_tokens": self._max_output_tokens}})
+        await self._send(self._vad_update(create_response=True))
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._microphone())]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, websockets.ConnectionClosed):
+                await task
+        if self._ws is not None:
+            await self._ws.close()
+
+    async def turn(self, question: bytes, interruption: bytes | None = None) -> TurnResult:
+        """One spoken question and its spoken answer; with ``interruption``, the user talks over the
+        answer. Its answer must still be running then, so that turn asks for it itself: a long
+        one (``x_ignore_eos``), where server VAD would have created a short one."""
+        loop = asyncio.get_running_loop()
+        if interruption is not None:
+            await self._send(self._vad_update(create_response=False))
+            committed = self._expect("input_audio_buffer.committed")
+        end_of_speech = await self._say(question)
+        if interruption is not None:
+            await self._wait(committed)
+            await self._send({"type": "response.create", "response": {"x_ignore_eos": True,
+                                                                        "max_output_tokens": LONG_ANSWER_TOKENS}})
+            await self._send(self._vad_update(create_response=True))  # the interruption gets its answer
+        rid = await self._wait(self._new_response.get())
+        response = self._responses[rid]
+        await self._wait(response.first_audio.wait())
+        assert response.first_audio_at is not None
+        result = TurnResult(first_audio_ms=(response.first_audio_at - end_of_speech) * 1000,
+                            stopped_ms=_since(self._stopped_at, end_of_speech),
+                            transcribed_ms=_since(self._transcribed_at, end_of_speech))
+        if interruption is None:
+            await self._wait(response.done)
+            return result
+        await asyncio.sleep(BARGE_AFTER_S)
+        self._speech_started_at = None
+        speaking = asyncio.create_task(self._say(interruption))
+        self._tasks.append(speaking)
+        done = await self._wait(response.done)
+        if done["status"] != "cancelled":
+            raise BenchError(f"a barge-in did not cancel the answer: it ended {done['status']}")
+        assert self._speech_started_at is not None
+        result.barge_in_ms = (loop.time() - self._speech_started_at) * 1000
+        played = min(int((self._speech_started_at - response.first_audio_at) * 1000), len(response.audio) // BYTES_PER_MS)
+        await self._send({"type": "conversation.item.truncate", "item_id": response.item_id, "content_index": 0,
+                          "audio_end_ms": played})
+        await self._answer("conversation.item.truncated")
+        await self._send({"type": "conversation.item.retrieve", "item_id": response.item_id})
+        item = await self._answer("conversation.item.retrieved")
+        result.cut = Cut(played, bytes(response.audio[:played * BYTES_PER_MS]), item["item"]["content"][0]["transcript"])
+        await speaking
+        follow_up = await self._wait(self._new_response.get())  # the interruption is answered too
+        await self._wait(self._responses[follow_up].done)
+        return result
+
+    # ----- internals ------------------------------------------------------------------------
+
+    async def _wait(self, awaitable: Any) -> Any:
+        try:
+            return await asyncio.wait_for(awaitable, TURN_TIMEOUT_S)
+        except TimeoutError:
+            raise BenchError(f"no answer within {TURN_TIMEOUT_S:.0f} s ({self.error or 'no error seen'})") from None
+
+    def _expect(self, kind: str) -> asyncio.Future[dict[str, Any]]:
+        """The next event of ``kind`` (ask before what causes it)."""
+        future = self._answers[kind] = asyncio.get_running_loop().create_future()
+        return future
+
+    async def _answer(self, kind: str) -> dict[str, Any]:
+        return await self._wait(self._expect(kind))
+
+    def _vad_update(self, *, create_response: bool) -> dict[str, Any]:
+        return {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": {
+            "type": "server_vad", "silence_duration_ms": self._silence_ms, "create_response": create_response}}}}}
+
+    async def _say(self, pcm: bytes) -> float:
+        """Queue ``pcm`` for the microphone; when its last sample was sent (loop time)."""
+        self._spoken.clear()
+        self._speech += pcm
+        await self._spoken.wait()
+        return asyncio.get_running_loop().time()
+
+    async def _send(self, event: dict[str, Any]) -> None:
+        assert self._ws is not None
+        await self._ws.send(json.dumps(event))
+
+    async def _microphone(self) -> None:
+        loop = asyncio.get_running_loop()
+        size = CHUNK_MS * BYTES_PER_MS
+        silence = bytes(size)
+        deadline = loop.time()
+        while True:
+            if self._speech:
+                chunk, self._speech = bytes(self._speech[:size]), self._speech[size:]
+                if self._speech_started_at is None:
+                    self._speech_started_at = loop.time()
+                chunk = chunk.ljust(size, b"\0")
+            else:
+                chunk = silence
+            await self._send({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})
+            if not self._speech:
+                self._spoken.set()
+            deadline += CHUNK_MS / 1000
+            await asyncio.sleep(max(deadline - loop.time(), 0))
+
+    async def _read(self) -> None:
+        assert self._ws is not None
+        loop = asyncio.get_running_loop()
+        async for frame in self._ws:
+            event = json.loads(frame)
+            kind = event["type"]
+            if kind == "response.created":
+                rid = event["response"]["id"]
+                self._responses[rid] = _Response()
+                self._new_response.put_nowait(rid)
+            elif kind == "response.output_audio.delta":
+                response = self._responses[event["response_id"]]
+                if response.first_audio_at is None:
+                    response.first_audio_at = loop.time()
+                    response.item_id = event["item_id"]
+                    response.first_audio.set()
+                response.audio += base64.b64decode(event["delta"])
+            elif kind == "response.done":
+                response = self._responses[event["response"]["id"]]
+                if not response.done.done():
+                    response.done.set_result(event["response"])
+                if event["response"]["status"] == "failed":
+                    self.error = str(event["response"]["status_details"])
+            elif kind == "input_audio_buffer.speech_stopped":
+                self._stopped_at = loop.time()
+            elif kind == "conversation.item.input_audio_transcription.completed":
+                self._transcribed_at = loop.time()
+            elif kind == "error":
+                self.error = f"{event['error']['code']}: {event['error']['message']}"
+            future = self._answers.pop(kind, None)
+            if future is not None and not future.done():
+                future.set_result(event)
+
+
+def _since(at: float | None, start: float) -> float | None:
+    return (at - start) * 1000 if at is not None and at >= start else None
+
+
+def silence(ms: int) -> bytes:
+    return np.zeros(ms * BYTES_PER_MS // 2, np.int16).tobytes()

@@ -1,0 +1,274 @@
+"""Voice sessions over the Realtime WebSocket, with the real models: latency, barge-in, capacity.
+
+    .venv/bin/python bench/voice.py [--sessions 1 2 4 8] [--turns 6] [--smoke]
+
+One ``python -m gateway serve`` subprocess with the shipped config on the edge route (the
+llama.cpp tier alone, the embedded model; voice as shipped: Silero VAD, Whisper tiny.en, flite),
+only its per-key limits raised. Each session is a client as a voice app is one: a microphone
+that streams 24 kHz PCM16 in real time (40 ms chunks, silence between utterances), server VAD
+with the API's defaults (``--silence-ms`` to change), answers spoken (``output_modalities
+["audio"]``) and played back in real time (simulated: played = time since the first audio).
+Questions are flite's speech of a few short sentences.
+
+Measured:
+- ``speech_to_first_audio_ms``: from the moment the last sample of the user's speech was sent to
+  the first ``response.output_audio.delta`` (the VAD's silence window is inside it).
+- ``barge_in_cancel_ms``: in a barge-in turn the user speaks again 400 ms into the answer; from
+  the first sample of that speech to the answer's ``response.done`` (cancelled).
+- ``truncate_exact``: after each barge-in the client truncates the answer at the ms it played;
+  the stored transcript is compared with what an independent aligner heard in that audio (Whisper
+  word timestamps, run after the gateway stopped): the share of cuts where both keep the same
+  number of words (``truncate_within_one_word``: off by at most one).
+- ``asr_rtf``, ``tts_rtf``: the gateway's own figures (/metrics: compute seconds / audio seconds).
+- ``max_voice_sessions``: the most concurrent sessions (of ``--sessions``) whose
+  speech-to-first-audio p99 stays under 1.5 s.
+
+Results in bench/out/voice.json, the plot in docs/img/voice.png; the last stdout line is one JSON
+object with those keys (p50 and p99 of the latencies at one session), ``by_sessions`` and ``cpu``.
+``--smoke``: one session, two turns, short answers (well under a minute).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import tomllib  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+from bench._common import (  # noqa: E402
+    SMOKE_HELP,
+    BenchError,
+    cpu_facts,
+    dump_toml,
+    figure_path,
+    load_average,
+    percentile,
+    progress,
+    result_path,
+    write_json,
+)
+from bench._gateway_server import GatewayProcess  # noqa: E402
+from bench._voice_client import CHUNK_MS, Cut, VoiceSession, speech_clips  # noqa: E402
+from gateway.config import DEFAULT_CONFIG  # noqa: E402
+
+QUESTIONS = ("What is the capital of France?", "Turn on the kitchen lights.", "How far away is the moon?",
+             "Tell me a fun fact about cats.", "What time does the store open?", "Set a timer for ten minutes.")
+INTERRUPTION = "Wait, stop. Tell me something else."
+LATENCY_GOAL_MS = 1500.0
+
+
+def derive_config(directory: Path, sessions: int) -> Path:
+    raw = tomllib.loads(Path(DEFAULT_CONFIG).read_text(encoding="utf-8"))
+    raw.setdefault("routing", {})["default"] = "edge"  # the edge route: the llama.cpp tier alone
+    edge = raw.setdefault("edge", {})
+    edge["n_seq_max"] = max(int(edge.get("n_seq_max", 4)), sessions)
+    server = raw.setdefault("server", {})
+    server["max_sessions_per_key"] = 4 * sessions + 16
+    server["requests_per_minute"] = 1_000_000
+    server["tokens_per_minute"] = 100_000_000
+    path = directory / "voice-bench.toml"
+    path.write_text(dump_toml(raw), encoding="utf-8")
+    return path
+
+
+@dataclass
+class Level:
+    sessions: int
+    first_audio_ms: list[float] = field(default_factory=list)
+    stopped_ms: list[float] = field(default_factory=list)  # end of speech -> speech_stopped
+    transcribed_ms: list[float] = field(default_factory=list)  # end of speech -> transcript
+    barge_in_ms: list[float] = field(default_factory=list)
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        def p(values: list[float], q: float) -> float | None:
+            return round(percentile(values, q), 1) if values else None
+
+        return {"sessions": self.sessions, "turns": len(self.first_audio_ms), "failed": self.failed,
+                "speech_to_first_audio_ms_p50": p(self.first_audio_ms, 50),
+                "speech_to_first_audio_ms_p99": p(self.first_audio_ms, 99),
+                "barge_in_cancel_ms_p50": p(self.barge_in_ms, 50), "barge_in_cancel_ms_p99": p(self.barge_in_ms, 99),
+                "speech_stopped_ms_p50": p(self.stopped_ms, 50), "transcribed_ms_p50": p(self.transcribed_ms, 50),
+                "errors": self.errors[:5]}
+
+
+async def run_level(url: str, model: str, sessions: int, turns: int, barge_every: int, args: argparse.Namespace,
+                    clips: dict[str, bytes], cuts: list[Cut]) -> Level:
+    level = Level(sessions)
+
+    async def one(n: int) -> None:
+        async with VoiceSession(url, model, silence_ms=args.silence_ms, max_output_tokens=args.tokens) as session:
+            for t in range(turns):
+                question = clips[QUESTIONS[(n + t) % len(QUESTIONS)]]
+                barge = barge_every > 0 and t % barge_every == barge_every - 1
+                try:
+                    turn = await session.turn(question, interruption=clips[INTERRUPTION] if barge else None)
+                except BenchError as e:
+                    level.failed += 1
+                    level.errors.append(str(e))
+                    continue
+                level.first_audio_ms.append(turn.first_audio_ms)
+                if turn.stopped_ms is not None and turn.transcribed_ms is not None:
+                    level.stopped_ms.append(turn.stopped_ms)
+                    level.transcribed_ms.append(turn.transcribed_ms)
+                if turn.barge_in_ms is not None:
+                    level.barge_in_ms.append(turn.barge_in_ms)
+                if turn.cut is not None:
+                    cuts.append(turn.cut)
+
+    await asyncio.gather(*(one(n) for n in range(sessions)))
+    return level
+
+
+def words(text: str) -> list[str]:
+    return re.sub(r"[^a-z0-9' ]", " ", text.lower()).split()
+
+
+def truncate_exactness(cuts: list[Cut]) -> dict[str, Any]:
+    """Each cut's stored words against the words Whisper hears end within the played audio."""
+    if not cuts:
+        return {"cuts": 0, "exact": None, "within_one_word": None}
+    import numpy as np
+    from faster_whisper import WhisperModel
+
+    from voice.asr import find_whisper_tiny_en
+    from voice.audio import REALTIME_RATE, SPEECH_RATE, resample
+
+    model = WhisperModel(str(find_whisper_tiny_en()), device="cpu", compute_type="int8", local_files_only=True)
+    rows = []
+    for cut in cuts:
+        audio = resample(np.frombuffer(cut.audio, dtype="<i2"), REALTIME_RATE, SPEECH_RATE)
+        segments, _ = model.transcribe(audio, language="en", beam_size=1, temperature=0.0, vad_filter=False,
+                                       word_timestamps=True, condition_on_previous_text=False)
+        heard = [w for s in segments for w in (s.words or []) if w.end * 1000 <= cut.played_ms + 20]
+        stored = len(words(cut.stored))
+        rows.append({"played_ms": cut.played_ms, "stored_words": stored, "heard_words": len(heard),
+                     "stored": cut.stored, "heard": "".join(w.word for w in heard).strip()})
+    exact = sum(r["stored_words"] == r["heard_words"] for r in rows) / len(rows)
+    near = sum(abs(r["stored_words"] - r["heard_words"]) <= 1 for r in rows) / len(rows)
+    return {"cuts": len(rows), "exact": round(exact, 3), "within_one_word": round(near, 3), "rows": rows}
+
+
+def rtf(gw: GatewayProcess, kind: str) -> float | None:
+    audio = gw.metric(f'gateway_voice_audio_seconds_total{{kind="{kind}"}}')
+    return round(gw.metric(f'gateway_voice_compute_seconds_total{{kind="{kind}"}}') / audio, 3) if audio else None
+
+
+def plot(levels: list[dict[str, Any]], cpu: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [lv["sessions"] for lv in levels]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for key, style in (("speech_to_first_audio_ms_p50", "o-"), ("speech_to_first_audio_ms_p99", "s--")):
+        ax.plot(xs, [lv[key] for lv in levels], style, label=key.replace("speech_to_first_audio_ms_", ""))
+    ax.axhline(LATENCY_GOAL_MS, color="grey", lw=0.8, ls=":", label="p99 goal 1.5 s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("concurrent voice sessions")
+    ax.set_ylabel("end of speech to first audio (ms)")
+    ax.set_title(f"Voice on the edge route, {cpu['cores']} cores ({cpu['model'][:40]})", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    cpu = cpu_facts()
+    progress(f"CPU: {cpu['model']}, {cpu['cores']} cores; load average {load_average()[0]:.2f}")
+    progress("making the spoken questions with flite")
+    clips = speech_clips([*QUESTIONS, INTERRUPTION])
+    cuts: list[Cut] = []
+    with tempfile.TemporaryDirectory(prefix="voice-bench-") as tmp:
+        config = derive_config(Path(tmp), max(args.sessions))
+        gw = GatewayProcess(config, Path(tmp) / "gateway.log", "127.0.0.1")
+        progress("starting the gateway (edge model, VAD, Whisper, flite)")
+        gw.start()
+        try:
+            await gw.wait_ready()
+            from gateway.config import load_config
+
+            model = load_config(config).routing.edge_model
+            levels = []
+            for n, sessions in enumerate(args.sessions):
+                # One session measures barge-in too; more sessions measure latency under load.
+                level = await run_level(gw.url, model, sessions, args.turns, args.barge_every if n == 0 else 0, args,
+                                        clips, cuts if n == 0 else [])
+                summary = level.summary()
+                levels.append(summary)
+                progress(f"  {sessions} session(s): first audio p50 {summary['speech_to_first_audio_ms_p50']} ms, "
+                         f"p99 {summary['speech_to_first_audio_ms_p99']} ms, barge-in p99 "
+                         f"{summary['barge_in_cancel_ms_p99']} ms (after the end of speech, p50: speech_stopped "
+                         f"{summary['speech_stopped_ms_p50']} ms, transcript {summary['transcribed_ms_p50']} ms), "
+                         f"failed {level.failed}")
+            rtfs = {"asr": rtf(gw, "asr"), "tts": rtf(gw, "tts")}
+            problems = gw.log_problems()
+        finally:
+            gw.stop()
+    if problems:
+        progress(f"gateway log: {len(problems)} warning/error lines, e.g. {problems[0][:200]}")
+    progress(f"truncate exactness: aligning {len(cuts)} played cuts with Whisper word timestamps")
+    exactness = truncate_exactness(cuts)
+    one = levels[0]
+    fit = [lv["sessions"] for lv in levels if lv["speech_to_first_audio_ms_p99"] is not None
+           and lv["speech_to_first_audio_ms_p99"] < LATENCY_GOAL_MS and lv["failed"] == 0]
+    summary = {
+        "speech_to_first_audio_ms_p50": one["speech_to_first_audio_ms_p50"],
+        "speech_to_first_audio_ms_p99": one["speech_to_first_audio_ms_p99"],
+        "barge_in_cancel_ms_p50": one["barge_in_cancel_ms_p50"],
+        "barge_in_cancel_ms_p99": one["barge_in_cancel_ms_p99"],
+        "truncate_exact": exactness["exact"], "truncate_within_one_word": exactness["within_one_word"],
+        "asr_rtf": rtfs["asr"], "tts_rtf": rtfs["tts"],
+        "max_voice_sessions": max(fit) if fit else 0,
+        "failed": sum(lv["failed"] for lv in levels),
+        "by_sessions": {str(lv["sessions"]): {k: lv[k] for k in ("speech_to_first_audio_ms_p50",
+                                                                 "speech_to_first_audio_ms_p99", "failed")}
+                        for lv in levels},
+        "cpu": cpu["model"],
+    }
+    img = figure_path("voice.png", args.smoke)
+    plot(levels, cpu, img)
+    write_json(result_path("voice.json", args.smoke), {
+        "summary": summary, "levels": levels, "truncate": exactness, "cpu": cpu, "plot": str(img),
+        "settings": {k: getattr(args, k) for k in ("sessions", "turns", "barge_every", "silence_ms", "tokens",
+                                                   "smoke")} | {"chunk_ms": CHUNK_MS}})
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent sessions per level")
+    p.add_argument("--turns", type=int, default=8, help="turns per session and level")
+    p.add_argument("--barge-every", type=int, default=2, help="at the first level, every n-th turn is interrupted")
+    p.add_argument("--silence-ms", type=int, default=500, help="server VAD silence_duration_ms (the API's default)")
+    p.add_argument("--tokens", type=int, default=48, help="max_output_tokens of an answer")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = p.parse_args()
+    if args.smoke:
+        args.sessions, args.turns, args.barge_every, args.tokens = [1], 2, 2, 16
+    started = time.perf_counter()
+    summary = asyncio.run(main_async(args))
+    progress(f"done in {time.perf_counter() - started:.0f} s")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The voice pipeline of one gateway process, as its Realtime sessions use it (``VoiceService``
+of ``gateway.ws.voice_link``), on ``voice.service.VoiceService``.
+
+Built from ``[voice]`` once at start-up (models load in a thread): the Silero VAD model (shared;
+each session gets its own segmenter state, on the event loop: a 32 ms window costs ~60 µs,
+docs/voice.md), Whisper for recognition and flite (or the opt-in piper) for synthesis behind one
+bounded worker pool, so recognition and synthesis never run on the event loop and a burst of
+voice sessions is told ``voice_busy`` instead of starving text sessions. Everything crossing
+into the session is PCM16 mono at 24 kHz.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from gateway.ws.audio_events import ServerVad
+from gateway.ws.audio_input import SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
+from gateway.ws.session_voice import VoiceHooks
+from gateway.ws.voice_link import VoiceUnavailable
+from llm_shared.errors import EngineError
+from voice.alignment import Mark
+from voice.config import VoiceConfig
+from voice.pool import JobFigures
+from voice.service import VoiceService
+from voice.vad import SpeechPaused as VadPaused
+from voice.vad import SpeechSegmenter, VadParams
+from voice.vad import SpeechStarted as VadStarted
+
+log = logging.getLogger(__name__)
+
+
+class _Segmenter:
+    """Server VAD over the session's 24 kHz stream: resampled to 16 kHz as it comes."""
+
+    def __init__(self, service: VoiceService, vad: ServerVad) -> None:
+        self._resampler = service.input_resampler()
+        eager = service.config.eager_transcribe_ms
+        self._segmenter: SpeechSegmenter = service.segmenter(VadParams(
+            threshold=vad.threshold, prefix_padding_ms=vad.prefix_padding_ms,
+            silence_duration_ms=vad.silence_duration_ms,
+            pause_ms=eager if eager < vad.silence_duration_ms else 0))
+
+    def feed(self, pcm: bytes) -> list[SpeechEvent]:
+        events: list[SpeechEvent] = []
+        for event in self._segmenter.feed(self._resampler.feed(np.frombuffer(pcm, dtype="<i2"))):
+            if isinstance(event, VadStarted):
+                events.append(SpeechStarted(event.audio_start_ms))
+            elif isinstance(event, VadPaused):
+                events.append(SpeechPaused(event.speech_end_ms))
+            else:
+                events.append(SpeechStopped(event.audio_end_ms, event.speech_end_ms))
+        return events
+
+
+class GatewayVoice:
+    """``VoiceService`` (the gateway's protocol) on the models of ``voice``. Blocking to build."""
+
+    def __init__(self, config: VoiceConfig, observer: Callable[[JobFigures], None] | None = None) -> None:
+        started = time.perf_counter()
+        self.service = service = VoiceService(config, observer=observer)
+        self.pool = service.pool
+        self.hooks = VoiceHooks(segmenters=lambda vad: _Segmenter(service, vad), phrases=service.phrase_splitter)
+        log.info("voice ready in %.1f s: Silero VAD, Whisper (%s), %s", time.perf_counter() - started,
+                 service.recognizer.model_dir, config.tts_backend)
+
+    async def transcribe(self, audio: bytes) -> tuple[str, float]:
+        try:
+            result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"))
+        except EngineError as e:  # VoiceBusy, VoiceTimeout: their messages are for the client
+            raise VoiceUnavailable(e.message) from e
+        return result.text, result.seconds_of_audio
+
+    async def synthesize(self, text: str, voice: str) -> tuple[bytes, tuple[Mark, ...]]:
+        try:
+            phrase = await self.service.speak(text, voice)
+        except EngineError as e:
+            raise VoiceUnavailable(e.message) from e
+        return phrase.pcm.astype("<i2", copy=False).tobytes(), phrase.marks
+
+    def close(self) -> None:
+        self.service.close()

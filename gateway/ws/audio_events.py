@@ -1,0 +1,338 @@
+"""The audio fields and events of the Realtime protocol, validated at the boundary.
+
+GA shapes (``session.audio.input`` / ``.output``, ``output_modalities``) and the beta ones
+(``modalities``, ``voice``, ``input_audio_format``, ``turn_detection``...) are both read into
+one ``AudioPatch``: the fields a ``session.update`` or ``response.create`` gave, applied by
+the session over the settings in force. Audio itself travels as base64 in JSON and as raw bytes
+on the msgpack subprotocol; both are checked here (PCM16 needs an even byte count) and bounded
+by ``SessionLimits.max_audio_append_bytes``.
+
+Only ``audio/pcm`` at 24 kHz (the API's PCM rate; beta ``pcm16``) is accepted: G.711 and
+semantic VAD are refused with ``unsupported_feature`` rather than silently mishandled.
+"""
+
+from __future__ import annotations
+
+import binascii
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Literal
+
+from gateway.ws.fields import Fields, ProtocolError
+
+PCM_RATE = 24_000  # samples a second of audio/pcm, in and out
+PCM_BYTES_PER_MS = PCM_RATE * 2 // 1000  # 16-bit mono
+VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
+MAX_VOICE_CHARS = 64
+MAX_TRANSCRIPTION_PROMPT = 4096
+
+
+@dataclass(frozen=True)
+class ServerVad:
+    """``turn_detection: {"type": "server_vad", ...}`` with the API's defaults."""
+
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+
+    def wire(self) -> dict[str, Any]:
+        return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
+                "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
+                "interrupt_response": self.interrupt_response, "idle_timeout_ms": None}
+
+
+@dataclass(frozen=True)
+class Transcription:
+    """``audio.input.transcription``: echoed as configured. The user's speech is transcribed
+    whether or not it is set (the models here read text), with this server's recognizer."""
+
+    model: str | None = None
+    language: str | None = None
+    prompt: str | None = None
+
+    def wire(self) -> dict[str, Any]:
+        return {"model": self.model, "language": self.language, "prompt": self.prompt}
+
+
+@dataclass(frozen=True)
+class AudioSettings:
+    """A session's audio settings (or a response's, after its overrides)."""
+
+    output_audio: bool = False  # output_modalities ["audio"]: speech with its transcript; else text
+    voice: str = "alloy"
+    transcription: Transcription | None = None
+    turn_detection: ServerVad | None = ServerVad()  # None: push to talk (the client commits)
+
+    def apply(self, patch: AudioPatch | None) -> AudioSettings:
+        if patch is None:
+            return self
+        changes = {name: value for name in ("output_audio", "voice", "transcription", "turn_detection")
+                   if (value := getattr(patch, name)) is not _UNSET}
+        return replace(self, **changes)
+
+    def modalities(self) -> list[str]:
+        return ["audio"] if self.output_audio else ["text"]
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+_UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True)
+class AudioPatch:
+    """The audio fields one event gave (``_UNSET`` where it gave none; ``None`` is a value:
+    ``turn_detection: null`` turns detection off)."""
+
+    output_audio: Any = _UNSET
+    voice: Any = _UNSET
+    transcription: Any = _UNSET
+    turn_detection: Any = _UNSET
+
+    @property
+    def empty(self) -> bool:
+        return all(getattr(self, name) is _UNSET for name in ("output_audio", "voice", "transcription",
+                                                               "turn_detection"))
+
+
+@dataclass(frozen=True)
+class AudioAppend:
+    type: ClassVar[str] = "input_audio_buffer.append"
+    event_id: str | None
+    audio: bytes  # PCM16 mono at 24 kHz, an even number of bytes
+
+
+@dataclass(frozen=True)
+class AudioCommit:
+    type: ClassVar[str] = "input_audio_buffer.commit"
+    event_id: str | None
+
+
+@dataclass(frozen=True)
+class AudioClear:
+    type: ClassVar[str] = "input_audio_buffer.clear"
+    event_id: str | None
+
+
+AudioEvent = AudioAppend | AudioCommit | AudioClear
+
+# Keys of a session object read here (the rest of the session is events.py's).
+SESSION_AUDIO_KEYS = frozenset({"output_modalities", "modalities", "audio", "voice", "input_audio_format",
+                                "output_audio_format", "input_audio_transcription", "turn_detection",
+                                "input_audio_noise_reduction", "speed"})
+RESPONSE_AUDIO_KEYS = frozenset({"output_modalities", "modalities", "audio", "voice", "output_audio_format"})
+
+
+def session_audio(s: Fields) -> AudioPatch | None:
+    """The audio fields of a ``session`` object, GA or beta; None when it has none."""
+    fields: dict[str, Any] = {}
+    _modalities(s, fields)
+    if s.has("audio"):
+        audio = Fields(s.raw("audio"), s.param("audio"))
+        if audio.has("input"):
+            _input(Fields(audio.raw("input"), audio.param("input")), fields)
+        if audio.has("output"):
+            _output(Fields(audio.raw("output"), audio.param("output")), fields)
+        audio.done()
+    if "voice" in s.obj and s.has("voice"):
+        fields["voice"] = _voice(s, "voice")
+    for key in ("input_audio_format", "output_audio_format"):
+        _beta_format(s, key)
+    if "input_audio_transcription" in s.obj:
+        fields["transcription"] = _transcription(s, "input_audio_transcription")
+    if "turn_detection" in s.obj:
+        fields["turn_detection"] = _turn_detection(s, "turn_detection")
+    _refuse_set(s, "input_audio_noise_reduction", "noise reduction is not supported")
+    _speed(s)
+    return AudioPatch(**fields) if fields else None
+
+
+def response_audio(r: Fields) -> AudioPatch | None:
+    """The audio fields of a ``response`` object (modalities and voice; input settings are the
+    session's)."""
+    fields: dict[str, Any] = {}
+    _modalities(r, fields)
+    if r.has("audio"):
+        audio = Fields(r.raw("audio"), r.param("audio"))
+        if audio.has("output"):
+            _output(Fields(audio.raw("output"), audio.param("output")), fields)
+        audio.done()
+    if r.has("voice"):
+        fields["voice"] = _voice(r, "voice")
+    _beta_format(r, "output_audio_format")
+    return AudioPatch(**fields) if fields else None
+
+
+def parse_audio_event(kind: str, f: Fields, event_id: str | None, max_append_bytes: int) -> AudioEvent:
+    if kind == "input_audio_buffer.append":
+        audio = decode_audio(f.raw("audio"), f.param("audio"), max_append_bytes)
+        f.done()
+        return AudioAppend(event_id=event_id, audio=audio)
+    f.done()
+    if kind == "input_audio_buffer.commit":
+        return AudioCommit(event_id=event_id)
+    if kind == "input_audio_buffer.clear":
+        return AudioClear(event_id=event_id)
+    raise ProtocolError("unsupported_feature", f"'{kind}' applies to WebRTC and SIP connections only, not to a "
+                        "WebSocket session", "type")
+
+
+AUDIO_EVENT_TYPES = frozenset({"input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
+                               "output_audio_buffer.clear"})
+
+
+def decode_audio(value: object, param: str, max_bytes: int) -> bytes:
+    """PCM16 audio from a base64 string (JSON) or raw bytes (msgpack), checked."""
+    if value is None:
+        raise ProtocolError("missing_required_parameter", f"missing required parameter '{param}'", param)
+    if isinstance(value, str):
+        if len(value) > (max_bytes + 2) // 3 * 4:
+            raise ProtocolError("audio_too_large", f"'{param}' holds more than {max_bytes} bytes of audio; send "
+                                "smaller chunks", param)
+        try:
+            audio = binascii.a2b_base64(value, strict_mode=True)
+        except (binascii.Error, ValueError):
+            raise ProtocolError("invalid_audio", f"'{param}' is not valid base64", param) from None
+    elif isinstance(value, bytes | bytearray):
+        audio = bytes(value)
+    else:
+        raise ProtocolError("invalid_type", f"'{param}' must be base64 audio (or bytes on msgpack)", param)
+    if len(audio) > max_bytes:
+        raise ProtocolError("audio_too_large", f"'{param}' holds {len(audio)} bytes of audio, more than "
+                            f"{max_bytes}; send smaller chunks", param)
+    if len(audio) % 2:
+        raise ProtocolError("invalid_audio", f"'{param}' has an odd number of bytes ({len(audio)}): audio/pcm is "
+                            "16-bit samples", param)
+    return audio
+
+
+def _modalities(f: Fields, out: dict[str, Any]) -> None:
+    for key in ("output_modalities", "modalities"):
+        values = f.array(key, 2)
+        if values is None:
+            continue
+        if any(not isinstance(v, str) for v in values):
+            raise ProtocolError("invalid_type", f"'{f.param(key)}' must be an array of strings", f.param(key))
+        # GA: ["text"] or ["audio"] (audio comes with its transcript); beta: ["text"] or ["text", "audio"].
+        if sorted(values) in (["text"],):
+            out["output_audio"] = False
+        elif sorted(values) in (["audio"], ["audio", "text"]):
+            out["output_audio"] = True
+        else:
+            raise ProtocolError("invalid_value", f"'{f.param(key)}' must be [\"text\"] or [\"audio\"]", f.param(key))
+
+
+def _input(f: Fields, out: dict[str, Any]) -> None:
+    if f.has("format"):
+        _format(Fields(f.raw("format"), f.param("format")))
+    if "transcription" in f.obj:
+        out["transcription"] = _transcription(f, "transcription")
+    if "turn_detection" in f.obj:
+        out["turn_detection"] = _turn_detection(f, "turn_detection")
+    _refuse_set(f, "noise_reduction", "noise reduction is not supported")
+    f.done()
+
+
+def _output(f: Fields, out: dict[str, Any]) -> None:
+    if f.has("format"):
+        _format(Fields(f.raw("format"), f.param("format")))
+    if f.has("voice"):
+        out["voice"] = _voice(f, "voice")
+    _speed(f)
+    f.done()
+
+
+def _format(f: Fields) -> None:
+    kind = f.string("type", 32, required=True)
+    if kind in ("audio/pcmu", "audio/pcma"):
+        raise ProtocolError("unsupported_feature", f"'{kind}' is not supported: use audio/pcm at 24000 Hz",
+                            f.param("type"))
+    if kind != "audio/pcm":
+        raise ProtocolError("invalid_value", f"'{f.param('type')}' must be \"audio/pcm\"", f.param("type"))
+    rate = f.integer("rate")
+    if rate not in (None, PCM_RATE):
+        raise ProtocolError("invalid_value", f"'{f.param('rate')}' must be {PCM_RATE}", f.param("rate"))
+    f.done()
+
+
+def _beta_format(f: Fields, key: str) -> None:
+    value = f.string(key, 32)
+    if value in (None, "pcm16"):
+        return
+    if value in ("g711_ulaw", "g711_alaw"):
+        raise ProtocolError("unsupported_feature", f"'{value}' is not supported: use pcm16", f.param(key))
+    raise ProtocolError("invalid_value", f"'{f.param(key)}' must be \"pcm16\"", f.param(key))
+
+
+def _voice(f: Fields, key: str) -> str:
+    value = f.raw(key)
+    if isinstance(value, dict):
+        raise ProtocolError("unsupported_feature", "custom voices are not supported: use one of "
+                            f"{list(VOICES)}", f.param(key))
+    voice = f.string(key, MAX_VOICE_CHARS)
+    if voice not in VOICES:
+        raise ProtocolError("invalid_value", f"'{f.param(key)}' must be one of {list(VOICES)}", f.param(key))
+    return voice
+
+
+def _transcription(f: Fields, key: str) -> Transcription | None:
+    if not f.has(key):
+        return None  # null: off (the speech is still transcribed for the model; see Transcription)
+    t = Fields(f.raw(key), f.param(key))
+    config = Transcription(model=t.string("model", 64), language=t.string("language", 16),
+                           prompt=t.string("prompt", MAX_TRANSCRIPTION_PROMPT))
+    if config.language not in (None, "en"):
+        raise ProtocolError("unsupported_feature", "the recognizer here is English-only: 'language' must be \"en\"",
+                            t.param("language"))
+    t.done(frozenset({"delay", "keywords", "languages"}))
+    return config
+
+
+def _turn_detection(f: Fields, key: str) -> ServerVad | None:
+    if not f.has(key):
+        return None  # null: push to talk
+    t = Fields(f.raw(key), f.param(key))
+    kind: Literal["server_vad", "semantic_vad"] | str | None = t.string("type", 32)
+    if kind == "semantic_vad":
+        raise ProtocolError("unsupported_feature", "semantic_vad is not supported: use server_vad", t.param("type"))
+    if kind not in (None, "server_vad"):
+        raise ProtocolError("invalid_value", f"'{t.param('type')}' must be \"server_vad\"", t.param("type"))
+    defaults = ServerVad()
+    vad = ServerVad(
+        threshold=_or(t.number("threshold", 0.0, 1.0), defaults.threshold),
+        prefix_padding_ms=_bounded_ms(t, "prefix_padding_ms", defaults.prefix_padding_ms, 0, 2_000),
+        silence_duration_ms=_bounded_ms(t, "silence_duration_ms", defaults.silence_duration_ms, 100, 10_000),
+        create_response=_or(t.boolean("create_response"), defaults.create_response),
+        interrupt_response=_or(t.boolean("interrupt_response"), defaults.interrupt_response),
+    )
+    _refuse_set(t, "idle_timeout_ms", "idle_timeout_ms is not supported")
+    t.done()
+    return vad
+
+
+def _bounded_ms(f: Fields, key: str, default: int, low: int, high: int) -> int:
+    value = f.integer(key, minimum=low)
+    if value is None:
+        return default
+    if value > high:
+        raise ProtocolError("invalid_value", f"'{f.param(key)}' must be between {low} and {high}", f.param(key))
+    return value
+
+
+def _speed(f: Fields) -> None:
+    speed = f.number("speed", 0.25, 1.5)
+    if speed is not None and speed != 1.0:
+        raise ProtocolError("unsupported_feature", "only speed 1.0 is supported", f.param("speed"))
+
+
+def _refuse_set(f: Fields, key: str, why: str) -> None:
+    if f.has(key):
+        raise ProtocolError("unsupported_feature", why, f.param(key))
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value

@@ -1,0 +1,129 @@
+"""The voice commands of one Realtime connection, run off the event loop and reported back.
+
+``Transcribe`` and ``Synthesize`` become tasks awaiting the gateway's ``VoiceService`` (which runs
+recognition and synthesis on its own bounded workers); each reports to the session when done and
+asks the connection to pump. ``CancelSpeech`` cancels a response's phrases still queued, so a
+barge-in frees the synthesis workers within the phrase being made. Nothing here outlives the
+connection: ``close`` cancels and awaits every task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from gateway.metrics import GatewayMetrics
+from gateway.ws.commands import CancelSpeech, Synthesize, Transcribe
+from gateway.ws.server_events import AudioDelta, OtherEvent, ServerEvent
+from gateway.ws.session import RealtimeSession
+from gateway.ws.session_voice import VoiceHooks
+from voice.alignment import Mark
+
+log = logging.getLogger(__name__)
+
+
+class VoiceUnavailable(Exception):
+    """The voice service refused or failed the job (busy, timed out, broken): the reason is
+    safe to show the client."""
+
+
+class VoiceService(Protocol):
+    """Speech in and out for every session of a gateway process."""
+
+    hooks: VoiceHooks
+
+    async def transcribe(self, audio: bytes) -> tuple[str, float]:
+        """PCM16 mono at 24 kHz -> (transcript, seconds of audio). Raises ``VoiceUnavailable``."""
+        ...
+
+    async def synthesize(self, text: str, voice: str) -> tuple[bytes, tuple[Mark, ...]]:
+        """Speech for ``text`` as PCM16 mono at 24 kHz, with timing marks (character offset, sample
+        offset at 24 kHz; may be empty). Raises ``VoiceUnavailable``."""
+        ...
+
+
+class VoiceLink:
+    def __init__(self, service: VoiceService, session: RealtimeSession, pump: Callable[[], None],
+                 metrics: GatewayMetrics) -> None:
+        self._service = service
+        self._session = session
+        self._pump = pump
+        self._metrics = metrics
+        self._speech_stopped_at: float | None = None  # the user's speech ended: its answer's first audio is timed from it
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._speech: dict[str, set[asyncio.Task[None]]] = {}  # response id -> its phrases being made
+        self._transcripts: dict[str, asyncio.Task[None]] = {}  # item id -> its latest transcription
+
+    def run(self, command: Transcribe | Synthesize | CancelSpeech) -> None:
+        if isinstance(command, Transcribe):
+            older = self._transcripts.get(command.item_id)
+            if older is not None:
+                older.cancel()  # the user went on speaking: that cut of the speech is moot
+            task = self._spawn(self._transcribe(command), f"transcribe-{command.item_id}")
+            self._transcripts[command.item_id] = task
+            task.add_done_callback(lambda t, item=command.item_id: self._transcripts.pop(item, None)
+                                   if self._transcripts.get(item) is t else None)
+        elif isinstance(command, Synthesize):
+            task = self._spawn(self._synthesize(command), f"speak-{command.response_id}-{command.index}")
+            phrases = self._speech.setdefault(command.response_id, set())
+            phrases.add(task)
+            task.add_done_callback(phrases.discard)
+        else:
+            for task in self._speech.pop(command.response_id, set()):
+                task.cancel()
+
+    def observe(self, event: ServerEvent) -> bool:
+        """Count a voice event on its way out (VAD decisions, speech-to-first-audio); True if it was one."""
+        if isinstance(event, AudioDelta):
+            if self._speech_stopped_at is not None:  # the first audio of the answer to the user's speech
+                self._metrics.voice_first_audio.observe(time.monotonic() - self._speech_stopped_at)
+                self._speech_stopped_at = None
+            return True
+        if isinstance(event, OtherEvent) and event.type.startswith("input_audio_buffer.speech_"):
+            self._metrics.voice_vad.labels(event.type.removeprefix("input_audio_buffer.")).inc()
+            self._speech_stopped_at = time.monotonic() if event.type.endswith("stopped") else None
+            return True
+        return False
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._speech.clear()
+
+    def _spawn(self, work: object, name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(work, name=name)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _transcribe(self, command: Transcribe) -> None:
+        try:
+            text, seconds = await self._service.transcribe(command.audio)
+        except VoiceUnavailable as e:
+            self._session.transcription_failed(command.item_id, str(e), command.tag)
+        except Exception:
+            log.exception("transcribing %s failed", command.item_id)
+            self._session.transcription_failed(command.item_id, "the speech could not be transcribed", command.tag)
+        else:
+            self._session.transcribed(command.item_id, text, seconds, command.tag)
+        self._pump()
+
+    async def _synthesize(self, command: Synthesize) -> None:
+        try:
+            audio, marks = await self._service.synthesize(command.text, command.voice)
+        except VoiceUnavailable as e:
+            self._session.speech_failed(command.response_id, str(e))
+        except Exception:
+            log.exception("speaking a phrase of %s failed", command.response_id)
+            self._session.speech_failed(command.response_id, "the speech could not be made")
+        else:
+            self._session.speech_ready(command.response_id, command.index, audio, marks)
+        self._pump()

@@ -1,0 +1,181 @@
+"""Voice end to end: a served gateway with the real voice pipeline (Silero VAD, Whisper tiny.en,
+flite), speech made by flite and streamed as a client would, through the official openai SDK's
+Realtime client and through websockets with msgpack. The language model is the fake engine
+(a fixed answer): what is under test is the speech around it."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgpack
+import pytest
+import websockets
+from fake_engine import FakeEngine
+from gateway_harness import MODEL, recv_json, send
+from voice_serving import QUESTION, chunks, serve, voice_pipeline, words
+from voice_serving import question_pcm as make_question_pcm
+
+from gateway.voice_service import GatewayVoice
+from llm_shared.contract import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+ANSWER = ["The ", "kitchen ", "lights ", "are ", "on ", "now. ", "Is ", "there ", "anything ", "else ", "you ",
+          "would ", "like? "]
+
+
+@pytest.fixture(scope="module")
+def voice() -> Iterator[GatewayVoice]:
+    yield from voice_pipeline()
+
+
+@pytest.fixture(scope="module")
+def question_pcm() -> bytes:
+    """The question as a client's microphone would send it: 24 kHz PCM16, with silence around."""
+    return make_question_pcm()
+
+
+def answer(prompt_ids: Sequence[int], params: SamplingParams) -> list[str]:
+    return list(ANSWER)
+
+
+async def test_a_spoken_question_is_answered_in_speech_through_the_official_sdk(voice: GatewayVoice,
+                                                                                 question_pcm: bytes) -> None:
+    from openai import AsyncOpenAI
+
+    engine = FakeEngine(reply=answer)
+    async for served in serve(voice, engine):
+        client = AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+        async with client, client.realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
+                                               "audio": {"output": {"voice": "marin"}}})
+            for chunk in chunks(question_pcm):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
+            seen: list[str] = []
+            transcript, spoken, audio = "", "", bytearray()
+            async for event in conn:
+                seen.append(event.type)
+                if event.type == "conversation.item.input_audio_transcription.completed":
+                    transcript = event.transcript
+                elif event.type == "response.output_audio_transcript.delta":
+                    spoken += event.delta
+                elif event.type == "response.output_audio.delta":
+                    audio += base64.b64decode(event.delta)
+                elif event.type == "error":
+                    raise AssertionError(event.error)
+                elif event.type == "response.done":
+                    done = event.response
+                    break
+    assert seen.index("input_audio_buffer.speech_started") < seen.index("input_audio_buffer.speech_stopped") \
+        < seen.index("input_audio_buffer.committed") < seen.index("response.created")
+    assert words(transcript) == words(QUESTION)
+    assert done.status == "completed" and spoken == "".join(ANSWER).rstrip()  # (trailing space: nothing to say)
+    assert done.output[0].content[0].transcript == spoken
+    # one audio token per 50 ms of speech (each phrase's ms rounded down, then the sum up)
+    assert abs(done.usage.output_token_details.audio_tokens - len(audio) / 48 / 50) < 2
+    heard, _ = await voice.transcribe(bytes(audio))  # the answer's audio says the answer
+    assert words(heard) == words(spoken)
+
+
+def decode(data: str | bytes) -> dict[str, Any]:
+    event = msgpack.unpackb(data) if isinstance(data, bytes) else json.loads(data)
+    if event["type"] == "error":
+        raise AssertionError(event["error"])
+    return event
+
+
+async def next_event(ws: websockets.ClientConnection, kinds: set[str], timeout: float = 60.0) -> dict[str, Any]:
+    while True:
+        event = decode(await asyncio.wait_for(ws.recv(), timeout))
+        if event["type"] in kinds:
+            return event
+
+
+async def test_talking_over_the_answer_cancels_it_and_truncate_keeps_what_was_heard(
+        voice: GatewayVoice, question_pcm: bytes) -> None:
+    engine = FakeEngine(reply=lambda p, s: ANSWER * 6, tokens_per_second=8)  # still answering when interrupted
+    async for served in serve(voice, engine):
+        async with websockets.connect(f"{served.url.replace('http', 'ws')}/v1/realtime",
+                                      subprotocols=["x-openai-realtime-msgpack"]) as ws:  # audio as raw bytes
+            await next_event(ws, {"session.created"})
+            await ws.send(msgpack.packb({"type": "session.update", "session": {"output_modalities": ["audio"]}}))
+            for chunk in chunks(question_pcm):
+                await ws.send(msgpack.packb({"type": "input_audio_buffer.append", "audio": chunk}))
+            phrases: list[list[Any]] = []  # [text, ms of its audio], as the answer arrives
+            event = await next_event(ws, {"response.output_audio_transcript.delta"})
+            rid, item_id = event["response_id"], event["item_id"]
+            talking = False
+            while event["type"] != "response.done":
+                if event["type"] == "response.output_audio_transcript.delta":
+                    phrases.append([event["delta"], 0])
+                elif event["type"] == "response.output_audio.delta":
+                    assert isinstance(event["delta"], bytes)  # msgpack: raw PCM, not base64
+                    phrases[-1][1] += len(event["delta"]) // 48
+                    if not talking:  # the user speaks again while the answer plays
+                        talking = True
+                        for chunk in chunks(question_pcm):
+                            await ws.send(msgpack.packb({"type": "input_audio_buffer.append", "audio": chunk}))
+                event = decode(await asyncio.wait_for(ws.recv(), 60))
+            assert event["response"]["id"] == rid and event["response"]["status"] == "cancelled"
+            assert event["response"]["status_details"]["reason"] == "turn_detected"
+            said = event["response"]["output"][0]["content"][0]["transcript"]
+            assert said == "".join(text for text, _ in phrases) and said in "".join(ANSWER * 6)
+            assert rid in engine.aborts  # the engine was told at once
+
+            # The client played the first phrase, and 400 ms into the next (if there is one).
+            first_text, first_ms = phrases[0]
+            await ws.send(msgpack.packb({"type": "conversation.item.truncate", "item_id": item_id,
+                                         "content_index": 0, "audio_end_ms": first_ms}))
+            assert (await next_event(ws, {"conversation.item.truncated"}))["audio_end_ms"] == first_ms
+            await ws.send(msgpack.packb({"type": "conversation.item.retrieve", "item_id": item_id}))
+            item = (await next_event(ws, {"conversation.item.retrieved"}))["item"]
+            assert item["content"][0]["transcript"] == first_text
+            await ws.send(msgpack.packb({"type": "conversation.item.truncate", "item_id": item_id,
+                                         "content_index": 0, "audio_end_ms": first_ms // 2}))
+            await next_event(ws, {"conversation.item.truncated"})
+            await ws.send(msgpack.packb({"type": "conversation.item.retrieve", "item_id": item_id}))
+            half = (await next_event(ws, {"conversation.item.retrieved"}))["item"]["content"][0]["transcript"]
+            assert first_text.startswith(half) and len(half) < len(first_text)
+            assert half == "" or first_text[len(half)] == " "  # whole words only
+
+
+async def test_push_to_talk_and_hostile_audio(voice: GatewayVoice, question_pcm: bytes) -> None:
+    engine = FakeEngine(reply=answer)
+    async for served in serve(voice, engine):
+        async with websockets.connect(f"{served.url.replace('http', 'ws')}/v1/realtime") as ws:
+            await recv_json(ws)
+            await send(ws, {"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+            await next_event(ws, {"session.updated"})
+            await send(ws, {"type": "input_audio_buffer.append", "audio": "AA=="})  # one byte: not PCM16
+            with pytest.raises(AssertionError, match="invalid_audio"):
+                await next_event(ws, {"never"})
+            await send(ws, {"type": "input_audio_buffer.append", "audio": "not base64!"})
+            with pytest.raises(AssertionError, match="invalid_audio"):
+                await next_event(ws, {"never"})
+            for chunk in chunks(question_pcm, 500):
+                await send(ws, {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})
+            await send(ws, {"type": "input_audio_buffer.commit"})
+            await send(ws, {"type": "response.create"})
+            completed = await next_event(ws, {"conversation.item.input_audio_transcription.completed"})
+            assert words(completed["transcript"]) == words(QUESTION)
+            done = await next_event(ws, {"response.done"})
+            assert done["response"]["status"] == "completed"  # text: the session's default modality
+            assert done["response"]["output"][0]["content"][0]["text"] == "".join(ANSWER)
+
+
+def test_a_missing_synthesizer_turns_voice_off_and_leaves_text_served(caplog: pytest.LogCaptureFixture) -> None:
+    from dataclasses import replace
+
+    from gateway_harness import make_config
+
+    from gateway.state import GatewayState
+    from voice.config import VoiceConfig
+
+    config = make_config()
+    state = GatewayState.from_config(replace(config, voice=VoiceConfig(tts_binary="/nonexistent/flite")))
+    assert state.load_voice() is None
+    assert "voice is off" in caplog.text and "/nonexistent/flite" in caplog.text

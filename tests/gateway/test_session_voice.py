@@ -1,0 +1,348 @@
+"""Voice in the sans-I/O Realtime session: input audio with server VAD or push to talk, transcripts
+held for the prompt, speech out phrase by phrase in order, barge-in and truncation by audio_end_ms.
+Literal events in, events (checked against the official SDK's types) and commands out. The VAD
+here is a loudness threshold and the splitter cuts at sentence ends: the real ones (Silero,
+``voice.phrases``) are tested in tests/voice/ and end to end in test_server_voice.py."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import struct
+from typing import Any
+
+from session_helpers import drain
+
+from gateway.ws.audio_events import PCM_BYTES_PER_MS, ServerVad
+from gateway.ws.audio_input import SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
+from gateway.ws.commands import AbortGeneration, CancelSpeech, StartGeneration, Synthesize, Transcribe
+from gateway.ws.session import RealtimeSession, SessionLimits
+from gateway.ws.session_voice import VoiceHooks
+from llm_shared.contract import FinishEvent, TokenEvent
+from llm_shared.structured import get_family
+
+LOUD, QUIET = 8000, 0
+
+
+class LoudnessVad:
+    """Speech is 10 ms frames whose first sample is loud; it stops after ``silence_duration_ms``,
+    and with ``pause_ms`` a pause is reported first."""
+
+    def __init__(self, vad: ServerVad, pause_ms: int = 0) -> None:
+        self.vad = vad
+        self.pause_ms = pause_ms
+        self.ms = 0
+        self.speaking = False
+        self.quiet_ms = 0
+
+    def feed(self, pcm: bytes) -> list[SpeechEvent]:
+        events: list[SpeechEvent] = []
+        frame = 10 * PCM_BYTES_PER_MS
+        for start in range(0, len(pcm) - frame + 1, frame):
+            (sample,) = struct.unpack_from("<h", pcm, start)
+            loud = abs(sample) >= 1000
+            if loud and not self.speaking:
+                self.speaking, self.quiet_ms = True, 0
+                events.append(SpeechStarted(max(self.ms - self.vad.prefix_padding_ms, 0)))
+            elif self.speaking:
+                self.quiet_ms = 0 if loud else self.quiet_ms + 10
+                if self.pause_ms and self.quiet_ms == self.pause_ms:
+                    events.append(SpeechPaused(self.ms + 10 - self.pause_ms))
+                if self.quiet_ms >= self.vad.silence_duration_ms:
+                    self.speaking = False
+                    events.append(SpeechStopped(self.ms + 10, self.ms + 10 - self.vad.silence_duration_ms))
+            self.ms += 10
+        return events
+
+
+class SentenceSplitter:
+    def __init__(self) -> None:
+        self.held = ""
+
+    def feed(self, text: str) -> list[str]:
+        self.held += text
+        out = []
+        while ". " in self.held:
+            phrase, self.held = self.held.split(". ", 1)
+            out.append(phrase + ". ")
+        return out
+
+    def flush(self) -> list[str]:
+        rest, self.held = self.held, ""
+        return [rest] if rest else []
+
+
+HOOKS = VoiceHooks(segmenters=LoudnessVad, phrases=SentenceSplitter)
+EAGER = VoiceHooks(segmenters=lambda vad: LoudnessVad(vad, pause_ms=160), phrases=SentenceSplitter)
+
+
+def make(*, voice: bool = True, limits: SessionLimits | None = None, beta: bool = False,
+         hooks: VoiceHooks = HOOKS) -> RealtimeSession:
+    counter = itertools.count(1)
+    # A stopped clock: the audio rate bound refills with time, and a test must not depend on how fast it runs.
+    session = RealtimeSession(session_id="sess_1", model="smollm2-135m", limits=limits or SessionLimits(), beta=beta,
+                              id_factory=lambda prefix: f"{prefix}_{next(counter)}", family=get_family("smollm2"),
+                              voice=hooks if voice else None, clock=lambda: 0.0)
+    session.start()
+    drain(session)
+    return session
+
+
+def tone(ms: int, level: int) -> bytes:
+    return struct.pack("<h", level) * (ms * PCM_BYTES_PER_MS // 2)
+
+
+def append(session: RealtimeSession, pcm: bytes) -> list[dict[str, Any]]:
+    session.receive({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+    return drain(session)
+
+
+def types(events: list[dict[str, Any]]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+def speak_turn(session: RealtimeSession) -> tuple[list[dict[str, Any]], list[object]]:
+    """Silence, 600 ms of speech, then silence enough to end it (the default 500 ms)."""
+    events = append(session, tone(200, QUIET))
+    events += append(session, tone(600, LOUD))
+    events += append(session, tone(600, QUIET))
+    return events, session.commands()
+
+
+def audio_session(**session_fields: Any) -> RealtimeSession:
+    session = make()
+    session.receive({"type": "session.update", "session": {"output_modalities": ["audio"], **session_fields}})
+    assert types(drain(session)) == ["session.updated"]
+    return session
+
+
+def test_session_reports_its_audio_settings_and_takes_updates() -> None:
+    session = make()
+    session.receive({"type": "session.update", "session": {
+        "output_modalities": ["audio"], "audio": {"output": {"voice": "cedar"}, "input": {
+            "turn_detection": {"type": "server_vad", "silence_duration_ms": 300, "create_response": False}}}}})
+    (updated,) = drain(session)
+    audio = updated["session"]["audio"]
+    assert updated["session"]["output_modalities"] == ["audio"]
+    assert audio["output"]["voice"] == "cedar" and audio["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
+    assert audio["input"]["turn_detection"]["silence_duration_ms"] == 300
+    assert audio["input"]["turn_detection"]["create_response"] is False
+
+
+def test_server_vad_commits_the_speech_and_answers_once_it_is_transcribed() -> None:
+    session = make()
+    events, commands = speak_turn(session)
+    assert types(events) == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                             "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done",
+                             "response.created"]
+    started, stopped = events[0], events[1]
+    assert started["audio_start_ms"] == 0  # speech from 200 ms, with 300 ms of padding before it
+    assert stopped["audio_end_ms"] == 1300 and stopped["item_id"] == started["item_id"]
+    item = events[3]["item"]
+    assert item["content"] == [{"type": "input_audio", "transcript": None}]
+    (transcribe,) = commands
+    assert isinstance(transcribe, Transcribe) and transcribe.item_id == item["id"]
+    assert len(transcribe.audio) == 1300 * PCM_BYTES_PER_MS  # from the padded start to the end of speech
+
+    session.transcribed(item["id"], "What time is it?", 1.3)
+    completed = drain(session)
+    assert types(completed) == ["conversation.item.input_audio_transcription.completed"]
+    assert completed[0]["transcript"] == "What time is it?"
+    (start,) = session.commands()
+    assert isinstance(start, StartGeneration)
+    assert start.messages[-1] == {"role": "user", "content": "What time is it?"}
+
+
+def test_an_audio_response_speaks_its_phrases_in_order() -> None:
+    session = audio_session()
+    session.receive({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+    drain(session)
+    session.receive({"type": "response.create"})
+    (start,) = session.commands()
+    rid = start.response_id
+    assert types(drain(session)) == ["response.created"]
+    for text in ("Hello there. ", "How are", " you? "):
+        session.engine_event(rid, TokenEvent(token_id=1, text=text, logprob=0.0))
+    asked = session.commands()
+    assert asked == [Synthesize(rid, 0, "Hello there. ", "alloy")]
+    assert drain(session) == []  # nothing is said before its audio is there
+    session.engine_event(rid, FinishEvent(reason="stop", prompt_tokens=9, completion_tokens=4))
+    (second,) = session.commands()
+    assert second == Synthesize(rid, 1, "How are you? ", "alloy")
+    session.speech_ready(rid, 1, tone(700, 5))  # the second phrase first: it waits for the first
+    assert drain(session) == []
+    session.speech_ready(rid, 0, tone(1200, 5))
+    events = drain(session)
+    assert types(events) == [
+        "response.output_item.added", "conversation.item.added", "response.content_part.added",
+        "response.output_audio_transcript.delta", "response.output_audio.delta", "response.output_audio.delta",
+        "response.output_audio.delta", "response.output_audio_transcript.delta", "response.output_audio.delta",
+        "response.output_audio.delta", "response.output_audio.done", "response.output_audio_transcript.done",
+        "response.content_part.done", "response.output_item.done", "conversation.item.done", "response.done"]
+    audio = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
+    assert audio == tone(1200, 5) + tone(700, 5)
+    done = events[-1]["response"]
+    assert done["output_modalities"] == ["audio"] and done["status"] == "completed"
+    assert done["output"][0]["content"] == [{"type": "output_audio", "transcript": "Hello there. How are you? "}]
+    assert done["usage"]["output_token_details"] == {"text_tokens": 4, "audio_tokens": 1900 // 50}
+    assert CancelSpeech(rid) in session.commands()
+
+
+def test_speech_during_an_answer_cancels_it_and_truncate_keeps_what_was_heard() -> None:
+    session = audio_session()
+    _, commands = speak_turn(session)
+    (transcribe,) = commands
+    session.transcribed(transcribe.item_id, "Tell me a story.", 1.3)
+    drain(session)
+    (start,) = session.commands()
+    rid = start.response_id
+    session.engine_event(rid, TokenEvent(token_id=1, text="Once upon a time. There was a fox. ", logprob=0.0))
+    session.commands()
+    session.speech_ready(rid, 0, tone(1000, 5))
+    session.speech_ready(rid, 1, tone(1000, 5))
+    item_id = next(e for e in drain(session) if e["type"] == "response.output_item.added")["item"]["id"]
+
+    events = append(session, tone(300, LOUD))  # the user talks over the answer
+    assert types(events)[:2] == ["input_audio_buffer.speech_started", "response.output_audio.done"]
+    done = events[-1]
+    assert done["type"] == "response.done" and done["response"]["status_details"]["reason"] == "turn_detected"
+    assert done["response"]["output"][0]["content"][0]["transcript"] == "Once upon a time. There was a fox. "
+    commands = session.commands()
+    assert AbortGeneration(rid) in commands and CancelSpeech(rid) in commands
+
+    # The client played 1.5 s: the first phrase and half the second.
+    session.receive({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                     "audio_end_ms": 1500})
+    (truncated,) = drain(session)
+    assert truncated == {"type": "conversation.item.truncated", "event_id": truncated["event_id"],
+                         "item_id": item_id, "content_index": 0, "audio_end_ms": 1500}
+    session.receive({"type": "conversation.item.retrieve", "item_id": item_id})
+    (retrieved,) = drain(session)
+    # whole words, the phrase's speech taken as even over its characters: 8 of 17 heard, "There" whole
+    assert retrieved["item"]["content"][0]["transcript"] == "Once upon a time. There"
+    session.receive({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                     "audio_end_ms": 1600})
+    (error,) = drain(session)
+    assert error["error"]["code"] == "invalid_value" and error["error"]["param"] == "audio_end_ms"
+
+
+def test_push_to_talk_commits_on_the_clients_word() -> None:
+    session = make()
+    session.receive({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    drain(session)
+    assert append(session, tone(600, LOUD)) == []  # no detection: no events
+    session.receive({"type": "input_audio_buffer.commit", "event_id": "c1"})
+    events = drain(session)
+    assert types(events) == ["input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
+    (transcribe,) = session.commands()
+    assert isinstance(transcribe, Transcribe) and len(transcribe.audio) == 600 * PCM_BYTES_PER_MS
+    session.receive({"type": "response.create"})  # before the transcript: created now, started with it
+    assert types(drain(session)) == ["response.created"] and session.commands() == []
+    session.transcribed(transcribe.item_id, "Hi.", 0.6)
+    drain(session)
+    (start,) = session.commands()
+    assert isinstance(start, StartGeneration) and start.messages[-1]["content"] == "Hi."
+
+    append(session, tone(50, LOUD))
+    session.receive({"type": "input_audio_buffer.commit", "event_id": "c2"})
+    (error,) = drain(session)
+    assert error["error"]["code"] == "input_audio_buffer_commit_empty"
+    session.receive({"type": "input_audio_buffer.clear"})
+    assert types(drain(session)) == ["input_audio_buffer.cleared"]
+
+
+def test_a_held_response_cancelled_before_its_transcript_starts_nothing() -> None:
+    session = make()
+    session.receive({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    drain(session)
+    append(session, tone(300, LOUD))
+    session.receive({"type": "input_audio_buffer.commit"})
+    session.receive({"type": "response.create"})
+    drain(session)
+    (transcribe,) = session.commands()
+    session.receive({"type": "response.cancel"})
+    assert types(drain(session))[-1] == "response.done"
+    assert session.commands() == []  # never started: nothing to abort
+    session.transcription_failed(transcribe.item_id, "the recognizer failed")
+    (failed,) = drain(session)
+    assert failed["type"] == "conversation.item.input_audio_transcription.failed"
+    assert session.commands() == []
+
+
+def test_hostile_audio_is_refused_and_the_session_lives() -> None:
+    limits = SessionLimits(max_audio_buffer_ms=1000, max_audio_bytes_per_s=96_000, audio_burst_bytes=1500 * PCM_BYTES_PER_MS)
+    session = make(limits=limits)
+    session.receive({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    drain(session)
+    append(session, tone(900, QUIET))
+    (full,) = append(session, tone(200, QUIET))
+    assert full["error"]["code"] == "input_audio_buffer_full"
+    session.receive({"type": "input_audio_buffer.clear"})
+    drain(session)
+    (fast,) = append(session, tone(700, QUIET))  # 900 + 700 ms at once: past the 1.5 s burst
+    assert fast["error"]["code"] == "audio_rate_exceeded"
+    session.receive({"type": "input_audio_buffer.append", "audio": "AA=="})
+    (odd,) = drain(session)
+    assert odd["error"]["code"] == "invalid_audio"
+
+    text_only = make(voice=False)
+    (refused,) = append(text_only, tone(100, LOUD))
+    assert refused["error"]["code"] == "unsupported_feature"
+    text_only.receive({"type": "session.update", "session": {"output_modalities": ["audio"]}})
+    (refused,) = drain(text_only)
+    assert refused["error"]["param"] == "session.output_modalities"
+
+
+def test_a_call_after_spoken_text_waits_for_the_speech() -> None:
+    tool = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
+    session = audio_session(tools=[tool])
+    session.receive({"type": "response.create"})
+    (start,) = session.commands()
+    rid = start.response_id
+    drain(session)
+    session.engine_event(rid, TokenEvent(token_id=1, text="Let me check. ", logprob=0.0))
+    session.engine_event(rid, TokenEvent(token_id=2, text='<tool_call>[{"name": "get_time", "arguments": {}}]'
+                                         '</tool_call>', logprob=0.0))
+    session.engine_event(rid, FinishEvent(reason="stop", prompt_tokens=9, completion_tokens=20))
+    assert drain(session) == []  # the call waits for the speech before it
+    (synth,) = [c for c in session.commands() if isinstance(c, Synthesize)]
+    session.speech_ready(rid, synth.index, tone(500, 5))
+    events = types(drain(session))
+    assert events.index("response.output_audio.done") < events.index("response.function_call_arguments.done")
+    assert events[-1] == "response.done"
+
+
+def test_transcription_starts_at_a_pause_and_its_transcript_serves_the_turn() -> None:
+    session = make(hooks=EAGER)
+    assert types(append(session, tone(200, QUIET) + tone(600, LOUD))) == ["input_audio_buffer.speech_started"]
+    assert append(session, tone(300, QUIET)) == []  # 160 ms into the silence: a pause, not yet the end
+    (eager,) = session.commands()
+    assert isinstance(eager, Transcribe) and eager.tag == 800
+    assert len(eager.audio) == 800 * PCM_BYTES_PER_MS  # the speech so far, without the silence
+    session.transcribed(eager.item_id, "Lights on.", 0.8, eager.tag)  # ready before the turn ends
+    assert drain(session) == []
+    events = append(session, tone(300, QUIET))
+    assert types(events) == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
+                             "conversation.item.added", "conversation.item.done",
+                             "conversation.item.input_audio_transcription.completed", "response.created"]
+    (start,) = session.commands()  # no second transcription: the response starts at once
+    assert isinstance(start, StartGeneration) and start.messages[-1]["content"] == "Lights on."
+
+
+def test_speech_that_resumes_after_a_pause_is_transcribed_again() -> None:
+    session = make(hooks=EAGER)
+    append(session, tone(200, QUIET) + tone(400, LOUD) + tone(200, QUIET))
+    (first,) = session.commands()
+    append(session, tone(400, LOUD))  # the user goes on
+    append(session, tone(200, QUIET))
+    (second,) = session.commands()
+    assert second.item_id == first.item_id and second.tag > first.tag
+    session.transcribed(first.item_id, "Turn on", 0.4, first.tag)  # late, for the shorter cut: dropped
+    events = append(session, tone(400, QUIET))
+    assert types(events)[-1] == "response.created" and session.commands() == []  # waits for the second
+    session.transcribed(second.item_id, "Turn on the lights.", 1.0, second.tag)
+    (completed,) = drain(session)
+    assert completed["transcript"] == "Turn on the lights."
+    (start,) = session.commands()
+    assert isinstance(start, StartGeneration) and start.messages[-1]["content"] == "Turn on the lights."

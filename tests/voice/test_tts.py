@@ -1,0 +1,96 @@
+"""flite as the synthesizer: voices, the API's voice names, what it makes, and its timing marks
+(parsed with literals, then checked on real output)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from voice.errors import VoiceModelError
+from voice.tts import OPENAI_VOICES, FliteSynthesizer, marks_from_phones, parse_phone_ends
+
+
+def test_the_built_in_voices_the_mapping_needs_exist(synthesizer: FliteSynthesizer) -> None:
+    assert set(OPENAI_VOICES.values()) <= set(synthesizer.voices)
+
+
+def test_every_api_voice_maps_to_a_fixed_flite_voice(synthesizer: FliteSynthesizer) -> None:
+    assert {name: synthesizer.resolve_voice(name) for name in OPENAI_VOICES} == OPENAI_VOICES
+    assert synthesizer.resolve_voice("ALLOY") == "slt"
+    assert synthesizer.resolve_voice("rms") == "rms"  # a flite name passes through
+    assert synthesizer.resolve_voice("no-such-voice") == synthesizer.default_voice == "slt"
+    assert synthesizer.resolve_voice("awb_time") == "slt"  # speaks only times of day: never chosen
+    assert synthesizer.resolve_voice(None) == "slt"
+
+
+def test_voices_sound_different(synthesizer: FliteSynthesizer) -> None:
+    female = synthesizer.synthesize("Hello there.", "alloy")
+    male = synthesizer.synthesize("Hello there.", "ash")
+    assert female.sample_rate == male.sample_rate == 16_000
+    assert len(female.samples) != len(male.samples) or not np.array_equal(female.samples, male.samples)
+
+
+def test_speech_is_pcm16_with_increasing_marks(synthesizer: FliteSynthesizer) -> None:
+    text = "Well, I think so. And you?"
+    made = synthesizer.synthesize(text, "alloy")
+    assert made.samples.dtype == np.int16 and made.sample_rate == 16_000
+    assert 1.0 < made.seconds < 5.0
+    assert np.abs(made.samples.astype(np.int32)).max() > 3000  # audible, not silence
+    assert made.seconds_taken > 0 and made.real_time_factor < 1
+    chars = [c for c, _ in made.marks]
+    samples = [s for _, s in made.marks]
+    assert chars == sorted(set(chars)) and samples == sorted(samples)
+    assert made.marks[0][0] == 0 and made.marks[-1][0] == len(text)
+    # flite's leading pause: speech starts after silence; the two inside pauses were tied to the
+    # two punctuation breaks (start and end of each pause: 2 + 2 * 2 marks).
+    assert made.marks[0][1] > 0.05 * 16_000
+    assert len(made.marks) == 6
+
+
+def test_blank_text_is_no_audio_and_no_process(synthesizer: FliteSynthesizer) -> None:
+    assert len(synthesizer.synthesize("   \n").samples) == 0
+
+
+def test_text_is_spoken_never_read_as_options(synthesizer: FliteSynthesizer) -> None:
+    # An answer starting with a dash or holding control characters is spoken, not parsed.
+    made = synthesizer.synthesize("-voice kal --help\x00 -o /tmp/x")
+    assert made.seconds > 1.0 and made.sample_rate == 16_000
+
+
+def test_an_over_long_text_is_a_callers_bug() -> None:
+    with pytest.raises(ValueError):
+        FliteSynthesizer().synthesize("word " * 1000)
+
+
+def test_a_missing_binary_is_a_clear_start_up_error(tmp_path: Path) -> None:
+    with pytest.raises(VoiceModelError, match="not installed"):
+        FliteSynthesizer(str(tmp_path / "no-flite"))
+
+
+def test_phone_timings_parse() -> None:
+    assert parse_phone_ends("pau:0.220 hh:0.295 ax:0.342 junk pau:x l:1\n") == [
+        ("pau", 0.22), ("hh", 0.295), ("ax", 0.342), ("l", 1.0)]
+
+
+def test_marks_from_phones_tie_pauses_to_punctuation() -> None:
+    # "Hi, you." at 100 Hz: leading pause to 0.2 s, "hi" to 0.4, a pause to 0.5, "you" to 0.8,
+    # trailing pause to 1.0.
+    phones = [("pau", 0.2), ("hh", 0.3), ("ay", 0.4), ("pau", 0.5), ("y", 0.6), ("uw", 0.8), ("pau", 1.0)]
+    assert marks_from_phones("Hi, you.", phones, 100, 100) == ((0, 20), (3, 40), (4, 50), (8, 80))
+    # Leading whitespace in the phrase: speech starts at its first character.
+    assert marks_from_phones(" Hi, you.", phones, 100, 100) == ((1, 20), (4, 40), (5, 50), (9, 80))
+
+
+def test_marks_skip_pauses_that_do_not_match_the_punctuation() -> None:
+    # Two inside pauses but one break in the text: only where speech starts and ends is used.
+    phones = [("pau", 0.1), ("a", 0.2), ("pau", 0.3), ("b", 0.4), ("pau", 0.5), ("c", 0.6), ("pau", 0.7)]
+    assert marks_from_phones("a b, c", phones, 100, 70) == ((0, 10), (6, 60))
+
+
+def test_marks_need_phones_and_audio() -> None:
+    assert marks_from_phones("hi", [], 100, 10) == ()
+    assert marks_from_phones("hi", [("pau", 0.1)], 100, 10) == ()
+    assert marks_from_phones("", [("a", 0.1)], 100, 10) == ()
+    assert marks_from_phones("hi", [("hh", 0.1), ("ay", 5.0)], 100, 10) == ((0, 0), (2, 10))  # clamped to the audio

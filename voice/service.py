@@ -1,0 +1,102 @@
+"""What the gateway holds: the models loaded once, the worker pool, and the per-session pieces,
+built from a ``VoiceConfig``, speaking the wire's 24 kHz PCM16 on both sides.
+
+    service = await asyncio.to_thread(VoiceService, config)   # loads models: ~0.5 s, off the loop
+    segmenter = service.segmenter(VadParams(...))             # per session, used on the loop
+    to_16k = service.input_resampler()                        # per session, used on the loop
+    events = segmenter.feed(to_16k.feed(pcm_24k))             # each append
+    text = (await service.transcribe(committed_pcm_24k)).text  # on the pool; VoiceBusy past its bound
+    phrase = await service.speak("Hello there.", voice)        # 24 kHz PCM16 + alignment marks
+
+Recognition and synthesis (with their resampling) run on the pool's threads, never the loop;
+VAD and input resampling are cheap enough for the loop (``voice.vad``, ``voice.audio``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from voice.alignment import Mark, scale_marks
+from voice.asr import Transcription, WhisperRecognizer
+from voice.audio import REALTIME_RATE, SPEECH_RATE, Int16Array, StreamResampler, resample, to_int16
+from voice.config import VoiceConfig
+from voice.phrases import PhraseBounds, PhraseSplitter
+from voice.pool import SPOKEN_CHARS_PER_S, JobFigures, VoicePool
+from voice.tts import FliteSynthesizer, Synthesizer
+from voice.vad import SileroVad, SpeechSegmenter, VadParams
+
+
+@dataclass(frozen=True)
+class SpokenPhrase:
+    text: str
+    pcm: Int16Array  # 24 kHz PCM16 mono, ready for response.output_audio.delta
+    marks: tuple[Mark, ...]  # alignment anchors at 24 kHz, for Alignment.add(text, len(pcm), marks)
+    seconds_taken: float  # synthesis and resampling, on the worker
+
+
+class VoiceService:
+    """One per gateway process. Construction loads the models (blocking: call it in a thread)."""
+
+    def __init__(self, config: VoiceConfig, *, observer: Callable[[JobFigures], None] | None = None) -> None:
+        self.config = config
+        self.vad = SileroVad(config.vad_model)
+        self.recognizer = WhisperRecognizer(config.asr_model, threads=config.asr_threads, workers=config.pool_threads,
+                                            beam_size=config.asr_beam_size, compute_type=config.asr_compute_type)
+        self.synthesizer = make_synthesizer(config)
+        self.pool = VoicePool(threads=config.pool_threads, max_outstanding_audio_s=config.max_queued_audio_s,
+                              max_outstanding_jobs=config.max_queued_jobs, job_timeout_s=config.job_timeout_s,
+                              observer=observer)
+        self.phrase_bounds = PhraseBounds(first_max_chars=config.first_phrase_max_chars,
+                                          max_chars=config.phrase_max_chars)
+
+    def segmenter(self, params: VadParams | None = None) -> SpeechSegmenter:
+        return SpeechSegmenter(self.vad, params)
+
+    def input_resampler(self) -> StreamResampler:
+        """The wire's 24 kHz to the VAD's 16 kHz, one per session (it keeps the filter's history)."""
+        return StreamResampler(REALTIME_RATE, SPEECH_RATE)
+
+    def phrase_splitter(self) -> PhraseSplitter:
+        """One per spoken response."""
+        return PhraseSplitter(self.phrase_bounds)
+
+    async def transcribe(self, pcm_24k: Int16Array) -> Transcription:
+        """A committed input buffer's text. Raises ``VoiceBusy``, ``VoiceTimeout``."""
+        pcm = np.array(pcm_24k, np.int16)  # the session's buffer is cleared and reused while this waits
+        recognizer = self.recognizer
+        return await self.pool.run("asr", lambda: recognizer.transcribe(resample(pcm, REALTIME_RATE, SPEECH_RATE)),
+                                   audio_s=len(pcm) / REALTIME_RATE)
+
+    async def speak(self, text: str, voice: str | None = None) -> SpokenPhrase:
+        """One phrase as 24 kHz audio. Each phrase is resampled whole: flite starts and ends every
+        phrase in silence, so no filter edge is heard at the joins. Raises ``VoiceBusy``,
+        ``VoiceTimeout``; cancelling the caller drops the phrase if it has not started."""
+        synthesizer = self.synthesizer
+
+        def job() -> SpokenPhrase:
+            started = time.perf_counter()
+            made = synthesizer.synthesize(text, voice)
+            pcm = to_int16(resample(made.samples, made.sample_rate, REALTIME_RATE))
+            marks = scale_marks(made.marks, made.sample_rate, REALTIME_RATE)
+            return SpokenPhrase(text, pcm, marks, time.perf_counter() - started)
+
+        estimate = max(len(text.strip()), 1) / SPOKEN_CHARS_PER_S
+        return await self.pool.run("tts", job, audio_s=estimate, measure=lambda p: len(p.pcm) / REALTIME_RATE)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.synthesizer.close()
+
+
+def make_synthesizer(config: VoiceConfig) -> Synthesizer:
+    """The configured backend; piper's module is imported only when chosen (it imports no piper
+    code itself either: piper runs as its own program)."""
+    if config.tts_backend == "piper":
+        from voice.tts_piper import PiperSynthesizer
+
+        return PiperSynthesizer(config.tts_model, processes=config.pool_threads, timeout_s=config.job_timeout_s)
+    return FliteSynthesizer(config.tts_binary, default_voice=config.voice, timeout_s=config.job_timeout_s)
