@@ -208,17 +208,14 @@ async def arm_overshoot(directory: Path, redis: Redis, sizes: Sizes) -> dict[str
 # --- failover -----------------------------------------------------------------------------------
 
 
-async def until_store_back(server: GatewayProcess, within_s: float, *, nudge: bool) -> float | None:
-    """When ``/readyz`` first said the store was back, polled for ``within_s``; None if it did not.
-    With ``nudge``, a request each poll: the gateway probes the store only when a call comes."""
+async def until_store_back(server: GatewayProcess, within_s: float) -> float | None:
+    """When ``/readyz`` first said the store was back, polled for ``within_s`` (each poll may probe
+    the store, as a readiness probe does); None if it did not."""
     deadline = time.perf_counter() + within_s
-    async with aiohttp.ClientSession() as http:
-        while time.perf_counter() < deadline:
-            if nudge:
-                await chat(http, server.url)
-            if not await store_degraded(server):
-                return time.perf_counter()
-            await asyncio.sleep(0.1)
+    while time.perf_counter() < deadline:
+        if not await store_degraded(server):
+            return time.perf_counter()
+        await asyncio.sleep(0.1)
     return None
 
 
@@ -256,9 +253,9 @@ async def failover_policy(directory: Path, policy: str, sizes: Sizes) -> dict[st
             starts.append(time.perf_counter())
             if phase != "restarted":
                 await asyncio.sleep(sizes.phase_s)
-        back = await until_store_back(server, sizes.phase_s, nudge=False)  # under the load
+        back = await until_store_back(server, sizes.phase_s)  # under the load
         results = await load_task
-        back = back or await until_store_back(server, RECOVER_WITHIN_S, nudge=True)
+        back = back or await until_store_back(server, RECOVER_WITHIN_S)  # idle: readiness probes alone
         recover_s = None if back is None else back - starts[-1]  # from Redis answering again
         survived = 0
         for session in sessions:

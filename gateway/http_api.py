@@ -93,8 +93,9 @@ async def readyz(request: web.Request) -> web.Response:
         return refused
     tiers = state.router.tiers_up() if state.router is not None else {}
     down = state.router.why_down() if state.router is not None else {}
+    up = await state.limits.recover()  # an idle gateway learns here that its store is back
     limits = {"backend": state.config.limits.backend, "failure": state.config.limits.failure,
-              "degraded": state.limits.degraded}  # degraded: the shared store is away (fail_open: local limits)
+              "degraded": not up}  # degraded: the shared store is away (fail_open: local limits)
     if state.ready:
         # degraded: the cascade serves on one tier while the other is down
         return web.json_response({"status": "ready", "tiers": tiers, "degraded": not all(tiers.values()),

@@ -228,6 +228,13 @@ class LimitsStore(ABC):
     def held(self, kind: LeaseKind) -> int:
         """Leases of ``kind`` this process holds (all keys)."""
 
+    async def ping(self) -> None:  # noqa: B027  # optional: a store in this process is always there
+        """One round trip to the store (``LimitsUnavailableError`` if none); in-process: nothing."""
+
+    async def recover(self) -> bool:
+        """Probe a store that is away if a probe is due; whether it is up (``FailoverStore``)."""
+        return not self.degraded
+
     async def aclose(self) -> None:
         """Stop renewing (leases still held then expire) after the settlements in flight."""
         if self._tasks:

@@ -11,6 +11,7 @@ shared store that fail are dropped (its leases expire, a charge is lost), never 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -173,6 +174,16 @@ class FailoverStore(LimitsStore):
             await self.local.release(lease)
         elif not lease.released:
             await self._cleanup(lambda: self.shared.release(lease))
+
+    async def recover(self) -> bool:
+        """While the shared store is away, probe it if a probe is due (one round trip, bounded by
+        its timeout) and end the outage if it answers; whether it is up. ``/readyz`` calls this,
+        so an idle gateway (no admission to probe with) reports the store back as soon as it is."""
+        probe = self._claim()
+        if probe:
+            with contextlib.suppress(LimitsUnavailableError):
+                await self._via_shared(self.shared.ping, probe)
+        return not self.degraded
 
     async def snapshot(self, key_id: str) -> Snapshot:
         """The shared store's view; this process's while it is away (whatever the policy)."""

@@ -29,6 +29,7 @@ class FlakyStore(InProcessStore):
         self.refuse = False
         self.hang: asyncio.Event | None = None
         self.calls = 0
+        self.pings = 0
 
     async def _reach(self) -> None:
         self.calls += 1
@@ -42,6 +43,10 @@ class FlakyStore(InProcessStore):
     async def admit(self, key_id: str) -> Snapshot:
         await self._reach()
         return await super().admit(key_id)
+
+    async def ping(self) -> None:
+        self.pings += 1
+        await self._reach()
 
     async def acquire_lease(self, kind: LeaseKind, key_id: str, holder: str = "") -> Lease:
         await self._reach()
@@ -137,3 +142,19 @@ async def test_the_process_cap_counts_leases_from_both_stores() -> None:
     await store.release(granted[2])  # back to the local store that granted it
     assert (store.local.held("session"), store.held("session")) == (0, 2)
     await store.aclose()
+
+
+async def test_an_idle_gateway_learns_its_store_is_back_from_recover() -> None:
+    store, shared, clock, flips = build()
+    shared.down = True
+    await store.admit("k")
+    assert store.degraded
+    shared.down = False
+    assert await store.recover() is False and shared.pings == 0  # not due yet: left alone
+    clock.advance(INTERVAL)
+    shared.down = True
+    assert await store.recover() is False and shared.pings == 1  # due, still down
+    clock.advance(INTERVAL)
+    shared.down = False
+    assert await store.recover() is True and flips == [True, False]  # back, with no admission at all
+    assert shared.pings == 2
