@@ -54,11 +54,30 @@ export interface SessionSettings {
   parallelToolCalls?: boolean;
 }
 
+export interface TurnDetection {
+  type: "server_vad";
+  threshold?: number; // 0..1, 0.5
+  prefix_padding_ms?: number; // 300
+  silence_duration_ms?: number; // 500
+  create_response?: boolean; // true: the server answers each utterance
+  interrupt_response?: boolean; // true: speech over an answer cancels it
+}
+
+/** Voice settings (sent in the GA session's `audio` object). */
+export interface VoiceSettings {
+  /** ["audio"]: answers are spoken (their words stream as the turn's text); ["text"]: written. */
+  outputModalities?: ("audio" | "text")[] | "audio" | "text";
+  voice?: "alloy" | "ash" | "ballad" | "coral" | "echo" | "sage" | "shimmer" | "verse" | "marin" | "cedar";
+  /** Server VAD ("server_vad" or its settings), or null for push to talk (`commitAudio`, `respond`). */
+  turnDetection?: TurnDetection | "server_vad" | null;
+  transcription?: { model?: string; language?: string; prompt?: string } | null;
+}
+
 export interface ResponseOptions extends SessionSettings {
   metadata?: Record<string, string>;
 }
 
-export interface ClientOptions extends SessionSettings {
+export interface ClientOptions extends SessionSettings, VoiceSettings {
   /** The gateway's base URL, http(s) or ws(s); default http://127.0.0.1:8000. */
   url?: string;
   apiKey?: string | null;
@@ -155,7 +174,7 @@ export interface TurnResult {
   error: ServerErrorBody | null;
   tier: string | null;
   cachedTokens: number;
-  /** Time to the first text delta, measured here; null when none came. */
+  /** Time to the first text (or transcript) delta, measured here; null when none came. */
   ttftMs: number | null;
   elapsedMs: number;
 }
@@ -171,9 +190,17 @@ export class Turn implements AsyncIterable<string> {
   /** The function calls so far. */
   readonly calls: FunctionCall[];
   readonly done: boolean;
+  /** A spoken answer: ms of its audio received so far. */
+  readonly audioMs: number;
+  /** The user's speech this answer is for, once transcribed. */
+  readonly userTranscript: string | null;
   /** Resolves when the turn ends; never rejects. */
   readonly result: Promise<TurnResult>;
+  /** Text deltas; for a spoken answer, its transcript deltas (the words before their audio). */
   on(type: "delta", fn: (text: string) => void): Unsubscribe;
+  /** A spoken answer's audio: PCM16 at 24 kHz. */
+  on(type: "audio", fn: (pcm: Int16Array) => void): Unsubscribe;
+  on(type: "transcript", fn: (userTranscript: string) => void): Unsubscribe;
   on(type: "functionCall", fn: (call: FunctionCall) => void): Unsubscribe;
   on(type: "done", fn: (result: TurnResult) => void): Unsubscribe;
   [Symbol.asyncIterator](): AsyncIterator<string>;
@@ -205,7 +232,7 @@ export class RealtimeClient {
   /** Ends the session and any reconnect under way (a connect in progress rejects with
    * `client_closed`, and no session opens after it); the client cannot be opened again. */
   close(): void;
-  configure(settings: SessionSettings): Promise<void>;
+  configure(settings: SessionSettings & VoiceSettings): Promise<void>;
   send(text: string, options?: ResponseOptions): Promise<Turn>;
   ask(text: string, options?: ResponseOptions): Promise<TurnResult>;
   /** Answers function calls (`{[callId]: output}`; a string as it is, anything else as JSON) and
@@ -216,11 +243,31 @@ export class RealtimeClient {
   interrupt(heardChars: number, options?: { itemId?: string }): Promise<InterruptResult | null>;
   events(): AsyncIterableIterator<RealtimeEvent>;
 
+  /** PCM16 mono at 24 kHz to the input buffer (base64 on JSON, raw bytes on msgpack), in pieces
+   * of at most 128 KiB; throws when not connected or for an odd byte count. */
+  appendAudio(pcm: Int16Array | Uint8Array | ArrayBuffer): void;
+  /** Push to talk: the buffer becomes a user item; resolves with its id. */
+  commitAudio(): Promise<string>;
+  clearAudio(): Promise<void>;
+  /** Push to talk: commit, then start the answer. */
+  respond(options?: ResponseOptions): Promise<Turn>;
+  /** Keep of spoken item `itemId` the words its first `audioEndMs` said, here and on the server. */
+  truncateAudio(itemId: string, audioEndMs: number): Promise<AudioCut>;
+
   on(type: "event", fn: (event: RealtimeEvent) => void): Unsubscribe;
   on(type: "delta", fn: (delta: { turn: Turn; text: string }) => void): Unsubscribe;
   on(type: "turn", fn: (turn: Turn) => void): Unsubscribe;
   on(type: "functionCall", fn: (info: { turn: Turn; call: FunctionCall }) => void): Unsubscribe;
   on(type: "error", fn: (error: ServerErrorBody) => void): Unsubscribe;
+  /** An answer the server started by itself (server VAD committed the user's speech). */
+  on(type: "serverTurn", fn: (turn: Turn) => void): Unsubscribe;
+  on(type: "audio", fn: (info: { turn: Turn; itemId: string | null; responseId: string; pcm: Int16Array }) => void): Unsubscribe;
+  /** Server VAD heard speech start; it cancels an answer in progress (reason turn_detected). */
+  on(type: "speechStarted", fn: (info: { audioStartMs: number; itemId: string | null }) => void): Unsubscribe;
+  on(type: "speechStopped", fn: (info: { audioEndMs: number; itemId: string | null }) => void): Unsubscribe;
+  on(type: "committed", fn: (info: { itemId: string; previousItemId: string | null }) => void): Unsubscribe;
+  /** The user's speech in item `itemId`, transcribed (also the item's text in `conversation`). */
+  on(type: "transcript", fn: (info: { itemId: string; transcript: string }) => void): Unsubscribe;
   on(type: "connected", fn: (info: { session: Record<string, unknown>; restored: number }) => void): Unsubscribe;
   /** `reconnectInMs`: the gateway drained the session (1001 with a reconnect hint) and the client
    * reconnects by itself after that long; null for any other close. */
@@ -244,3 +291,84 @@ export function normalizeTools(tools: unknown[]): FunctionTool[];
 /** Length in Unicode code points, the unit of `heardChars` and the gateway's x_text_end. */
 export function codePointLength(text: string): number;
 export function codePointSlice(text: string, end: number): string;
+
+// --- voice ---
+
+export const SAMPLE_RATE: 24000;
+
+export interface AudioCut {
+  itemId: string;
+  /** The ms of the item's audio that were played, as sent in the truncate. */
+  audioEndMs: number;
+  /** What the item keeps: the words said by then. */
+  text: string;
+}
+
+export function sessionFields(options: SessionSettings & VoiceSettings): Record<string, unknown>;
+export function base64FromBytes(bytes: Uint8Array): string;
+export function bytesFromBase64(text: string): Uint8Array;
+export function float32ToPcm16(samples: Float32Array): Int16Array;
+export function pcm16ToFloat32(pcm: Int16Array): Float32Array;
+
+/** A stream downsampled in chunks (box filter), the remainder carried between chunks. */
+export class Downsampler {
+  constructor(fromRate: number, toRate?: number);
+  readonly ratio: number;
+  feed(samples: Float32Array): Float32Array;
+}
+
+/** Plays spoken answers with Web Audio (scheduled buffers) and counts, per item, the ms played. */
+export class AudioPlayer {
+  constructor(options?: { context?: AudioContext; AudioContext?: typeof AudioContext; leadMs?: number });
+  context: AudioContext | null;
+  /** The item whose audio came last, and how much of it came. */
+  readonly itemId: string | null;
+  readonly receivedMs: number;
+  /** Chunks scheduled so far, all items. */
+  readonly chunks: number;
+  /** Audio is scheduled past the context's clock. */
+  readonly playing: boolean;
+  /** Creates or resumes the AudioContext; call it from a user gesture. */
+  resume(): AudioContext;
+  enqueue(itemId: string, pcm: Int16Array): void;
+  playedMs(itemId?: string | null): number;
+  /** Silences it now; what was played of the last item. */
+  stop(): { itemId: string | null; playedMs: number };
+  close(): void;
+  on(type: "started", fn: (info: { itemId: string; at: number }) => void): Unsubscribe;
+  on(type: "stopped", fn: (info: { itemId: string | null; playedMs: number }) => void): Unsubscribe;
+}
+
+/** The microphone as PCM16 at 24 kHz chunks (getUserMedia, an AudioWorklet or a ScriptProcessor). */
+export class Microphone {
+  constructor(options?: { chunkMs?: number; context?: AudioContext; AudioContext?: typeof AudioContext;
+    mediaDevices?: MediaDevices; constraints?: MediaTrackConstraints });
+  context: AudioContext | null;
+  readonly chunkMs: number;
+  /** Ms of audio handed to onChunk so far. */
+  readonly capturedMs: number;
+  /** "worklet" or "script-processor", once started. */
+  readonly kind?: string;
+  start(onChunk: (pcm: Int16Array) => void): Promise<void>;
+  stop(): void;
+}
+
+/** A voice conversation: microphone in, server VAD, spoken answers played, barge-in. */
+export class VoiceSession {
+  constructor(client: RealtimeClient, options?: { voice?: VoiceSettings["voice"]; turnDetection?: TurnDetection | "server_vad";
+    player?: AudioPlayer; microphone?: Microphone; bargeIn?: boolean; instructions?: string });
+  readonly client: RealtimeClient;
+  readonly player: AudioPlayer;
+  readonly microphone: Microphone;
+  /** Barge-ins done (answers truncated to what was played). */
+  readonly bargeIns: number;
+  readonly active: boolean;
+  bargeIn: boolean;
+  /** Asks for the microphone, configures the session (audio out, server VAD) and starts streaming. */
+  start(): Promise<void>;
+  /** Stops the answer playing now and truncates it to what was played; null when nothing plays. */
+  interrupt(): Promise<AudioCut | null>;
+  stop(): void;
+  on(type: "interrupted", fn: (cut: AudioCut) => void): Unsubscribe;
+  on(type: "error", fn: (error: Error) => void): Unsubscribe;
+}

@@ -2,9 +2,12 @@
 // Each answer streams into its bubble; in speaking mode it is revealed at a speaking rate, as a
 // voice would read it, and Stop is barge-in: the conversation keeps what was shown. With the demo
 // tools on, a call is shown in the answer (its function and arguments), answered by the page with
-// a canned JSON output, and the model goes on from it in the next bubble.
+// a canned JSON output, and the model goes on from it in the next bubble. Talk starts a voice
+// conversation (the SDK's VoiceSession): the microphone streams to the server, whose voice detection
+// answers each utterance in speech; the page plays it, and talking over an answer interrupts it (the
+// conversation keeps the words played).
 import {
-  codePointLength, codePointSlice, GatewayRefused, GatewayUnreachable, RealtimeClient,
+  codePointLength, codePointSlice, GatewayRefused, GatewayUnreachable, RealtimeClient, VoiceSession,
 } from "../sdk/rtgw.js";
 
 const SPEAK_RATE = 15; // characters per second, about a speaking voice
@@ -37,11 +40,16 @@ const el = (id) => document.getElementById(id);
 const ui = {
   status: el("status"), banner: el("banner"), messages: el("messages"), form: el("composer"), prompt: el("prompt"),
   send: el("send"), stop: el("stop"), model: el("model"), maxTokens: el("max-tokens"), apiKey: el("api-key"),
-  speaking: el("speaking"), newChat: el("new-chat"), rate: el("rate"), tools: el("tools"),
+  speaking: el("speaking"), newChat: el("new-chat"), rate: el("rate"), tools: el("tools"), mic: el("mic"),
+  voiceState: el("voice-state"),
 };
 
 let client = null;
 let active = null; // the TurnView of the answer being streamed or spoken
+let voice = null; // the VoiceSession while Talk is on
+// What the voice conversation did, for the console and the page's test.
+const voiceStats = { audioDeltas: 0, receivedMs: 0, playbackStarts: 0, cuts: [], transcripts: [], turns: [],
+  errors: [] };
 
 // --- settings, kept in localStorage ---
 
@@ -290,6 +298,7 @@ async function loadModels(wanted) {
 
 function newChat() {
   if (active) return;
+  if (voice) stopVoice();
   ui.messages.replaceChildren();
   newClient();
   connect();
@@ -350,6 +359,14 @@ async function stop() {
   const view = active;
   if (!view) return;
   ui.stop.disabled = true;
+  if (voice && view.voice) { // Stop on a spoken answer: barge-in by hand
+    try {
+      await voice.interrupt();
+    } catch (e) {
+      showBanner(`Could not cut the answer on the server: ${e.message}`);
+    }
+    return;
+  }
   if (!view.speaking) {
     await client.cancel();
     return;
@@ -361,6 +378,88 @@ async function stop() {
   } catch (e) {
     showBanner(`Could not cut the answer on the server: ${e.message}`);
   }
+}
+
+// --- voice ---
+
+function setVoiceState(text) {
+  ui.voiceState.hidden = !text;
+  ui.voiceState.textContent = text;
+}
+
+/** A spoken answer the server started (its voice detection committed what the user said). */
+async function showVoiceTurn(turn) {
+  const view = new TurnView(addMessage("assistant", ""), false);
+  view.voice = true;
+  view.box.classList.add("voice");
+  const entry = { responseId: turn.responseId, itemId: null, view };
+  voiceStats.turns.push(entry);
+  if (!active) active = view;
+  setBusy(true);
+  view.attach(turn);
+  const result = await turn.result;
+  entry.itemId = result.itemId;
+  if (result.itemId) view.box.dataset.itemId = result.itemId;
+  view.finish(result);
+  if (active === view) {
+    active = null;
+    setBusy(false);
+  }
+}
+
+async function startVoice() {
+  hideBanner();
+  const c = client;
+  const v = new VoiceSession(c, { voice: "alloy" });
+  voice = v;
+  ui.mic.setAttribute("aria-pressed", "true");
+  ui.mic.textContent = "Stop talking";
+  setVoiceState("starting the microphone…");
+  v.off = [
+    c.on("audio", ({ pcm }) => { voiceStats.audioDeltas += 1; voiceStats.receivedMs += pcm.length / 24; }),
+    c.on("speechStarted", () => setVoiceState("hearing you…")),
+    c.on("speechStopped", () => setVoiceState("thinking…")),
+    c.on("committed", ({ itemId }) => {
+      const box = addMessage("user", "");
+      box.classList.add("voice");
+      box.dataset.itemId = itemId;
+    }),
+    c.on("transcript", ({ itemId, transcript }) => {
+      voiceStats.transcripts.push(transcript);
+      const box = ui.messages.querySelector(`.msg.user[data-item-id="${CSS.escape(itemId)}"]`);
+      if (box) box.querySelector(".text").textContent = transcript || "(nothing heard)";
+    }),
+    c.on("serverTurn", (turn) => { showVoiceTurn(turn); }),
+    v.player.on("started", () => { voiceStats.playbackStarts += 1; setVoiceState("speaking (talk to interrupt)"); }),
+    v.player.on("stopped", () => setVoiceState("listening…")),
+  ];
+  v.on("interrupted", (cut) => {
+    voiceStats.cuts.push(cut);
+    const entry = voiceStats.turns.find((t) => (t.itemId ?? t.view.turn?.itemId) === cut.itemId);
+    entry?.view.interrupted(cut);
+  });
+  v.on("error", (e) => { voiceStats.errors.push(e.message); showBanner(`Voice: ${e.message}`); });
+  try {
+    await v.start();
+    setVoiceState("listening…");
+  } catch (e) {
+    voiceStats.errors.push(e.message);
+    stopVoice();
+    showBanner(e.name === "NotAllowedError" ? "The microphone was refused: allow it for this page to talk."
+      : `The microphone could not start: ${explain(e)}`);
+  }
+}
+
+function stopVoice() {
+  const v = voice;
+  if (!v) return;
+  voice = null;
+  v.stop();
+  for (const off of v.off ?? []) off();
+  ui.mic.setAttribute("aria-pressed", "false");
+  ui.mic.textContent = "Talk";
+  setVoiceState("");
+  v.client.configure({ outputModalities: ["text"] }).catch(() => {}); // typed turns are written again
 }
 
 // --- wiring ---
@@ -380,6 +479,7 @@ ui.prompt.addEventListener("keydown", (event) => {
   }
 });
 ui.stop.addEventListener("click", stop);
+ui.mic.addEventListener("click", () => (voice ? stopVoice() : startVoice()));
 ui.newChat.addEventListener("click", newChat);
 ui.maxTokens.addEventListener("change", saveSettings);
 ui.speaking.addEventListener("change", saveSettings);
@@ -394,4 +494,11 @@ ui.apiKey.addEventListener("change", async () => {
 await loadModels(saved.model);
 newClient();
 connect();
-globalThis.rtgwDemo = { client: () => client }; // for the console and the page's test
+// for the console and the page's tests
+globalThis.rtgwDemo = {
+  client: () => client,
+  voice: () => ({ ...voiceStats, on: voice !== null, playing: voice?.player.playing ?? false,
+    playedMs: voice?.player.playedMs() ?? 0, bargeIns: voice?.bargeIns ?? 0, micMs: voice?.microphone.capturedMs ?? 0,
+    micKind: voice?.microphone.kind ?? null, turns: voiceStats.turns.map(({ responseId, itemId, view }) => ({
+      responseId, itemId: itemId ?? view.turn?.itemId ?? null, status: view.box.dataset.status })) }),
+};

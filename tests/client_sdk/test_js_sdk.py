@@ -3,8 +3,9 @@
 ``test_js_sdk_against_gateway`` starts a real gateway process (edge tier, one API key) and a
 small control server beside it (``POST /restart`` restarts the gateway on the same port, with
 SIGTERM, so the gateway drains first, and answers once it is ready again), then runs ``node --test`` on the SDK's tests with
-``RTGW_URL``, ``RTGW_KEY`` and ``RTGW_CONTROL_URL`` set. The codec and client-logic tests need
-no gateway and run in the default (fast) selection.
+``RTGW_URL``, ``RTGW_KEY`` and ``RTGW_CONTROL_URL`` set. The codec, client-logic and voice-part
+tests need no gateway and run in the default (fast) selection; the SDK's voice in a browser is
+``tests/gateway/test_demo_voice.py``.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def control_server(gateway: GatewayProcess) -> Iterator[str]:
 
 @needs_node
 def test_js_sdk_pure_parts() -> None:
-    """The msgpack codec and the client's logic over a scripted socket: no gateway, fast."""
-    done = run_node(("msgpack.test.mjs", "client.test.mjs"), {}, timeout=120)
+    """The msgpack codec, the client's logic over a scripted socket and its voice parts (the
+    downsampler, the player on a fake AudioContext, barge-in): no gateway, no browser, fast."""
+    done = run_node(("msgpack.test.mjs", "client.test.mjs", "voice.test.mjs"), {}, timeout=120)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
 
 

@@ -1,7 +1,8 @@
 """Client SDK for the rt-llm-gateway: a Realtime session with streaming, cancel and barge-in,
-function calling, reconnect with conversation restore, JSON or msgpack frames, and an on-device
-fallback."""
+function calling, voice (audio in and out, server VAD, barge-in that truncates to what was
+played), reconnect with conversation restore, JSON or msgpack frames, and an on-device fallback."""
 
+from rtgw.audio import Player, RealTimePlayer, read_wav, write_wav
 from rtgw.client import (
     Backoff,
     ClientClosed,
@@ -22,11 +23,28 @@ from rtgw.protocol import (
     FunctionCallOutputItem,
     Item,
     TextDelta,
+    TranscriptDelta,
     TurnResult,
+)
+from rtgw.voice_events import (
+    AudioCleared,
+    AudioCommitted,
+    AudioDelta,
+    AudioRefused,
+    InputTranscript,
+    Interrupted,
+    SpeechStarted,
+    SpeechStopped,
+    TranscriptionFailed,
+    TurnStarted,
+    VoiceEvent,
 )
 
 __all__ = [
-    "Backoff", "ClientClosed", "ClientProtocol", "ConversationItem", "FunctionCall", "FunctionCallItem",
-    "FunctionCallOutputItem", "GatewayError", "GatewayRefused", "GatewayUnreachable", "Item", "OfflineConfig",
-    "OfflineModelError", "RealtimeClient", "TextDelta", "Turn", "TurnInProgress", "TurnResult", "realtime_url",
+    "AudioCleared", "AudioCommitted", "AudioDelta", "AudioRefused", "Backoff", "ClientClosed", "ClientProtocol",
+    "ConversationItem", "FunctionCall", "FunctionCallItem", "FunctionCallOutputItem", "GatewayError",
+    "GatewayRefused", "GatewayUnreachable", "InputTranscript", "Interrupted", "Item", "OfflineConfig",
+    "OfflineModelError", "Player", "RealTimePlayer", "RealtimeClient", "SpeechStarted", "SpeechStopped",
+    "TextDelta", "TranscriptDelta", "TranscriptionFailed", "Turn", "TurnInProgress", "TurnResult", "TurnStarted",
+    "VoiceEvent", "read_wav", "realtime_url", "write_wav",
 ]

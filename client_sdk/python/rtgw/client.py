@@ -15,6 +15,10 @@ and starts the next response (``send_tool_outputs`` answers several).
 assistant's message down to what the user heard (our ``x_text_end`` truncate, or delete and
 re-create it on a server without that extension), so the next turn's context holds only that.
 
+Voice (``rtgw/voice.py``, a mixin of this class): audio in (``append_audio``, ``speak``,
+``commit_audio``, ``respond``), spoken answers out (``AudioDelta`` events, a ``player``), the
+answers server VAD starts (``next_turn``), and barge-in that truncates to the audio played.
+
 When the connection drops, the active turn ends ``failed`` (reason ``connection_lost``) and the
 next operation reconnects with jittered exponential backoff, then restores the conversation on
 the new session by re-sending its items with their ids. A gateway replica that is going away
@@ -46,6 +50,7 @@ from typing import Any
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
+from rtgw.audio import Player
 from rtgw.device_response import DeviceResponse
 from rtgw.framing import MSGPACK_SUBPROTOCOL, FrameError, Framing, decode, encode
 from rtgw.offline import OfflineConfig, OfflineModel, OfflineModelError, OfflineRequestError
@@ -65,6 +70,7 @@ from rtgw.protocol import (
 )
 from rtgw.tools import ToolChoice, normalize_tools, response_fields, tool_fields
 from rtgw.turn import Turn
+from rtgw.voice import VoiceClient, merge_session, session_fields
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +131,7 @@ class _Session:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-class RealtimeClient:
+class RealtimeClient(VoiceClient):
     def __init__(
         self,
         url: str = "http://127.0.0.1:8000",
@@ -144,11 +150,15 @@ class RealtimeClient:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool | None = None,
+        player: Player | None = None,
+        barge_in: bool = True,
     ) -> None:
         """``url``: the gateway's base URL (http(s) or ws(s)); ``silence_timeout``: the longest
         wait for a server event while a turn runs; ``request_timeout``: for acknowledgements
         (a truncate, the session's first event). ``tools``, ``tool_choice``, ``parallel_tool_calls``:
-        the session's function calling (``tool_fields``), for every turn unless it says otherwise."""
+        the session's function calling (``tool_fields``), for every turn unless it says otherwise.
+        ``player``: where spoken answers are played (``rtgw.audio.Player``); ``barge_in``: truncate
+        an answer to what was played when the user starts speaking over it (``rtgw/voice.py``)."""
         if framing not in ("json", "msgpack"):
             raise ValueError("framing must be 'json' or 'msgpack'")
         self.ws_url = realtime_url(url, model)
@@ -178,6 +188,7 @@ class RealtimeClient:
         self._reconnect_at: float | None = None
         self._reconnect_task: asyncio.Task[None] | None = None
         self._resume: Turn | None = None
+        self._init_voice(player, barge_in)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -219,6 +230,7 @@ class RealtimeClient:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self._close_voice()
         await self._drop_connection()
         if self._offline is not None:
             await self._offline.close()
@@ -239,10 +251,15 @@ class RealtimeClient:
 
     async def update_session(self, **fields: Any) -> None:
         """``session.update`` now and on every session after (instructions, temperature, model,
-        tools, tool_choice, parallel_tool_calls...). The on-device fallback honours them too."""
+        tools, tool_choice, parallel_tool_calls...). The on-device fallback honours them too.
+        Voice: ``output_modalities=["audio"]``, ``voice``, ``turn_detection`` (None: push to talk),
+        ``transcription`` (``rtgw.voice.session_fields``)."""
         if fields.get("tools") is not None:
             fields["tools"] = normalize_tools(fields["tools"])
-        self._session.fields.update(fields)
+        fields = session_fields(fields)
+        merge_session(self._session.fields, fields)
+        if "audio" in fields:  # the whole audio object: an update of its voice keeps its turn detection
+            fields["audio"] = self._session.fields["audio"]
         if self._ws is not None:
             await self._send(self.protocol.session_update(**fields))
 
@@ -572,7 +589,12 @@ class RealtimeClient:
 
     def _dispatch(self, event: dict[str, Any]) -> None:
         turn = self._turn
-        for typed in self.protocol.receive(event):
+        typed_events = self.protocol.receive(event)
+        if event["type"] == "response.created" and self.protocol.active_response_id is not None:
+            turn = self._response_started(self.protocol.active_response_id, turn)
+        for typed in typed_events:
+            if self._voice_dispatch(typed, turn):  # audio, transcripts, speech detection
+                continue
             if isinstance(typed, SessionInfo):
                 self._resolve(("session", "created"), typed)
             elif isinstance(typed, TextDelta):
@@ -595,6 +617,8 @@ class RealtimeClient:
 
     def _on_error(self, error: ServerError) -> None:
         if error.event_id and self._resolve(("event", error.event_id), error):
+            return
+        if self._voice_error(error):
             return
         turn = self._turn
         if turn is not None and not turn.done and not turn.offline and self.protocol.active_response_id is None:

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from rtgw.voice_events import TRANSCRIPT_DELTAS, AudioDelta, InputTranscript, VoiceEvent, voice_event
+
 Role = Literal["system", "user", "assistant"]
 
 GOING_AWAY = 1001
@@ -107,6 +109,14 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class TranscriptDelta(TextDelta):
+    """The words of a spoken answer, sent just before the audio that says them (a phrase at a
+    time). A ``TextDelta``, so that iterating a turn reads a spoken answer as text."""
+
+    item_id: str = ""
+
+
+@dataclass(frozen=True)
 class FunctionCall:
     """A function call of a response, once its arguments are complete (or cut short). Answer it with
     ``RealtimeClient.send_tool_output(call.call_id, output)``."""
@@ -176,7 +186,8 @@ class ServerError:
 @dataclass(frozen=True)
 class ItemTruncated:
     item_id: str
-    text: str
+    text: str  # after a text truncate (x_text_end); a spoken item's kept words are read back by retrieve
+    audio_end_ms: int | None = None  # a spoken item's truncate: the audio kept
 
 
 @dataclass(frozen=True)
@@ -190,7 +201,8 @@ class SessionInfo:
     model: str
 
 
-Event = TextDelta | FunctionCall | TurnResult | ServerError | ItemTruncated | ItemRetrieved | SessionInfo
+Event = (TextDelta | FunctionCall | TurnResult | ServerError | ItemTruncated | ItemRetrieved | SessionInfo
+         | VoiceEvent)
 
 
 @dataclass
@@ -312,12 +324,14 @@ class ClientProtocol:
         if kind in ("conversation.item.added", "conversation.item.created"):
             self._item_added(event.get("item") or {}, event.get("previous_item_id"))
             return []
-        if kind in ("response.output_text.delta", "response.text.delta"):
+        if kind in ("response.output_text.delta", "response.text.delta") or kind in TRANSCRIPT_DELTAS:
             active = self._active
             if active is None or event.get("response_id") != active.response_id:
                 return []
             active.item_id = active.item_id or event.get("item_id")
             active.text += event.get("delta", "")
+            if kind in TRANSCRIPT_DELTAS:
+                return [TranscriptDelta(active.response_id, event.get("delta", ""), str(event.get("item_id", "")))]
             return [TextDelta(active.response_id, event.get("delta", ""))]
         if kind == "response.function_call_arguments.delta":
             call = self._call(event.get("item_id"))
@@ -332,7 +346,9 @@ class ClientProtocol:
             item = self.message(str(event.get("item_id")))
             if item is None:
                 return []
-            item.text = item.text[: int(event.get("x_text_end", len(item.text)))]
+            if event.get("x_text_end") is None:  # a spoken item, cut by audio_end_ms: the server knows the words
+                return [ItemTruncated(item.id, item.text, int(event.get("audio_end_ms") or 0))]
+            item.text = item.text[: int(event["x_text_end"])]
             return [ItemTruncated(item.id, item.text)]
         if kind == "conversation.item.retrieved":
             retrieved = _item_from_wire(event.get("item") or {}, default_role="user")
@@ -340,6 +356,9 @@ class ClientProtocol:
         if kind == "conversation.item.deleted":
             self.items = [i for i in self.items if i.id != event.get("item_id")]
             return []
+        voice = voice_event(event)
+        if voice is not None:
+            return self._voice(voice)
         if kind == "error":
             error = event.get("error") or {}
             return [ServerError(str(error.get("code") or "error"), str(error.get("message", "")), error.get("param"),
@@ -357,6 +376,18 @@ class ClientProtocol:
         return next((i for i in reversed(self.items) if isinstance(i, Item) and i.role == "assistant"), None)
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _voice(self, event: VoiceEvent) -> list[Event]:
+        if isinstance(event, AudioDelta):
+            active = self._active
+            if active is None or event.response_id != active.response_id:
+                return []  # a late delta of a cancelled response: not played
+            active.item_id = active.item_id or event.item_id or None
+        elif isinstance(event, InputTranscript):
+            item = self.message(event.item_id)
+            if item is not None:
+                item.text = event.transcript  # the user's words join the local conversation
+        return [event]
 
     def _index(self, item_id: str) -> int:
         for n, item in enumerate(self.items):
@@ -412,8 +443,8 @@ class ClientProtocol:
         if messages and not active.item_id:
             active.item_id = messages[0].get("id")
         if messages:
-            active.text = "".join(str(p.get("text") or "") for m in messages for p in m.get("content") or []) \
-                or active.text
+            active.text = "".join(str(p.get("text") or p.get("transcript") or "") for m in messages
+                                  for p in m.get("content") or []) or active.text
         self._keep_partial(active)
         for raw in messages:
             local = self.message(str(raw.get("id", "")))

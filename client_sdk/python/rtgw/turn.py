@@ -1,6 +1,7 @@
-"""One turn as the application reads it: its text deltas and function calls as they stream, and
-how it ended. The client (``client.py``) fills it from the protocol core's events, online or from
-the on-device model alike."""
+"""One turn as the application reads it: its text deltas and function calls as they stream (and,
+for a spoken answer, its transcript and audio deltas and the user's transcript), and how it
+ended. The client (``client.py``) fills it from the protocol core's events, online or from the
+on-device model alike."""
 
 from __future__ import annotations
 
@@ -9,21 +10,32 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from rtgw.offline import OfflineModelError
-from rtgw.protocol import FunctionCall, TextDelta, TurnResult
+from rtgw.protocol import FunctionCall, TextDelta, TranscriptDelta, TurnResult
+from rtgw.voice_events import AudioDelta, InputTranscript
 
 MAX_BUFFERED_CHARS = 8 * 1024 * 1024  # undelivered text a turn holds before deltas are merged
+# Undelivered audio a turn holds (10 minutes) before its oldest deltas are dropped: a reader that
+# only iterates the text of a spoken answer never takes them.
+MAX_BUFFERED_AUDIO_BYTES = 48_000 * 600
+
+Pending = str | FunctionCall | TranscriptDelta | AudioDelta | InputTranscript
 
 
 class Turn:
-    """One turn's stream: iterate for ``TextDelta`` events, or ``events()`` for the text and the
-    turn's ``FunctionCall`` events in order; or await ``result()`` / ``text()``. One reader."""
+    """One turn's stream: iterate for ``TextDelta`` events (a spoken answer's transcript too), or
+    ``events()`` for the text and the turn's ``FunctionCall`` events in order, and for a spoken
+    answer its ``TranscriptDelta`` and ``AudioDelta`` events and the user's ``InputTranscript``;
+    or await ``result()`` / ``text()``. One reader."""
 
     def __init__(self, offline: bool = False) -> None:
         self.offline = offline
         self.response_id: str | None = None
         self.calls: list[FunctionCall] = []  # the function calls so far (complete or cut short)
-        self._pending: list[str | FunctionCall] = []  # undelivered deltas and calls, in order
+        self.user_transcript: str | None = None  # the user's speech this turn answers, once transcribed
+        self.audio_bytes = 0  # of a spoken answer, received so far (PCM16 at 24 kHz: 48 a millisecond)
+        self._pending: list[Pending] = []  # undelivered deltas and calls, in order
         self._pending_chars = 0
+        self._pending_audio = 0
         self._result: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None  # the offline generation, when offline
@@ -50,26 +62,46 @@ class Turn:
         self._pending.append(call)
         self._wakeup.set()
 
+    def _voice(self, event: TranscriptDelta | AudioDelta | InputTranscript) -> None:
+        if isinstance(event, AudioDelta):
+            self.audio_bytes += len(event.pcm)
+            self._pending_audio += len(event.pcm)
+            while self._pending_audio > MAX_BUFFERED_AUDIO_BYTES:
+                oldest = next(i for i, p in enumerate(self._pending) if isinstance(p, AudioDelta))
+                self._pending_audio -= len(self._pending.pop(oldest).pcm)  # type: ignore[union-attr]
+        elif isinstance(event, InputTranscript):
+            self.user_transcript = event.transcript
+        elif not event.text:
+            return
+        self._pending.append(event)
+        self._wakeup.set()
+
     def _finish(self, result: TurnResult) -> None:
         if not self._result.done():
             self._result.set_result(result)
         self._wakeup.set()
 
-    def __aiter__(self) -> AsyncIterator[TextDelta]:
+    def __aiter__(self) -> AsyncIterator[TextDelta]:  # the text, or a spoken answer's transcript
         return cast(AsyncIterator[TextDelta], self._stream(calls=False))
 
-    def events(self) -> AsyncIterator[TextDelta | FunctionCall]:
-        """The turn's text deltas and function calls, in the order they came."""
+    def events(self) -> AsyncIterator[TextDelta | FunctionCall | AudioDelta | InputTranscript]:
+        """The turn's text deltas and function calls, in the order they came; for a spoken answer
+        its ``TranscriptDelta`` (a ``TextDelta``) and ``AudioDelta`` events, and the user's
+        ``InputTranscript`` when it comes during the turn."""
         return self._stream(calls=True)
 
-    async def _stream(self, *, calls: bool) -> AsyncIterator[TextDelta | FunctionCall]:
+    async def _stream(self, *, calls: bool) -> AsyncIterator[TextDelta | FunctionCall | AudioDelta | InputTranscript]:
         while True:
             pending = self._pending
             if pending:
                 first = pending[0]
-                if isinstance(first, FunctionCall):
+                if not isinstance(first, str):
                     del pending[0]
-                    if calls:
+                    if isinstance(first, AudioDelta):
+                        self._pending_audio -= len(first.pcm)
+                    if isinstance(first, TranscriptDelta):
+                        yield first if calls else TextDelta(first.response_id, first.text)
+                    elif calls:
                         yield first
                     continue
                 n = next((i for i, p in enumerate(pending) if not isinstance(p, str)), len(pending))
