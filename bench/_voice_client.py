@@ -27,7 +27,9 @@ from bench._common import BenchError
 CHUNK_MS = 40
 ONSET_LEVEL = 328  # -40 dBFS: where a clip's voice begins
 BYTES_PER_MS = 48  # PCM16 mono at 24 kHz
-BARGE_AFTER_S = 0.4  # the user talks over the answer this long after it starts playing
+# The user talks over the answer this long after it starts playing, turn after turn: the cut lands
+# in the first word, mid-sentence, and later.
+BARGE_AFTER_S = (0.4, 0.9, 1.5, 2.2)
 TURN_TIMEOUT_S = 120.0
 LONG_ANSWER_TOKENS = 400  # a barge-in turn's answer: still being generated when the user talks over it
 
@@ -51,7 +53,9 @@ def speech_clips(texts: list[str]) -> dict[str, bytes]:
 @dataclass
 class Cut:
     played_ms: int  # where the client truncated the answer
-    audio: bytes  # the answer's audio up to there
+    # All of the answer's audio that arrived (past the cut too: an aligner shown only the audio up
+    # to the cut hears the word being said there as a whole word ending at the cut)
+    audio: bytes
     stored: str  # the transcript the server kept
 
 
@@ -88,6 +92,7 @@ class VoiceSession:
         self._answers: dict[str, asyncio.Future[dict[str, Any]]] = {}  # event type -> the next one
         self._tasks: list[asyncio.Task[None]] = []
         self.error: str | None = None
+        self._barges = 0
         self._stopped_at: float | None = None  # the latest speech_stopped
         self._transcribed_at: float | None = None  # the latest transcript
 
@@ -134,7 +139,8 @@ class VoiceSession:
         if interruption is None:
             await self._wait(response.done)
             return result
-        await asyncio.sleep(BARGE_AFTER_S)
+        await asyncio.sleep(BARGE_AFTER_S[self._barges % len(BARGE_AFTER_S)])
+        self._barges += 1
         self._speech_started_at = None
         speaking = asyncio.create_task(self._say(interruption))
         self._tasks.append(speaking)
@@ -149,7 +155,7 @@ class VoiceSession:
         await self._answer("conversation.item.truncated")
         await self._send({"type": "conversation.item.retrieve", "item_id": response.item_id})
         item = await self._answer("conversation.item.retrieved")
-        result.cut = Cut(played, bytes(response.audio[:played * BYTES_PER_MS]), item["item"]["content"][0]["transcript"])
+        result.cut = Cut(played, bytes(response.audio), item["item"]["content"][0]["transcript"])
         await speaking
         follow_up = await self._wait(self._new_response.get())  # the interruption is answered too
         await self._wait(self._responses[follow_up].done)

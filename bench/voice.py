@@ -13,12 +13,14 @@ Questions are flite's speech of a few short sentences.
 Measured:
 - ``speech_to_first_audio_ms``: from the moment the last sample of the user's speech was sent to
   the first ``response.output_audio.delta`` (the VAD's silence window is inside it).
-- ``barge_in_cancel_ms``: in a barge-in turn the user speaks again 400 ms into the answer; from
-  the first sample of that speech to the answer's ``response.done`` (cancelled).
+- ``barge_in_cancel_ms``: in a barge-in turn the user speaks again 0.4, 0.9, 1.5 or 2.2 s into
+  the answer (in turn); from the first sample of that speech to the answer's ``response.done``
+  (cancelled).
 - ``truncate_exact``: after each barge-in the client truncates the answer at the ms it played;
-  the stored transcript is compared with what an independent aligner heard in that audio (Whisper
-  word timestamps, run after the gateway stopped): the share of cuts where both keep the same
-  number of words (``truncate_within_one_word``: off by at most one).
+  the stored transcript is compared with what an independent aligner hears played by then
+  (Whisper's word timestamps over all the answer's audio that arrived, run after the gateway
+  stopped: the words that end by the cut): the share of cuts where both keep the same number of
+  words (``truncate_within_one_word``: off by at most one).
 - ``asr_rtf``, ``tts_rtf``: the gateway's own figures (/metrics: compute seconds / audio seconds).
 - ``max_voice_sessions``: the most concurrent sessions (of ``--sessions``) whose
   speech-to-first-audio p99 stays under 1.5 s.
@@ -256,14 +258,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent sessions per level")
-    p.add_argument("--turns", type=int, default=8, help="turns per session and level")
+    p.add_argument("--turns", type=int, default=12, help="turns per session and level")
     p.add_argument("--barge-every", type=int, default=2, help="at the first level, every n-th turn is interrupted")
     p.add_argument("--silence-ms", type=int, default=500, help="server VAD silence_duration_ms (the API's default)")
     p.add_argument("--tokens", type=int, default=48, help="max_output_tokens of an answer")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
     if args.smoke:
-        args.sessions, args.turns, args.barge_every, args.tokens = [1], 2, 2, 16
+        args.sessions, args.turns, args.barge_every, args.tokens = [1], 2, 2, 16  # one plain turn, one barge-in
     started = time.perf_counter()
     summary = asyncio.run(main_async(args))
     progress(f"done in {time.perf_counter() - started:.0f} s")
