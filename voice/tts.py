@@ -82,6 +82,8 @@ class FliteSynthesizer:
         self.binary = found
         self.timeout_s = timeout_s
         self.voices = self._list_voices()
+        # flite's text-to-phones program (same package): each word's phones, for word timing.
+        self.t2p = shutil.which("t2p", path=str(Path(found).parent)) or shutil.which("t2p")
         usable = [v for v in FALLBACK_ORDER if v in self.voices]
         if not usable:
             raise VoiceModelError(f"{found} has none of the voices {list(FALLBACK_ORDER)} (it lists {self.voices})")
@@ -125,8 +127,26 @@ class FliteSynthesizer:
             samples, rate = read_wav(Path(wav_path))
         finally:
             os.unlink(wav_path)
-        marks = marks_from_phones(text, parse_phone_ends(run.stdout), rate, len(samples))
+        phones = parse_phone_ends(run.stdout)
+        marks = marks_from_phones(text, phones, rate, len(samples))
+        if self.t2p is not None:
+            marks = merge_marks(marks, word_marks(text, phones, self._word_phones(spoken), rate, len(samples)))
         return Speech(samples, rate, marks, time.perf_counter() - started)
+
+    def _word_phones(self, text: str) -> list[int] | None:
+        """How many phones each whitespace-separated word of ``text`` has, from ``t2p`` with the
+        words set apart by commas (a pause between each); None when flite does not pause between
+        every pair (an abbreviation such as "Mr." joins the next word) or t2p fails."""
+        words = text.split()
+        if not words or self.t2p is None:
+            return None
+        run = subprocess.run([self.t2p, ", ".join(words)], capture_output=True, text=True,
+                             timeout=self.timeout_s, check=False)
+        if run.returncode != 0:
+            return None
+        groups = [g.split() for g in " ".join(run.stdout.split()).split("pau")]
+        counts = [len(g) for g in groups if g]
+        return counts if len(counts) == len(words) else None
 
 
 def read_wav(path: Path) -> tuple[Int16Array, int]:
@@ -151,6 +171,37 @@ def parse_phone_ends(text: str) -> list[tuple[str, float]]:
 
 # Where flite pauses inside a phrase: after , ; : . ! ? ) or a dash or ellipsis, before more text.
 _BREAK = re.compile(r"(?:[,;:.!?)]+|--+|\.\.\.)(?=\s+\S)")
+
+
+def word_marks(text: str, phones: Sequence[tuple[str, float]], word_phones: Sequence[int] | None, rate: int,
+               n_samples: int) -> tuple[Mark, ...]:
+    """An anchor at the end of every word: (its last character, where its last phone ends), from
+    each word's phone count (``word_phones``, in the order of the text's words) laid over the
+    phrase's phones (pauses skipped). Nothing when the counts do not add up to the phones spoken
+    (flite's rules made more or fewer phones than the words alone)."""
+    spoken = [end for name, end in phones if name != "pau"]
+    ends = [m.end() for m in re.finditer(r"\S+", text)]
+    if not word_phones or len(word_phones) != len(ends) or sum(word_phones) != len(spoken):
+        return ()
+    marks: list[Mark] = []
+    last = 0
+    for char_end, count in zip(ends, word_phones, strict=True):
+        last += count
+        marks.append((char_end, min(max(round(spoken[last - 1] * rate), 0), n_samples)))
+    return tuple(marks)
+
+
+def merge_marks(*sets: Sequence[Mark]) -> tuple[Mark, ...]:
+    """Anchors from several sources as one increasing sequence: by character, the earliest sample
+    for a character given twice; a mark that would go back in time is dropped."""
+    out: list[Mark] = []
+    for char, sample in sorted({m for marks in sets for m in marks}):
+        if out and char == out[-1][0]:
+            continue
+        if out and sample < out[-1][1]:
+            continue
+        out.append((char, sample))
+    return tuple(out)
 
 
 def marks_from_phones(text: str, phones: Sequence[tuple[str, float]], rate: int, n_samples: int) -> tuple[Mark, ...]:

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from voice.alignment import Alignment
 from voice.errors import VoiceModelError
-from voice.tts import OPENAI_VOICES, FliteSynthesizer, marks_from_phones, parse_phone_ends
+from voice.tts import OPENAI_VOICES, FliteSynthesizer, marks_from_phones, merge_marks, parse_phone_ends, word_marks
 
 
 def test_the_built_in_voices_the_mapping_needs_exist(synthesizer: FliteSynthesizer) -> None:
@@ -44,9 +46,10 @@ def test_speech_is_pcm16_with_increasing_marks(synthesizer: FliteSynthesizer) ->
     assert chars == sorted(set(chars)) and samples == sorted(samples)
     assert made.marks[0][0] == 0 and made.marks[-1][0] == len(text)
     # flite's leading pause: speech starts after silence; the two inside pauses were tied to the
-    # two punctuation breaks (start and end of each pause: 2 + 2 * 2 marks).
+    # two punctuation breaks (each pause's end: the next word's start), and every word has its end.
     assert made.marks[0][1] > 0.05 * 16_000
-    assert len(made.marks) == 6
+    word_ends = {m.end() for m in re.finditer(r"\S+", text)}
+    assert set(chars) == {0, 6, 18} | word_ends
 
 
 def test_blank_text_is_no_audio_and_no_process(synthesizer: FliteSynthesizer) -> None:
@@ -94,3 +97,26 @@ def test_marks_need_phones_and_audio() -> None:
     assert marks_from_phones("hi", [("pau", 0.1)], 100, 10) == ()
     assert marks_from_phones("", [("a", 0.1)], 100, 10) == ()
     assert marks_from_phones("hi", [("hh", 0.1), ("ay", 5.0)], 100, 10) == ((0, 0), (2, 10))  # clamped to the audio
+
+
+def test_every_word_of_a_plain_sentence_gets_its_end_from_flite(synthesizer: FliteSynthesizer) -> None:
+    text = "I am going to set a timer for ten minutes."
+    made = synthesizer.synthesize(text, "alloy")
+    word_ends = [m.end() for m in re.finditer(r"\S+", text)]
+    marked = dict(made.marks)
+    assert all(end in marked for end in word_ends), (made.marks, word_ends)
+    alignment = Alignment(made.sample_rate)
+    alignment.add(text, len(made.samples), made.marks)
+    for n, end in enumerate(word_ends):  # at a word's end that word is heard, the next one not yet
+        ms = marked[end] * 1000 / made.sample_rate
+        assert alignment.spoken_text(ms + 1) == text[:end]
+        if n:
+            assert alignment.spoken_text(ms - 1) == text[:word_ends[n - 1]]
+
+
+def test_word_marks_need_phone_counts_that_add_up() -> None:
+    phones = [("pau", 0.1), ("hh", 0.2), ("ay", 0.3), ("pau", 0.4), ("y", 0.5), ("uw", 0.6), ("pau", 0.7)]
+    assert word_marks("Hi, you.", phones, [2, 2], 100, 100) == ((3, 30), (8, 60))
+    assert word_marks("Hi, you.", phones, [2, 1], 100, 100) == ()  # flite spoke another phone
+    assert word_marks("Hi, you.", phones, None, 100, 100) == ()  # t2p could not count them
+    assert merge_marks(((0, 10), (8, 60)), ((3, 30), (8, 60))) == ((0, 10), (3, 30), (8, 60))
