@@ -40,7 +40,7 @@ COPY --chown=gateway:gateway configs /app/configs
 # The demo page and the JS SDK it serves at / and /sdk/ are plain files, not part of the installed
 # package: the gateway reads them from GATEWAY_WEB_ROOT, laid out as in the repository.
 COPY --chown=gateway:gateway gateway/static /app/web/gateway/static
-COPY --chown=gateway:gateway client_sdk/js/rtgw.js client_sdk/js/msgpack.js /app/web/client_sdk/js/
+COPY --chown=gateway:gateway client_sdk/js/rtgw.js client_sdk/js/rtgw-voice.js client_sdk/js/msgpack.js /app/web/client_sdk/js/
 ENV PATH=/opt/venv/bin:$PATH GATEWAY_WEB_ROOT=/app/web
 WORKDIR /app
 USER gateway

@@ -5,7 +5,7 @@ Files are read from a web root laid out like the repository (``gateway/static/``
 ``client_sdk/js/`` for the SDK): the checkout this module sits in, or ``GATEWAY_WEB_ROOT`` where
 the gateway runs as an installed package (the Docker image copies both folders under
 ``/app/web``). Only plain files named by a plain file name are served: no path separators, no
-leading dot, a known suffix, and the SDK's two modules alone from ``client_sdk/js``.
+leading dot, a known suffix, and the SDK's modules (``SDK_FILES``) alone from ``client_sdk/js``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ CONTENT_TYPES = {
     ".png": "image/png",
     ".ico": "image/x-icon",
 }
-SDK_FILES = frozenset({"rtgw.js", "msgpack.js"})
+SDK_FILES = frozenset({"rtgw.js", "rtgw-voice.js", "msgpack.js"})
 INDEX = "index.html"
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 # the page and the SDK change with the server: browsers revalidate instead of running stale code

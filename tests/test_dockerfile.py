@@ -8,7 +8,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from gateway.demo import WEB_ROOT_ENV, WebFiles, web_root
+from gateway.demo import SDK_FILES, WEB_ROOT_ENV, WebFiles, web_root
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
@@ -84,5 +84,5 @@ def test_the_image_has_the_page_and_the_sdk_where_the_gateway_reads_them(tmp_pat
     files = WebFiles(web_root({WEB_ROOT_ENV: str(image / root.relative_to("/"))}))
     for name in ("index.html", "app.js", "style.css"):
         assert files.static(name) is not None, name
-    for name in ("rtgw.js", "msgpack.js"):
+    for name in SDK_FILES:  # every file the page may import
         assert files.sdk(name) is not None, name

@@ -1,4 +1,5 @@
-// Types of rtgw.js: a client for the rt-llm-gateway's Realtime sessions.
+// Types of rtgw.js: a client for the rt-llm-gateway's Realtime sessions. The browser's voice
+// classes (Microphone, AudioPlayer, VoiceSession) are in rtgw-voice.d.ts.
 
 export const MSGPACK_SUBPROTOCOL: "x-openai-realtime-msgpack";
 
@@ -179,9 +180,19 @@ export interface TurnResult {
   elapsedMs: number;
 }
 
-type Unsubscribe = () => void;
+export type Unsubscribe = () => void;
 
-export class Turn implements AsyncIterable<string> {
+/** The event base of the client, its turns and the voice classes of rtgw-voice.js. */
+export class Emitter {
+  /** Calls `fn(payload)` on each `type` event; returns a function that unsubscribes. */
+  on(type: string, fn: (payload: any) => void): Unsubscribe;
+  /** Resolves with the next `type` event's payload. */
+  once(type: string): Promise<any>;
+  /** Calls the listeners of `type`; one that throws is reported and the others still run. */
+  emit(type: string, payload?: unknown): void;
+}
+
+export class Turn extends Emitter implements AsyncIterable<string> {
   readonly userItemId: string | null;
   readonly responseId: string | null;
   readonly itemId: string | null;
@@ -217,7 +228,7 @@ export interface InterruptResult {
 /** A server event, or `client.connected` / `client.disconnected`. */
 export type RealtimeEvent = { type: string; [field: string]: unknown };
 
-export class RealtimeClient {
+export class RealtimeClient extends Emitter {
   constructor(options?: ClientOptions);
   readonly wsUrl: string;
   /** The local copy of the conversation, oldest first. */
@@ -292,8 +303,9 @@ export function normalizeTools(tools: unknown[]): FunctionTool[];
 export function codePointLength(text: string): number;
 export function codePointSlice(text: string, end: number): string;
 
-// --- voice ---
+// --- voice: the wire side (the browser's is rtgw-voice.d.ts) ---
 
+/** The Realtime API's audio/pcm: 16-bit little-endian mono at 24 kHz. */
 export const SAMPLE_RATE: 24000;
 
 export interface AudioCut {
@@ -307,68 +319,3 @@ export interface AudioCut {
 export function sessionFields(options: SessionSettings & VoiceSettings): Record<string, unknown>;
 export function base64FromBytes(bytes: Uint8Array): string;
 export function bytesFromBase64(text: string): Uint8Array;
-export function float32ToPcm16(samples: Float32Array): Int16Array;
-export function pcm16ToFloat32(pcm: Int16Array): Float32Array;
-
-/** A stream downsampled in chunks (box filter), the remainder carried between chunks. */
-export class Downsampler {
-  constructor(fromRate: number, toRate?: number);
-  readonly ratio: number;
-  feed(samples: Float32Array): Float32Array;
-}
-
-/** Plays spoken answers with Web Audio (scheduled buffers) and counts, per item, the ms played. */
-export class AudioPlayer {
-  constructor(options?: { context?: AudioContext; AudioContext?: typeof AudioContext; leadMs?: number });
-  context: AudioContext | null;
-  /** The item whose audio came last, and how much of it came. */
-  readonly itemId: string | null;
-  readonly receivedMs: number;
-  /** Chunks scheduled so far, all items. */
-  readonly chunks: number;
-  /** Audio is scheduled past the context's clock. */
-  readonly playing: boolean;
-  /** Creates or resumes the AudioContext; call it from a user gesture. */
-  resume(): AudioContext;
-  enqueue(itemId: string, pcm: Int16Array): void;
-  playedMs(itemId?: string | null): number;
-  /** Silences it now; what was played of the last item. */
-  stop(): { itemId: string | null; playedMs: number };
-  close(): void;
-  on(type: "started", fn: (info: { itemId: string; at: number }) => void): Unsubscribe;
-  on(type: "stopped", fn: (info: { itemId: string | null; playedMs: number }) => void): Unsubscribe;
-}
-
-/** The microphone as PCM16 at 24 kHz chunks (getUserMedia, an AudioWorklet or a ScriptProcessor). */
-export class Microphone {
-  constructor(options?: { chunkMs?: number; context?: AudioContext; AudioContext?: typeof AudioContext;
-    mediaDevices?: MediaDevices; constraints?: MediaTrackConstraints });
-  context: AudioContext | null;
-  readonly chunkMs: number;
-  /** Ms of audio handed to onChunk so far. */
-  readonly capturedMs: number;
-  /** "worklet" or "script-processor", once started. */
-  readonly kind?: string;
-  start(onChunk: (pcm: Int16Array) => void): Promise<void>;
-  stop(): void;
-}
-
-/** A voice conversation: microphone in, server VAD, spoken answers played, barge-in. */
-export class VoiceSession {
-  constructor(client: RealtimeClient, options?: { voice?: VoiceSettings["voice"]; turnDetection?: TurnDetection | "server_vad";
-    player?: AudioPlayer; microphone?: Microphone; bargeIn?: boolean; instructions?: string });
-  readonly client: RealtimeClient;
-  readonly player: AudioPlayer;
-  readonly microphone: Microphone;
-  /** Barge-ins done (answers truncated to what was played). */
-  readonly bargeIns: number;
-  readonly active: boolean;
-  bargeIn: boolean;
-  /** Asks for the microphone, configures the session (audio out, server VAD) and starts streaming. */
-  start(): Promise<void>;
-  /** Stops the answer playing now and truncates it to what was played; null when nothing plays. */
-  interrupt(): Promise<AudioCut | null>;
-  stop(): void;
-  on(type: "interrupted", fn: (cut: AudioCut) => void): Unsubscribe;
-  on(type: "error", fn: (error: Error) => void): Unsubscribe;
-}

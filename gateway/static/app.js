@@ -1,4 +1,5 @@
-// The demo page: a chat over the JS SDK the gateway serves at /sdk/rtgw.js; no build step.
+// The demo page: a chat over the JS SDK the gateway serves at /sdk/rtgw.js (its voice classes, for
+// Talk, at /sdk/rtgw-voice.js); no build step.
 // Each answer streams into its bubble; in speaking mode it is revealed at a speaking rate, as a
 // voice would read it, and Stop is barge-in: the conversation keeps what was shown. With the demo
 // tools on, a call is shown in the answer (its function and arguments), answered by the page with
@@ -6,9 +7,8 @@
 // conversation (the SDK's VoiceSession): the microphone streams to the server, whose voice detection
 // answers each utterance in speech; the page plays it, and talking over an answer interrupts it (the
 // conversation keeps the words played).
-import {
-  codePointLength, codePointSlice, GatewayRefused, GatewayUnreachable, RealtimeClient, VoiceSession,
-} from "../sdk/rtgw.js";
+import { codePointLength, codePointSlice, GatewayRefused, GatewayUnreachable, RealtimeClient } from "../sdk/rtgw.js";
+import { VoiceSession } from "../sdk/rtgw-voice.js";
 
 const SPEAK_RATE = 15; // characters per second, about a speaking voice
 const STORE = "rtgw-demo";

@@ -5,13 +5,14 @@ file name of the two folders is refused with 404, however the path is spelled.""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import aiohttp
 import pytest
 from gateway_harness import KEY, running_gateway
 
-from gateway.demo import WEB_ROOT_ENV, WebFiles, add_demo_routes, web_root
+from gateway.demo import SDK_FILES, WEB_ROOT_ENV, WebFiles, add_demo_routes, web_root
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,7 @@ async def test_page_assets_and_sdk_are_served_without_a_key() -> None:
             asset = await http.get(f"/static/{name}")
             assert asset.status == 200 and asset.headers["Content-Type"].startswith(kind)
             assert await asset.read() == (REPO / "gateway" / "static" / name).read_bytes()
-        for name in ("rtgw.js", "msgpack.js"):
+        for name in sorted(SDK_FILES):
             sdk = await http.get(f"/sdk/{name}")
             assert sdk.status == 200
             assert sdk.headers["Content-Type"] == "text/javascript; charset=utf-8"
@@ -52,6 +53,13 @@ async def test_page_assets_and_sdk_are_served_without_a_key() -> None:
 def test_the_page_imports_the_served_sdk() -> None:
     script = (REPO / "gateway" / "static" / "app.js").read_text(encoding="utf-8")
     assert 'from "../sdk/rtgw.js"' in script  # /static/app.js -> /sdk/rtgw.js
+    assert 'from "../sdk/rtgw-voice.js"' in script  # Talk's VoiceSession
+    # every module the page loads, and every module those load, is one the gateway serves
+    imported = set(re.findall(r'from "\.\./sdk/([^"]+)"', script))
+    for name in sorted(SDK_FILES):
+        module = (REPO / "client_sdk" / "js" / name).read_text(encoding="utf-8")
+        imported |= set(re.findall(r'from "\./([^"]+)"', module))
+    assert imported and imported <= SDK_FILES, imported - SDK_FILES
 
 
 REFUSED = [
@@ -70,6 +78,7 @@ REFUSED = [
     "/sdk/..%2Fpython%2Frtgw%2F__init__.py",
     "/sdk/%2e%2e%2f%2e%2e%2fgateway%2Fdemo.py",
     "/sdk/rtgw.d.ts",
+    "/sdk/rtgw-voice.d.ts",
     "/sdk/package.json",
     "/sdk/README.md",
     "/sdk/test",

@@ -3,13 +3,12 @@
 // and a VoiceSession's barge-in over a scripted socket that answers as the gateway does. The real
 // thing (a microphone, Web Audio, the voice pipeline) is tests/gateway/test_demo_voice.py.
 import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
 import { test } from "node:test";
 
 import * as msgpack from "../msgpack.js";
-import {
-  AudioPlayer, base64FromBytes, bytesFromBase64, Downsampler, float32ToPcm16, pcm16ToFloat32, RealtimeClient,
-  sessionFields, VoiceSession,
-} from "../rtgw.js";
+import { AudioPlayer, Downsampler, float32ToPcm16, pcm16ToFloat32, VoiceSession } from "../rtgw-voice.js";
+import { base64FromBytes, bytesFromBase64, RealtimeClient, sessionFields } from "../rtgw.js";
 
 const tick = () => new Promise((resolve) => setTimeout(resolve, 0));
 
@@ -23,6 +22,17 @@ function crossings(samples) {
   for (let i = 1; i < samples.length; i++) if ((samples[i - 1] < 0) !== (samples[i] < 0)) n++;
   return n;
 }
+
+// A module's static imports: their specifiers, comments left out.
+const importsOf = (file) => [...readFileSync(new URL(`../${file}`, import.meta.url), "utf8")
+  .replace(/^\s*\/\/.*$/gm, "").matchAll(/^(?:import|export)\b[^;]*?\bfrom\s+"([^"]+)"/gms)].map((m) => m[1]);
+
+test("the voice classes build on the client, never the other way round", () => {
+  // rtgw.js must load without them (text clients, no Web Audio); an import back would be a cycle
+  // in which the voice classes would extend an Emitter not yet initialized
+  assert.deepEqual(importsOf("rtgw.js"), []);
+  assert.deepEqual(importsOf("rtgw-voice.js"), ["./rtgw.js"]);
+});
 
 test("voice settings go into the GA session's audio object", () => {
   assert.deepEqual(sessionFields({ outputModalities: "audio", voice: "marin", turnDetection: "server_vad",
