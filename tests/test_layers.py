@@ -1,5 +1,5 @@
 """The packages depend one way: gateway -> {engine_cluster -> engine_gpu, engine_edge, voice} -> llm_shared, and the
-client SDK -> {llm_shared, engine_edge}. Read from the source with ``ast`` (every import,
+client SDK -> {llm_shared, engine_edge, voice} (its on-device fallback, text and voice), never the gateway. Read from the source with ``ast`` (every import,
 lazy ones inside functions and ``TYPE_CHECKING`` blocks included), so a cycle cannot hide
 behind a deferred import."""
 
@@ -20,7 +20,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "engine_cluster": frozenset({"llm_shared", "engine_gpu"}),
     "voice": frozenset({"llm_shared"}),
     "gateway": frozenset({"llm_shared", "engine_edge", "engine_gpu", "engine_cluster", "voice"}),
-    "client_sdk": frozenset({"llm_shared", "engine_edge"}),
+    "client_sdk": frozenset({"llm_shared", "engine_edge", "voice"}),
 }
 OURS = frozenset(ALLOWED)
 
@@ -52,6 +52,12 @@ def violations(root: Path) -> list[str]:
 
 def test_dependencies_point_one_way() -> None:
     assert violations(REPO) == []
+
+
+def test_the_client_sdk_never_imports_the_server() -> None:
+    """The SDK's fallback runs the device's parts (edge runtime, voice), never the gateway's."""
+    assert "gateway" not in ALLOWED["client_sdk"] and "engine_gpu" not in ALLOWED["client_sdk"]
+    assert ALLOWED["voice"] == frozenset({"llm_shared"})  # so client_sdk -> voice brings nothing more
 
 
 def test_the_check_catches_a_backward_import(tmp_path: Path) -> None:

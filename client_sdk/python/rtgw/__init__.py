@@ -14,7 +14,7 @@ from rtgw.client import (
     TurnInProgress,
     realtime_url,
 )
-from rtgw.offline import OfflineConfig, OfflineModelError
+from rtgw.offline import OfflineConfig, OfflineModelError, OfflineVoiceError
 from rtgw.protocol import (
     ClientProtocol,
     ConversationItem,
@@ -44,7 +44,7 @@ __all__ = [
     "AudioCleared", "AudioCommitted", "AudioDelta", "AudioRefused", "Backoff", "ClientClosed", "ClientProtocol",
     "ConversationItem", "FunctionCall", "FunctionCallItem", "FunctionCallOutputItem", "GatewayError",
     "GatewayRefused", "GatewayUnreachable", "InputTranscript", "Interrupted", "Item", "OfflineConfig",
-    "OfflineModelError", "Player", "RealTimePlayer", "RealtimeClient", "SpeechStarted", "SpeechStopped",
+    "OfflineModelError", "OfflineVoiceError", "Player", "RealTimePlayer", "RealtimeClient", "SpeechStarted", "SpeechStopped",
     "TextDelta", "TranscriptDelta", "TranscriptionFailed", "Turn", "TurnInProgress", "TurnResult", "TurnStarted",
     "VoiceEvent", "read_wav", "realtime_url", "write_wav",
 ]

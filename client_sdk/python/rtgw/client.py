@@ -30,7 +30,9 @@ When the gateway cannot be reached at all (refused, DNS, timeout, TLS, a 5xx at 
 and an ``OfflineConfig`` is given, turns are served by the on-device model from the same
 conversation, marked ``offline`` with ``metadata["x_tier"] == "device"``; every
 ``retry_online_s`` a turn first tries the gateway again and, once it answers, carries the
-offline turns over to it.
+offline turns over to it. Voice works offline too where the ``voice`` package and its models are
+installed (``rtgw/offline_voice.py``): speech is segmented, transcribed and answered on the device,
+and spoken back when the session asks for audio.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from rtgw.audio import Player
-from rtgw.device_response import DeviceResponse
 from rtgw.framing import MSGPACK_SUBPROTOCOL, FrameError, Framing, decode, encode
 from rtgw.offline import OfflineConfig, OfflineModel, OfflineModelError, OfflineRequestError
+from rtgw.offline_voice import OfflineVoiceClient
 from rtgw.protocol import (
     ClientProtocol,
     ConversationItem,
@@ -131,7 +133,7 @@ class _Session:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-class RealtimeClient(VoiceClient):
+class RealtimeClient(VoiceClient, OfflineVoiceClient):
     def __init__(
         self,
         url: str = "http://127.0.0.1:8000",
@@ -189,6 +191,7 @@ class RealtimeClient(VoiceClient):
         self._reconnect_task: asyncio.Task[None] | None = None
         self._resume: Turn | None = None
         self._init_voice(player, barge_in)
+        self._init_offline_voice()
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -325,7 +328,7 @@ class RealtimeClient(VoiceClient):
             return None
         if turn.offline:
             assert turn._task is not None
-            turn._task.cancel()
+            turn._cancel_offline()
             return await turn.result()
         if turn is self._resume:  # waiting for a new session: it never started
             self._resume = None
@@ -654,36 +657,50 @@ class RealtimeClient(VoiceClient):
     # --- offline ----------------------------------------------------------------------------
 
     def _offline_turn(self, response: dict[str, Any]) -> Turn:
+        previous = self._turn  # still ending when speech cut it off (barge-in): this one starts after it
         turn = self._turn = Turn(offline=True)
         turn.response_id = new_id("resp")
         instructions = str(self._session.fields.get("instructions") or "")
         turn._task = asyncio.create_task(self._run_offline(turn, instructions, list(self.protocol.items),
-                                                           dict(self._session.fields), response))
+                                                           dict(self._session.fields), response, previous))
         return turn
 
     async def _run_offline(self, turn: Turn, instructions: str, history: list[ConversationItem],
-                           session: dict[str, Any], response: dict[str, Any]) -> None:
+                           session: dict[str, Any], response: dict[str, Any], previous: Turn | None = None) -> None:
         """The device's answer, told as the gateway's events (``DeviceResponse``) and received by the
-        protocol core: its text, calls, result and conversation items are the online ones."""
+        protocol core: its text, calls, result and conversation items are the online ones. Spoken
+        when the session asks for audio (``rtgw/offline_voice.py``)."""
         model = self._offline
         assert model is not None
-        device = DeviceResponse(turn.response_id or "")
+        try:
+            await self._device_settle(previous)
+        except asyncio.CancelledError:  # cancelled before it began: no events
+            turn._finish(TurnResult(turn.response_id or "", "cancelled", "", reason=turn._cancel_reason, offline=True))
+            return
+        out = self._device_output(turn, session, response)
+        device = out.device
         metadata = {"x_tier": "device"}
         self._offline_events(turn, device.created())
         parser = None
         status, reason, error, usage = "completed", None, None, {}
         try:
+            await out.ready()  # a spoken answer: the voice models
+            await self._device_transcripts()  # speech committed on the device: its words are the prompt's
             request = await model.prepare(instructions, history, session, response)
             parser = request.parser
             async for delta, finish in model.generate(request, max_output_tokens=response.get("max_output_tokens"),
                                                       temperature=response.get("temperature")):
-                self._offline_events(turn, device.parsed(parser.feed(delta)) if parser else device.text(delta))
+                await out.write(parser.feed(delta) if parser else delta)
                 if finish is not None:
                     status = {"stop": "completed", "length": "incomplete"}.get(finish, "failed")
                     reason = "max_output_tokens" if finish == "length" else None
                     usage = dict(model.last_usage)
+            if parser is not None:
+                held, parser = parser.finish(), None
+                await out.write(held)  # held-back text; a call cut short
+            await out.flush()  # the last phrase said
         except asyncio.CancelledError:
-            status, reason = "cancelled", "client_cancelled"
+            status, reason = "cancelled", turn._cancel_reason
         except OfflineRequestError as e:  # what the gateway would refuse: failed, as a refused response online
             status, error = "failed", e.error
         except Exception as e:  # a broken local model ends this turn, not the client, and says why
@@ -691,13 +708,18 @@ class RealtimeClient(VoiceClient):
             log.error("%s", failure)
             turn._error = failure
             status, error = "failed", {"type": "device_error", "code": "offline_failed", "message": str(failure)}
+        out.close()  # speech not sent yet is not said
         if parser is not None:
-            self._offline_events(turn, device.parsed(parser.finish()))  # held-back text; a call cut short
+            out.leftover(parser.finish())  # ended early: held-back text; a call cut short
         self._offline_events(turn, device.finish(status, reason=reason, error=error, usage=usage, metadata=metadata))
 
-    def _offline_events(self, turn: Turn, events: list[dict[str, Any]]) -> None:
+    def _offline_events(self, turn: Turn | None, events: list[dict[str, Any]]) -> None:
         for event in events:
             for typed in self.protocol.receive(event):
+                if self._device_voice_event(typed, turn):  # speech and transcripts (device voice)
+                    continue
+                if turn is None:
+                    continue
                 if isinstance(typed, TextDelta):
                     turn._push(typed.text)
                 elif isinstance(typed, FunctionCall):

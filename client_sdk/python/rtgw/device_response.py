@@ -4,7 +4,9 @@ The on-device fallback feeds what its model writes through the model family's to
 (``llm_shared.structured``) and hands the parser's events here; ``DeviceResponse`` turns them into
 the events the gateway would have sent for the same output (``response.created``, the message and
 its text deltas, each ``function_call`` item with its arguments, ``response.done``), in the
-gateway's order (``gateway/ws/responses.py``). The client feeds them to its protocol core as if
+gateway's order (``gateway/ws/responses.py``). A spoken answer (``audio=True``) tells each phrase as
+its transcript delta and its audio deltas (``spoken``), as the gateway does for ``output_modalities``
+``["audio"]``. The client feeds them to its protocol core as if
 they came off the socket, so an offline turn's deltas, calls, result and conversation items are
 the online ones by construction. Pure: no I/O, and no import of the runtime (the parser's events
 are read by their ``kind`` tag), so it is tested with literals.
@@ -18,18 +20,26 @@ from typing import Any
 
 from rtgw.protocol import new_id
 
+AUDIO_CHUNK_BYTES = 500 * 48  # audio deltas of at most half a second of PCM16 at 24 kHz, as the gateway's
+
 
 class DeviceResponse:
     """One response of the device, from ``created`` to ``finish``; every method returns the server
     events it makes, to be received in order."""
 
-    def __init__(self, response_id: str, *, ids: Callable[[str], str] = new_id) -> None:
+    def __init__(self, response_id: str, *, ids: Callable[[str], str] = new_id, audio: bool = False) -> None:
         self.id = response_id
         self._ids = ids
+        self.audio = audio  # the message is spoken: its content is a transcript with audio
         self._output: list[dict[str, Any]] = []  # every output item, in order (response.done's output)
         self._message: dict[str, Any] | None = None  # the open message
         self._calls: dict[int, dict[str, Any]] = {}  # parser index -> the open call item
         self.done = False
+
+    @property
+    def message_id(self) -> str | None:
+        """The open message's id (None between messages)."""
+        return self._message["id"] if self._message is not None else None
 
     def created(self) -> list[dict[str, Any]]:
         return [{"type": "response.created", "response": {"id": self.id, "object": "realtime.response",
@@ -39,12 +49,30 @@ class DeviceResponse:
         """Answer text (no tool-call parser: the whole output is text)."""
         if not text or self.done:
             return []
+        assert not self.audio, "a spoken answer's text comes with its audio: spoken()"
         events = [] if self._message is not None else self._open_message()
         message = self._message
         assert message is not None
         message["content"][0]["text"] += text
         return [*events, {"type": "response.output_text.delta", "response_id": self.id, "item_id": message["id"],
                           "output_index": self._output.index(message), "content_index": 0, "delta": text}]
+
+    def spoken(self, text: str, pcm: bytes) -> list[dict[str, Any]]:
+        """A phrase of a spoken answer: its transcript delta, then its audio (PCM16 24 kHz, raw bytes,
+        as the msgpack subprotocol carries it) in deltas of at most half a second."""
+        if self.done or not (text or pcm):
+            return []
+        events = [] if self._message is not None else self._open_message()
+        message = self._message
+        assert message is not None
+        message["content"][0]["transcript"] += text
+        ids = {"response_id": self.id, "item_id": message["id"], "output_index": self._output.index(message),
+               "content_index": 0}
+        if text:
+            events.append({"type": "response.output_audio_transcript.delta", **ids, "delta": text})
+        events += [{"type": "response.output_audio.delta", **ids, "delta": pcm[start:start + AUDIO_CHUNK_BYTES]}
+                   for start in range(0, len(pcm), AUDIO_CHUNK_BYTES)]
+        return events
 
     def parsed(self, events: Sequence[Any]) -> list[dict[str, Any]]:
         """The parser's events (``TextDelta``, ``CallStarted``, ``ArgumentsDelta``, ``CallDone``)."""
@@ -99,8 +127,9 @@ class DeviceResponse:
                 {"type": "conversation.item.added", "previous_item_id": previous, "item": copy.deepcopy(item)}]
 
     def _open_message(self) -> list[dict[str, Any]]:
+        part = {"type": "output_audio", "transcript": ""} if self.audio else {"type": "output_text", "text": ""}
         self._message = {"id": self._ids("item"), "object": "realtime.item", "type": "message",
-                         "status": "in_progress", "role": "assistant", "content": [{"type": "output_text", "text": ""}]}
+                         "status": "in_progress", "role": "assistant", "content": [part]}
         return self._added(self._message)
 
     def _close_message(self, status: str) -> list[dict[str, Any]]:
@@ -108,8 +137,15 @@ class DeviceResponse:
         if message is None:
             return []
         message["status"] = "completed" if status == "completed" else "incomplete"
-        return [{"type": "response.output_item.done", "response_id": self.id,
-                 "output_index": self._output.index(message), "item": copy.deepcopy(message)}]
+        done: list[dict[str, Any]] = []
+        if self.audio:
+            ids = {"response_id": self.id, "item_id": message["id"], "output_index": self._output.index(message),
+                   "content_index": 0}
+            done = [{"type": "response.output_audio.done", **ids},
+                    {"type": "response.output_audio_transcript.done", **ids,
+                     "transcript": message["content"][0]["transcript"]}]
+        return [*done, {"type": "response.output_item.done", "response_id": self.id,
+                        "output_index": self._output.index(message), "item": copy.deepcopy(message)}]
 
     def _open_call(self, index: int, name: str) -> list[dict[str, Any]]:
         out = self._close_message("completed")  # the text before a call is complete: the call follows it

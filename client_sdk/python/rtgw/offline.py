@@ -43,6 +43,8 @@ class OfflineConfig:
     # [models.<id>] family). None: "smollm2" for the embedded model; a model_path of another family
     # names its own, or it cannot call tools (a turn that could call one then fails, saying so).
     family: str | None = None
+    # Offline voice (rtgw/offline_voice.py): worker threads for speech recognition and synthesis.
+    voice_threads: int = 1
 
     @property
     def family_name(self) -> str:
@@ -57,6 +59,11 @@ INSTALL_HINT = ("install the on-device runtime with: pip install 'rtgw-client[of
 
 class OfflineModelError(RuntimeError):
     """The on-device model cannot answer; the message says why and what to do."""
+
+
+class OfflineVoiceError(OfflineModelError):
+    """The device cannot do voice: the ``voice`` package, its models or flite are missing, the
+    session asks for what the device does not do, or speech failed (``rtgw/device_voice.py``)."""
 
 
 class OfflineRequestError(Exception):

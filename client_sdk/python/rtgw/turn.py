@@ -6,7 +6,7 @@ on-device model alike."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 from rtgw.offline import OfflineModelError
@@ -41,6 +41,9 @@ class Turn:
         self._task: asyncio.Task[None] | None = None  # the offline generation, when offline
         self._response: dict[str, Any] = {}  # its response.create options, to start it again on a new session
         self._error: OfflineModelError | None = None  # the on-device model could not answer: raised, not empty
+        self._cancel_reason = "client_cancelled"  # an offline turn's, when cancelled (barge-in: turn_detected)
+        self._stop_speech: Callable[[], None] | None = None  # an offline spoken answer's: stops its audio at once
+        self._cancelling = False  # an offline turn asked to stop, its task not ended yet
 
     @property
     def done(self) -> bool:
@@ -75,6 +78,15 @@ class Turn:
             return
         self._pending.append(event)
         self._wakeup.set()
+
+    def _cancel_offline(self, reason: str = "client_cancelled") -> None:
+        """Stop the on-device answer now: its speech first (nothing more is sent), then its task."""
+        self._cancel_reason = reason
+        self._cancelling = True
+        if self._stop_speech is not None:
+            self._stop_speech()
+        if self._task is not None:
+            self._task.cancel()
 
     def _finish(self, result: TurnResult) -> None:
         if not self._result.done():

@@ -27,6 +27,9 @@ sends ``conversation.item.truncate`` with ``audio_end_ms`` = the milliseconds of
 actually played, so the conversation keeps the words the user heard; the kept text is read back
 (``Interrupted``). Without a player and without ``played`` calls the client does not know what
 was heard and truncates nothing.
+
+**Offline**: with an ``OfflineConfig`` and no gateway, all of this runs on the device
+(``rtgw/offline_voice.py``): the same calls, events, player and barge-in.
 """
 
 from __future__ import annotations
@@ -152,8 +155,13 @@ class VoiceClient:
 
     async def append_audio(self: RealtimeClient, pcm: bytes | bytearray | memoryview) -> None:
         """Send PCM16 24 kHz mono (whole samples; ValueError otherwise) to the input buffer,
-        cut into appends the gateway accepts. Opens the session first when there is none."""
+        cut into appends the gateway accepts. Opens the session first when there is none; offline
+        (an ``OfflineConfig`` and no gateway) the device takes it (``OfflineVoiceError`` when it
+        cannot: the voice models are not installed)."""
         data = check_pcm(pcm)
+        if await self._voice_on_device():
+            await self._device_append(data)
+            return
         if self._ws is None:
             async with self._lock:
                 await self._ensure_session(required=True)
@@ -189,17 +197,25 @@ class VoiceClient:
     async def commit_audio(self: RealtimeClient) -> str:
         """Push to talk: the input buffer becomes a user item (the server transcribes it); returns
         its id. ``GatewayError`` when the server refuses (less than 100 ms of audio)."""
+        if await self._voice_on_device():
+            return await self._device_commit()
         event = self.protocol.event("input_audio_buffer.commit")
         committed = await self._voice_request(event, ("committed", ""))
         return str(committed.item_id)
 
     async def clear_audio(self: RealtimeClient) -> None:
         """Drop what the input buffer holds."""
+        if await self._voice_on_device():
+            await self._device_clear()
+            return
         await self._voice_request(self.protocol.event("input_audio_buffer.clear"), ("cleared", ""))
 
     async def respond(self: RealtimeClient, **response: Any) -> Turn:
         """Push to talk: commit the input buffer, then start the answer (``response.create`` with
         ``response``'s fields); returns its ``Turn``."""
+        if await self._voice_on_device():  # the answer too: the speech it answers is on the device
+            await self._device_commit()
+            return await self._device_respond(response)
         await self.commit_audio()
         return await self._start_turn(lambda: [self.protocol.event("response.create", **(
             {"response": response} if response else {}))], response)
@@ -345,6 +361,8 @@ class VoiceClient:
     async def _truncate_heard(self: RealtimeClient, playing: _Playing, heard_ms: int, turn: Turn | None) -> None:
         from rtgw.client import GatewayError
 
+        if await self._device_truncate(playing.item_id, heard_ms, turn):  # spoken on the device
+            return
         event = self.protocol.event("conversation.item.truncate", item_id=playing.item_id, content_index=0,
                                     audio_end_ms=heard_ms)
         try:
@@ -366,3 +384,4 @@ class VoiceClient:
         if task is not None and not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        self._close_device_voice()
