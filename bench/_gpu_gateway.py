@@ -41,6 +41,7 @@ def gateway_config(cfg: ModelConfig, device: str, dtype: str, directory: Path, *
                    "max_num_batched_tokens": 4096, "max_waiting": 4 * max_streams, "max_model_len": 1024},
         "routing": {"default": "gpu", "cascade_model": f"{cfg.id}-cascade", "edge_model": f"{cfg.id}-edge",
                     "gpu_model": cfg.id},
+        "voice": {"enabled": False},  # text streams only (and the GPU machine has no voice packages)
     }
     path = directory / "gpu-gateway.toml"
     path.write_text(dump_toml(raw), encoding="utf-8")

@@ -66,17 +66,21 @@ class GatewayState:
         None when voice is off. Blocking: call it off the event loop."""
         if not self.config.voice.enabled:
             return None
-        from gateway.voice_service import GatewayVoice  # lazy: onnxruntime, CTranslate2
         from voice.errors import VoiceModelError
 
         metrics = self.metrics
         try:
+            from gateway.voice_service import GatewayVoice  # lazy: onnxruntime, CTranslate2
+
             return GatewayVoice(self.config.voice, lambda job: metrics.voice_job(job.kind, job.outcome, job.audio_s,
                                                                                  job.compute_s, job.wait_s))
         except VoiceModelError as e:
             # A missing model or synthesizer must not take text service down with it.
             log.error("voice is off: %s (sessions refuse audio until it is fixed)", e.message)
-            return None
+        except ImportError as e:  # an install without the voice packages (onnxruntime, faster-whisper)
+            log.error("voice is off: %s is not installed (make install installs it; or set [voice] "
+                      "enabled = false)", e.name or e)
+        return None
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock = time.monotonic) -> GatewayState:

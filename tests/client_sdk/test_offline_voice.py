@@ -12,9 +12,9 @@ import difflib
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,11 +30,11 @@ from rtgw.voice_events import (
     SpeechStarted,
     SpeechStopped,
     TurnStarted,
-    VoiceEvent,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from voice_serving import QUESTION, spoken, words, write_wav
+from voice_waits import until
 
 from voice.asr import WhisperRecognizer
 from voice.audio import REALTIME_RATE, SPEECH_RATE, encode_pcm16, resample
@@ -47,7 +47,6 @@ LIGHTS = {"type": "function", "name": "turn_on_lights", "description": "Turn on 
           "parameters": {"type": "object", "properties": {"room": {"type": "string"}}, "required": ["room"],
                          "additionalProperties": False}}
 
-E = TypeVar("E")
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +64,6 @@ def device_client(max_output_tokens: int = 48, **options: Any) -> RealtimeClient
     return RealtimeClient(NOWHERE, connect_timeout=2, silence_timeout=WAIT_S, retry_online_s=3600.0,
                           backoff=Backoff(attempts=1),
                           offline=OfflineConfig(max_output_tokens=max_output_tokens, temperature=0.0), **options)
-
-
-async def until(events: AsyncIterator[VoiceEvent], kind: type[E]) -> tuple[E, list[VoiceEvent]]:
-    """The first voice event of ``kind``, and every one before it."""
-    seen: list[VoiceEvent] = []
-    async with asyncio.timeout(WAIT_S):
-        async for event in events:
-            seen.append(event)
-            if isinstance(event, kind):
-                return event, seen
-    raise AssertionError("the voice events ended")
 
 
 def similar(a: list[str], b: list[str]) -> float:

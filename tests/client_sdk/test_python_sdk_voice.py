@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -28,9 +28,9 @@ from rtgw.voice_events import (
     SpeechStarted,
     SpeechStopped,
     TurnStarted,
-    VoiceEvent,
 )
 from voice_serving import QUESTION, serve, spoken, voice_pipeline, words, write_wav
+from voice_waits import until
 
 from gateway.voice_service import GatewayVoice
 from voice.audio import encode_pcm16
@@ -41,7 +41,6 @@ ANSWER = ["The ", "kitchen ", "lights ", "are ", "on ", "now. ", "Is ", "there "
           "would ", "like? "]
 WAIT_S = 120.0  # for the models on a busy 2-core machine
 
-E = TypeVar("E")
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +56,6 @@ def question_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def client(url: str, **options: Any) -> RealtimeClient:
     return RealtimeClient(url, connect_timeout=30, silence_timeout=WAIT_S, request_timeout=30, **options)
-
-
-async def until(events: AsyncIterator[VoiceEvent], kind: type[E]) -> tuple[E, list[VoiceEvent]]:
-    """The first voice event of ``kind``, and every one before it."""
-    seen: list[VoiceEvent] = []
-    async with asyncio.timeout(WAIT_S):
-        async for event in events:
-            seen.append(event)
-            if isinstance(event, kind):
-                return event, seen
-    raise AssertionError("the voice events ended")
 
 
 async def test_a_spoken_question_from_a_wav_file_gets_its_transcript_and_a_spoken_answer(

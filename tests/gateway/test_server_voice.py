@@ -179,3 +179,27 @@ def test_a_missing_synthesizer_turns_voice_off_and_leaves_text_served(caplog: py
     state = GatewayState.from_config(replace(config, voice=VoiceConfig(tts_binary="/nonexistent/flite")))
     assert state.load_voice() is None
     assert "voice is off" in caplog.text and "/nonexistent/flite" in caplog.text
+
+
+def test_an_install_without_the_voice_packages_serves_text(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    import builtins
+
+    from gateway_harness import make_config
+
+    from gateway.state import GatewayState
+    from voice.config import VoiceConfig
+
+    real_import = builtins.__import__
+
+    def without_onnxruntime(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "gateway.voice_service":
+            raise ModuleNotFoundError("No module named 'onnxruntime'", name="onnxruntime")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_onnxruntime)
+    from dataclasses import replace
+
+    state = GatewayState.from_config(replace(make_config(), voice=VoiceConfig()))
+    assert state.load_voice() is None
+    assert "voice is off: onnxruntime is not installed" in caplog.text
