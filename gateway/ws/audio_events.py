@@ -13,11 +13,12 @@ semantic VAD are refused with ``unsupported_feature`` rather than silently misha
 
 from __future__ import annotations
 
-import binascii
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 from gateway.ws.fields import Fields, ProtocolError
+from voice.audio import decode_pcm16, decode_pcm16_base64
+from voice.errors import AudioError
 
 PCM_RATE = 24_000  # samples a second of audio/pcm, in and out
 PCM_BYTES_PER_MS = PCM_RATE * 2 // 1000  # 16-bit mono
@@ -186,28 +187,22 @@ AUDIO_EVENT_TYPES = frozenset({"input_audio_buffer.append", "input_audio_buffer.
 
 
 def decode_audio(value: object, param: str, max_bytes: int) -> bytes:
-    """PCM16 audio from a base64 string (JSON) or raw bytes (msgpack), checked."""
+    """PCM16 audio from a base64 string (JSON) or raw bytes (msgpack), checked by ``voice.audio``
+    (its reasons become our codes: ``audio_too_large``, else ``invalid_audio``); an empty append
+    is no audio, not an error."""
     if value is None:
         raise ProtocolError("missing_required_parameter", f"missing required parameter '{param}'", param)
-    if isinstance(value, str):
-        if len(value) > (max_bytes + 2) // 3 * 4:
-            raise ProtocolError("audio_too_large", f"'{param}' holds more than {max_bytes} bytes of audio; send "
-                                "smaller chunks", param)
-        try:
-            audio = binascii.a2b_base64(value, strict_mode=True)
-        except (binascii.Error, ValueError):
-            raise ProtocolError("invalid_audio", f"'{param}' is not valid base64", param) from None
-    elif isinstance(value, bytes | bytearray):
-        audio = bytes(value)
-    else:
+    if not isinstance(value, str | bytes | bytearray):
         raise ProtocolError("invalid_type", f"'{param}' must be base64 audio (or bytes on msgpack)", param)
-    if len(audio) > max_bytes:
-        raise ProtocolError("audio_too_large", f"'{param}' holds {len(audio)} bytes of audio, more than "
-                            f"{max_bytes}; send smaller chunks", param)
-    if len(audio) % 2:
-        raise ProtocolError("invalid_audio", f"'{param}' has an odd number of bytes ({len(audio)}): audio/pcm is "
-                            "16-bit samples", param)
-    return audio
+    if not value:
+        return b""
+    try:
+        samples = (decode_pcm16_base64(value, max_bytes=max_bytes) if isinstance(value, str)
+                   else decode_pcm16(value, max_bytes=max_bytes))
+    except AudioError as e:
+        code = "audio_too_large" if e.reason == "too_long" else "invalid_audio"
+        raise ProtocolError(code, f"'{param}': {e.message}", param) from None
+    return samples.astype("<i2", copy=False).tobytes()
 
 
 def _modalities(f: Fields, out: dict[str, Any]) -> None:

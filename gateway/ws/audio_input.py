@@ -17,6 +17,7 @@ from typing import Protocol
 from gateway.ws.audio_events import PCM_BYTES_PER_MS, ServerVad
 from gateway.ws.events import SessionLimits
 from gateway.ws.fields import ProtocolError
+from voice.limits import AudioRateLimiter
 
 MIN_COMMIT_MS = 100  # the API refuses to commit less audio than this
 
@@ -65,9 +66,7 @@ class InputAudio:
         self._segmenter_origin = 0  # session ms of the current segmenter's first sample
         self._vad: ServerVad | None = None
         self.speech_start_ms: int | None = None  # speech in progress (server VAD), from its start
-        # The rate bound, a token bucket of audio bytes: refilled at max_audio_bytes_per_s.
-        self._allowance = float(limits.audio_burst_bytes)
-        self._stamp = clock()
+        self._rate = AudioRateLimiter(limits.max_audio_bytes_per_s, limits.audio_burst_bytes, clock())
 
     @property
     def buffered_ms(self) -> int:
@@ -85,15 +84,13 @@ class InputAudio:
     def append(self, pcm: bytes) -> list[SpeechEvent]:
         """Add audio; what the detector saw in it, in session ms. Refused (the buffer unchanged)
         when it comes faster than the rate bound or would overfill the buffer."""
-        self._refill()
-        if len(pcm) > self._allowance:
-            speed = self._limits.max_audio_bytes_per_s / (PCM_BYTES_PER_MS * 1000)
-            raise ProtocolError("audio_rate_exceeded", f"audio is arriving faster than {speed:g}x real time; this "
-                                "chunk was dropped: send audio as it is captured", "audio")
         if len(self._buffer) + len(pcm) > self._limits.max_audio_buffer_ms * PCM_BYTES_PER_MS:
             raise ProtocolError("input_audio_buffer_full", f"the input audio buffer holds at most "
                                 f"{self._limits.max_audio_buffer_ms} ms; commit or clear it", "audio")
-        self._allowance -= len(pcm)
+        if not self._rate.take(len(pcm), self._clock()):
+            speed = self._limits.max_audio_bytes_per_s / (PCM_BYTES_PER_MS * 1000)
+            raise ProtocolError("audio_rate_exceeded", f"audio is arriving faster than {speed:g}x real time; this "
+                                "chunk was dropped: send audio as it is captured", "audio")
         if self.speech_start_ms is None and self._vad is not None:
             # Between turns only the prefix padding can still become part of one: keep no more.
             self._drop_before(self.total_ms - self._vad.prefix_padding_ms)
@@ -146,9 +143,3 @@ class InputAudio:
         if isinstance(event, SpeechPaused):
             return SpeechPaused(event.speech_end_ms + origin)
         return SpeechStopped(event.audio_end_ms + origin, event.speech_end_ms + origin)
-
-    def _refill(self) -> None:
-        now = self._clock()
-        elapsed, self._stamp = max(now - self._stamp, 0.0), now
-        self._allowance = min(self._allowance + elapsed * self._limits.max_audio_bytes_per_s,
-                              float(self._limits.audio_burst_bytes))
