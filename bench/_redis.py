@@ -1,4 +1,4 @@
-"""A ``redis-server`` for the limits benchmark: its own process on a free loopback port, no
+"""A ``redis-server`` for the limits benchmark and tests (tests/gateway/limits): its own process on a free loopback port, no
 persistence, which the benchmark may pause (every call then hangs) or stop, and start again on
 the same port (a gateway's URL stays valid)."""
 
@@ -49,9 +49,16 @@ class Redis:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _answers(self.port):
             if self._proc.poll() is not None or time.monotonic() > deadline:
+                log = self.workdir / f"redis-{self.port}.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                 self.stop()
-                raise BenchError(f"redis-server on port {self.port} did not start")
+                raise BenchError(f"redis-server on port {self.port} did not answer PING:\n{tail}")
             time.sleep(0.02)
+
+    def restart(self) -> None:
+        """Stopped and started again on the same port (its data gone: no persistence)."""
+        self.stop()
+        self.start()
 
     def pause(self) -> None:
         """SIGSTOP: connections stay open and nothing answers, the worst way for a store to fail."""
