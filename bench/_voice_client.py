@@ -248,6 +248,3 @@ class VoiceSession:
 def _since(at: float | None, start: float) -> float | None:
     return (at - start) * 1000 if at is not None and at >= start else None
 
-
-def silence(ms: int) -> bytes:
-    return np.zeros(ms * BYTES_PER_MS // 2, np.int16).tobytes()

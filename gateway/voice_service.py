@@ -62,7 +62,6 @@ class GatewayVoice:
     def __init__(self, config: VoiceConfig, observer: Callable[[JobFigures], None] | None = None) -> None:
         started = time.perf_counter()
         self.service = service = VoiceService(config, observer=observer)
-        self.pool = service.pool
         self.hooks = VoiceHooks(segmenters=lambda vad: _Segmenter(service, vad), phrases=service.phrase_splitter)
         log.info("voice ready in %.1f s: Silero VAD, Whisper (%s), %s", time.perf_counter() - started,
                  service.recognizer.model_dir, config.tts_backend)
