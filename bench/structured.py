@@ -14,7 +14,10 @@ SmolLM2-135M on both tiers:
    validates with ``jsonschema`` (formats checked): a tool call parsed by the family's parser, its
    name one of the offered tools, its arguments valid against that tool's parameters; a response
    format's JSON against its schema. An answer cut by ``max_tokens`` counts as invalid (the share
-   valid among the answers that ended by themselves is reported beside it).
+   valid among the answers that ended by themselves is reported beside it). Each tier's matcher
+   knows the answer's ``max_tokens`` and, near it, forces a short way to close the document, so an
+   answer the small model would loop in ends valid; ``ended_near_budget`` counts the answers that
+   ended within the budget's last ``CLOSE_MARGIN + 1`` tokens (closed by it, or rarely ending there).
    - torch tier: the in-process ``LLMEngine`` (the greedy answers of step 4, speculative, are
      judged too, apart: at ``--spec-tokens`` many are cut short);
    - edge tier: the llama.cpp backend (``engine_edge.create_backend``);
@@ -111,6 +114,7 @@ from llm_shared.structured import (  # noqa: E402
     parse_chat_constraints,
     render_messages,
 )
+from llm_shared.structured.matcher import CLOSE_MARGIN  # noqa: E402
 from llm_shared.tokenizer import Tokenizer  # noqa: E402
 
 SCHEMAS = REPO_ROOT / "configs" / "structured_schemas.json"
@@ -225,6 +229,7 @@ class Verdict:
     called: str | None = None  # the tool a call named
     tokens: int = 0
     route: str = ""  # the cascade's route
+    budget: int = 0  # the answer's max_tokens
 
 
 def summary(verdicts: Sequence[Verdict], cases: Sequence[Case]) -> dict[str, Any]:
@@ -236,6 +241,9 @@ def summary(verdicts: Sequence[Verdict], cases: Sequence[Case]) -> dict[str, Any
         # of the answers that ended by themselves (not cut by max_tokens): what the grammar vouches for
         "valid_rate_finished": sum(not v.why for v in finished) / len(finished) if finished else None,
         "truncated": len(verdicts) - len(finished),
+        # ended within the last tokens of max_tokens: where the budget forces a closing (a model
+        # that loops inside the document), or, rarely, an answer that ended there by itself
+        "ended_near_budget": sum(v.budget > 0 and v.tokens >= v.budget - CLOSE_MARGIN - 1 for v in finished),
         "outputs": len(verdicts), "invalid": [vars(v) for v in verdicts if v.why],
         "finish_reasons": {r: sum(v.finish == r for v in verdicts) for r in sorted({v.finish for v in verdicts})},
         "intended_tool_called": sum(v.called == v.case for v in calls) / len(calls) if calls else None,
@@ -419,11 +427,11 @@ def sampled(cases: Sequence[Case], samples: int, max_tokens: int) -> list[tuple[
 
 def verdicts(jobs: Sequence[tuple[Case, SamplingParams]], outs: Sequence[Out]) -> list[Verdict]:
     out = []
-    for (case, _), o in zip(jobs, outs, strict=True):
+    for (case, params), o in zip(jobs, outs, strict=True):
         why, called = check_text(case, o.text)
         if o.finish != "stop":
             why = f"finished {o.finish!r}" + (f": {why}" if why else "")
-        out.append(Verdict(case.name, o.finish, why, called, len(o.times)))
+        out.append(Verdict(case.name, o.finish, why, called, len(o.times), budget=params.max_tokens))
     return out
 
 
@@ -431,7 +439,8 @@ def report_validity(tier: str, verdicts_: list[Verdict], cases: Sequence[Case]) 
     result = summary(verdicts_, cases)
     finished = result["valid_rate_finished"]
     progress(f"  {tier}: valid {result['valid_rate']:.3f} of {result['outputs']} outputs ({result['truncated']} cut "
-             f"by max_tokens; of the rest {'-' if finished is None else f'{finished:.3f}'}); finish reasons "
+             f"by max_tokens; of the rest {'-' if finished is None else f'{finished:.3f}'}; "
+             f"{result['ended_near_budget']} ended near the budget); finish reasons "
              f"{result['finish_reasons']}; the intended tool called {result['intended_tool_called']}")
     for bad in result["invalid"][:5]:
         progress(f"    invalid: {bad['case']}: {bad['why']}")
@@ -565,7 +574,7 @@ async def cascade_arm(config: Config, cases: list[Case], args: argparse.Namespac
         if choice.finish_reason != ("tool_calls" if case.calls else "stop"):
             why = f"finished {choice.finish_reason!r}" + (f": {why}" if why else "")
         tokens = done.usage.completion_tokens if done.usage else 0
-        return Verdict(case.name, choice.finish_reason, why, called, tokens, route)
+        return Verdict(case.name, choice.finish_reason, why, called, tokens, route, args.max_tokens)
 
     try:
         await one(cases[-1], 0)  # warm both tiers' paths

@@ -160,17 +160,18 @@ class WorkerFront(EdgeBackend):
             raise OverloadedError(
                 f"the edge engine is busy ({len(self._open)} requests running or queued); retry shortly"
             )
-        matcher = self._matcher(params.grammar) if params.grammar else None
+        matcher = self._matcher(params.grammar, params.max_tokens) if params.grammar else None
         channel = EventChannel(on_close=lambda finished: self._left(request_id, finished))
         return GenerateCmd(request_id, prompt, params, Priority(priority),
                            EventSink(asyncio.get_running_loop(), channel), session_id, salt, matcher)
 
-    def _matcher(self, grammar: str) -> SequenceMatcher:
-        """A fresh matcher of ``grammar`` (compiled once per text; SchemaError names ``grammar``).
+    def _matcher(self, grammar: str, max_tokens: int) -> SequenceMatcher:
+        """A fresh matcher of ``grammar`` that ends its answer within ``max_tokens`` (compiled once
+        per text; SchemaError names ``grammar``).
         The compiler is built with the first grammar (~0.1 s, once)."""
         if self._grammars is None:
             self._grammars = GrammarCompiler(self._tokenizer, family=None)
-        return self._grammars.text_matcher(grammar)
+        return self._grammars.text_matcher(grammar, max_tokens)
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self._open or not self.ready:

@@ -131,7 +131,7 @@ class LLMEngine:
             return None
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, family=None)
-        return self._grammars.text_matcher(params.grammar)
+        return self._grammars.text_matcher(params.grammar, params.max_tokens)
 
     def _track(self, request_id: str, prompt_tokens: int, params: SamplingParams,
                matcher: SequenceMatcher | None) -> None:

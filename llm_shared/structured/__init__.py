@@ -9,7 +9,8 @@ device.
   grammar.py      constraints -> one Lark grammar (or None: nothing to constrain)
   families/       each model family's tool-call syntax, prompt text and streaming parser
   compiler.py     per model: llguidance tokenizer + compiled-grammar cache (cache.py)
-  matcher.py      one sequence's matcher: bitmask, accept, rollback, draft validation
+  matcher.py      one sequence's matcher: bitmask, accept, rollback, draft validation, budget
+  closing.py      a short way to finish an answer, which a budget forces near max_tokens
   history.py      a conversation (text, calls, tool results) rendered in the family's syntax
 """
 

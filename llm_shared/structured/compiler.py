@@ -17,10 +17,11 @@ import llguidance
 
 from llm_shared.errors import InvalidRequestError
 from llm_shared.structured.cache import CacheStats, GrammarCache
+from llm_shared.structured.closing import ByteTokens, closing_tokens
 from llm_shared.structured.errors import SchemaError
 from llm_shared.structured.families import ToolCallFamily, get_family
 from llm_shared.structured.grammar import GrammarSource, build_grammar
-from llm_shared.structured.matcher import SequenceMatcher
+from llm_shared.structured.matcher import CLOSE_MARGIN, MIN_WATCH, Budget, SequenceMatcher
 from llm_shared.structured.spec import OutputConstraints, StructuredLimits
 from llm_shared.tokenizer import Tokenizer
 
@@ -55,6 +56,9 @@ class CompiledGrammar:
     compile_ms: float  # building the matcher and its first mask, measured when it was compiled
     calls: bool  # tool calls are possible: stream the output through the family's parser
     text: str  # the grammar (what SamplingParams.grammar carries to a tier)
+    # budget left from which a sequence looks for a way to close its answer: twice the shortest
+    # whole answer's closing, at least MIN_WATCH (a document that needs long to close starts early)
+    watch_from: int
     _pristine: llguidance.LLMatcher = field(repr=False)  # never advanced; sequences get copies
 
 
@@ -120,6 +124,8 @@ class GrammarCompiler:
             verbose_errors=False,  # errors reach clients: no parser state or grammar dumps
         )
         self.ll_tokenizer = ll_tokenizer if ll_tokenizer is not None else build_lltokenizer(tokenizer)
+        self.byte_tokens = ByteTokens([tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)],
+                                      frozenset(tokenizer.special_ids), self.ll_tokenizer)
         self._cache: GrammarCache[CompiledGrammar | _Failure] = GrammarCache(
             max_entries=cache_entries, max_bytes=cache_bytes
         )
@@ -168,20 +174,24 @@ class GrammarCompiler:
             failure = self._attribute(source, error)
             self._cache.put(key, failure, size)
             raise SchemaError(failure.message, param=failure.param)
-        compiled = CompiledGrammar(key, (time.perf_counter() - start) * 1e3, source.calls, source.text, matcher)
+        shortest = closing_tokens(matcher, self.byte_tokens)
+        watch_from = max(MIN_WATCH, 2 * (len(shortest) if shortest is not None else MIN_WATCH) + 2 * CLOSE_MARGIN)
+        compiled = CompiledGrammar(key, (time.perf_counter() - start) * 1e3, source.calls, source.text, watch_from,
+                                   matcher)
         self._cache.put(key, compiled, size)
         return compiled
 
-    def text_matcher(self, text: str) -> SequenceMatcher:
+    def text_matcher(self, text: str, max_tokens: int | None = None) -> SequenceMatcher:
         """A fresh matcher of a grammar that arrived as text (``SamplingParams.grammar``): what a
-        tier makes for each constrained request."""
-        return self.matcher(self.compile_text(text))
+        tier makes for each constrained request, with its ``max_tokens``."""
+        return self.matcher(self.compile_text(text), max_tokens)
 
-    def matcher(self, compiled: CompiledGrammar) -> SequenceMatcher:
-        """A fresh matcher for one sequence (a copy of the pristine one: ~1 µs)."""
-        return SequenceMatcher(
-            compiled._pristine.deep_copy(), eos_id=self.tokenizer.eos_id, vocab_size=self.tokenizer.vocab_size
-        )
+    def matcher(self, compiled: CompiledGrammar, max_tokens: int | None = None) -> SequenceMatcher:
+        """A fresh matcher for one sequence (a copy of the pristine one: ~1 µs). With ``max_tokens``
+        (output tokens, EOS included) it ends the answer valid within them (``SequenceMatcher``)."""
+        budget = None if max_tokens is None else Budget(max_tokens, self.byte_tokens, compiled.watch_from)
+        return SequenceMatcher(compiled._pristine.deep_copy(), eos_id=self.tokenizer.eos_id,
+                               vocab_size=self.tokenizer.vocab_size, budget=budget)
 
     def _attribute(self, source: GrammarSource, error: str) -> _Failure:
         """Which field broke the compile: each schema compiled alone (only on this failure path)."""

@@ -7,6 +7,12 @@ kernel); the numpy helper here is for the edge tier, which gets llama.cpp's logi
 Filling a row drops the GIL in llguidance, so a tier can compute the next step's masks on a thread
 while the model runs.
 
+A matcher given a token budget (the request's ``max_tokens``) also makes the answer end within it:
+once the budget left is no more than a way to close the answer (``closing.closing_tokens``) plus
+EOS and a margin, its mask allows only that way's next token, so a model that loops inside a JSON
+document ends it valid instead of being cut mid-document. The way is looked for only near the end
+of the budget (from ``watch_from`` tokens left), every few tokens, then every step.
+
 EOS is handled here, not by llguidance: once a grammar is complete llguidance stops and will not
 consume EOS (``validate_tokens([eos])`` is 0 even though its mask allows it), so EOS is accepted
 when the matcher is accepting and remembered as a flag, which a rollback undoes.
@@ -15,15 +21,21 @@ when the matcher is accepting and remembered as a flag, which a rollback undoes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
 
+from llm_shared.structured.closing import ByteTokens, closing_tokens
+
 if TYPE_CHECKING:
     import llguidance
 
 NEG_INF = np.float32(-np.inf)
+CLOSE_MARGIN = 8  # tokens a closing may grow by between two looks (one token can open `[{"`)
+LOOK_EVERY = 8  # tokens between looks for a closing while the budget left is not yet tight
+MIN_WATCH = 64  # budget left from which closings are looked for, at least
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -61,21 +73,37 @@ def apply_bitmask(logits: NDArray[np.float32], row: NDArray[np.int32]) -> None:
         logits[np.flatnonzero(~bits)] = NEG_INF
 
 
-def _eos_only(row: NDArray[np.int32], eos_id: int) -> None:
+def _only(row: NDArray[np.int32], token_id: int) -> None:
     row.fill(0)
-    row[eos_id // 32] = np.array(1 << (eos_id % 32), dtype=np.uint32).view(np.int32)
+    row[token_id // 32] = np.array(1 << (token_id % 32), dtype=np.uint32).view(np.int32)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A sequence's token budget and what the matcher needs to close its answer within it."""
+
+    max_tokens: int  # output tokens, EOS included (the request's max_tokens)
+    tokens: ByteTokens  # the model's byte tokens, for the closing walk
+    watch_from: int  # budget left from which closings are looked for (``CompiledGrammar.watch_from``)
 
 
 class SequenceMatcher:
     """A matcher for one sequence. Not thread-safe; one per sequence (a cheap copy of the compiled
     grammar's pristine matcher, see ``GrammarCompiler.matcher``)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, *, eos_id: int, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, *, eos_id: int, vocab_size: int,
+                 budget: Budget | None = None) -> None:
         self._m = matcher
         self._eos = eos_id
         self._words = bitmask_words(vocab_size)
         self._consumed = 0  # tokens given to llguidance (EOS never is): the most a rollback can undo
         self._terminated = False  # EOS accepted
+        self._budget = budget
+        # The latest way to close the answer: its tokens from position `_closing_at` (tokens
+        # consumed then). Followed token by token it stays current; otherwise it is stale, and its
+        # length is what the next look is timed by.
+        self._closing: list[int] | None = None  # None: none found (or never looked)
+        self._closing_at = -1  # -1: never looked
 
     @property
     def is_terminated(self) -> bool:
@@ -106,7 +134,11 @@ class SequenceMatcher:
         if row.dtype != np.int32 or row.ndim != 1 or row.shape[0] != self._words or not row.flags.c_contiguous:
             raise ValueError(f"a bitmask row must be a contiguous int32 vector of {self._words} words")
         if self._terminated:
-            _eos_only(row, self._eos)
+            _only(row, self._eos)
+            return
+        forced = self._forced()
+        if forced is not None:
+            _only(row, forced[0])
             return
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
@@ -123,6 +155,9 @@ class SequenceMatcher:
         # (consume_token would put it in its error state for good).
         if self._m.try_consume_tokens([token_id]) != 1:
             return False
+        if self._closing and self._closing_at == self._consumed and self._closing[0] == token_id:
+            self._closing.pop(0)  # the closing followed: still current one token on
+            self._closing_at += 1
         self._consumed += 1
         return True
 
@@ -138,6 +173,8 @@ class SequenceMatcher:
             if not self._m.rollback(n):
                 raise RuntimeError(f"llguidance refused to roll back {n} tokens: {self._m.get_error()}")
             self._consumed -= n
+            if self._closing_at > self._consumed:  # found past where it stands now: look again
+                self._closing_at = -1
 
     def valid_prefix_len(self, draft: Sequence[int]) -> int:
         """How many leading tokens of ``draft`` the grammar allows from here (an EOS counts when the
@@ -145,6 +182,10 @@ class SequenceMatcher:
         length before verifying it."""
         if self._terminated or not draft:
             return 0
+        forced = self._forced()
+        if forced is not None:  # closing for the budget: only the closing's tokens, then EOS
+            return next((i for i, (a, b) in enumerate(zip(draft, forced, strict=False)) if a != b),
+                        min(len(draft), len(forced)))
         tokens = list(draft)
         head = tokens[: tokens.index(self._eos)] if self._eos in tokens else tokens
         n = self._m.validate_tokens(head) if head else 0
@@ -172,3 +213,27 @@ class SequenceMatcher:
             rows += 1
         self.rollback(rows - 1)
         return rows
+
+    # --- the budget ---------------------------------------------------------------------------
+
+    def _forced(self) -> list[int] | None:
+        """The tokens the budget forces from here (the closing, then EOS), or None: the model
+        chooses. Looks for a closing when one is due."""
+        budget = self._budget
+        if budget is None or self._terminated:
+            return None
+        left = budget.max_tokens - self._consumed  # output slots left, the EOS's among them
+        if left > budget.watch_from:
+            return None
+        if self._m.is_accepting():  # complete: within a closing's margin of the budget, it ends now
+            return [self._eos] if left <= 1 + CLOSE_MARGIN else None
+        if self._closing_at != self._consumed:  # stale (or never looked): look again when due
+            since = self._consumed - self._closing_at
+            tight = self._closing is not None and left <= len(self._closing) + 1 + 2 * CLOSE_MARGIN
+            if not (self._closing_at < 0 or since >= LOOK_EVERY or tight):
+                return None
+            self._closing = closing_tokens(self._m, budget.tokens)  # None: the walk found no way
+            self._closing_at = self._consumed
+        if self._closing is None or left > len(self._closing) + 1 + CLOSE_MARGIN:
+            return None
+        return [*self._closing, self._eos]

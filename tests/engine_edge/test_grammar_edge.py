@@ -22,7 +22,7 @@ from engine_edge.llama_cpp_backend import LlamaCppBackend
 from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent
 from llm_shared.errors import InvalidRequestError
 from llm_shared.modelfile import default_gguf_path
-from llm_shared.structured import CallDone, GrammarCompiler, build_grammar, get_family, parse_chat_constraints
+from llm_shared.structured import CallDone, build_grammar, get_family, parse_chat_constraints
 
 pytestmark = pytest.mark.model
 
@@ -103,8 +103,8 @@ def test_a_grammar_that_does_not_compile_is_refused(backend: LlamaCppBackend) ->
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(schema=top_schemas, seed=st.integers(0, 2**31 - 1))
 def test_answers_for_generated_schemas_fit_them(backend: LlamaCppBackend, schema: dict[str, Any], seed: int) -> None:
-    """Valid by construction with the real model: an answer that ends validates against its schema;
-    one cut off by max_tokens is a prefix the grammar accepts."""
+    """Valid by construction with the real model: every answer ends by itself within max_tokens
+    (one that would run on is closed in time) and validates against its schema."""
     grammar = grammar_of({"response_format": {"type": "json_schema", "json_schema": {
         "name": "out", "schema": schema, "strict": False}}})
 
@@ -122,12 +122,7 @@ def test_answers_for_generated_schemas_fit_them(backend: LlamaCppBackend, schema
 
         return await asyncio.gather(one(0), one(1))
 
-    compiler = GrammarCompiler(backend.tokenizer, family=None)
     for ids, finish in asyncio.run(main()):
         text = backend.tokenizer.decode(ids)
-        if finish.reason == "stop":
-            jsonschema.validate(json.loads(text), schema, cls=jsonschema.Draft202012Validator)
-        else:
-            assert finish.reason == "length", (finish, text)
-            matcher = compiler.text_matcher(grammar)
-            assert all(matcher.accept(t) for t in ids), text
+        assert finish.reason == "stop" and len(ids) < 96, (finish, text)  # the budget closes a long one
+        jsonschema.validate(json.loads(text), schema, cls=jsonschema.Draft202012Validator)
