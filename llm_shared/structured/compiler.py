@@ -56,8 +56,11 @@ class CompiledGrammar:
     compile_ms: float  # building the matcher and its first mask, measured when it was compiled
     calls: bool  # tool calls are possible: stream the output through the family's parser
     text: str  # the grammar (what SamplingParams.grammar carries to a tier)
+    # tokens of the shortest whole answer (the closing walk's from the start); None: none found
+    # within the walk's bound, and then no budget closes this grammar's answers
+    shortest: int | None
     # budget left from which a sequence looks for a way to close its answer: twice the shortest
-    # whole answer's closing, at least MIN_WATCH (a document that needs long to close starts early)
+    # answer and the margins, at least MIN_WATCH (a document that needs long to close starts early)
     watch_from: int
     _pristine: llguidance.LLMatcher = field(repr=False)  # never advanced; sequences get copies
 
@@ -174,10 +177,11 @@ class GrammarCompiler:
             failure = self._attribute(source, error)
             self._cache.put(key, failure, size)
             raise SchemaError(failure.message, param=failure.param)
-        shortest = closing_tokens(matcher, self.byte_tokens)
-        watch_from = max(MIN_WATCH, 2 * (len(shortest) if shortest is not None else MIN_WATCH) + 2 * CLOSE_MARGIN)
-        compiled = CompiledGrammar(key, (time.perf_counter() - start) * 1e3, source.calls, source.text, watch_from,
-                                   matcher)
+        walk = closing_tokens(matcher, self.byte_tokens)
+        shortest = None if walk is None else len(walk)
+        watch_from = max(MIN_WATCH, 2 * (shortest or 0) + 2 * CLOSE_MARGIN)
+        compiled = CompiledGrammar(key, (time.perf_counter() - start) * 1e3, source.calls, source.text, shortest,
+                                   watch_from, matcher)
         self._cache.put(key, compiled, size)
         return compiled
 
@@ -188,8 +192,11 @@ class GrammarCompiler:
 
     def matcher(self, compiled: CompiledGrammar, max_tokens: int | None = None) -> SequenceMatcher:
         """A fresh matcher for one sequence (a copy of the pristine one: ~1 µs). With ``max_tokens``
-        (output tokens, EOS included) it ends the answer valid within them (``SequenceMatcher``)."""
-        budget = None if max_tokens is None else Budget(max_tokens, self.byte_tokens, compiled.watch_from)
+        (output tokens, EOS included) it ends the answer valid within them (``SequenceMatcher``),
+        where the grammar has an answer that short."""
+        budget = None
+        if max_tokens is not None and compiled.shortest is not None and compiled.shortest < max_tokens:
+            budget = Budget(max_tokens, self.byte_tokens, compiled.watch_from, compiled.shortest)
         return SequenceMatcher(compiled._pristine.deep_copy(), eos_id=self.tokenizer.eos_id,
                                vocab_size=self.tokenizer.vocab_size, budget=budget)
 

@@ -9,9 +9,9 @@ while the model runs.
 
 A matcher given a token budget (the request's ``max_tokens``) also makes the answer end within it:
 once the budget left is no more than a way to close the answer (``closing.closing_tokens``) plus
-EOS and a margin, its mask allows only that way's next token, so a model that loops inside a JSON
-document ends it valid instead of being cut mid-document. The way is looked for only near the end
-of the budget (from ``watch_from`` tokens left), every few tokens, then every step.
+EOS and twice a margin, its mask allows only that way's next token, so a model that loops inside
+a JSON document ends it valid instead of being cut mid-document. The way is looked for only near
+the end of the budget (from ``watch_from`` tokens left), a few times as the slack shrinks.
 
 EOS is handled here, not by llguidance: once a grammar is complete llguidance stops and will not
 consume EOS (``validate_tokens([eos])`` is 0 even though its mask allows it), so EOS is accepted
@@ -27,14 +27,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import NDArray
 
-from llm_shared.structured.closing import ByteTokens, closing_tokens
+from llm_shared.structured.closing import MAX_CLOSE_STEPS, ByteTokens, closing_tokens
 
 if TYPE_CHECKING:
     import llguidance
 
 NEG_INF = np.float32(-np.inf)
-CLOSE_MARGIN = 8  # tokens a closing may grow by between two looks (one token can open `[{"`)
-LOOK_EVERY = 8  # tokens between looks for a closing while the budget left is not yet tight
+CLOSE_MARGIN = 8  # tokens a closing may grow by before the next look (one token can open `[{"`)
 MIN_WATCH = 64  # budget left from which closings are looked for, at least
 
 
@@ -85,6 +84,7 @@ class Budget:
     max_tokens: int  # output tokens, EOS included (the request's max_tokens)
     tokens: ByteTokens  # the model's byte tokens, for the closing walk
     watch_from: int  # budget left from which closings are looked for (``CompiledGrammar.watch_from``)
+    shortest: int  # tokens of the grammar's shortest answer: the first look's closing, known in advance
 
 
 class SequenceMatcher:
@@ -99,11 +99,18 @@ class SequenceMatcher:
         self._consumed = 0  # tokens given to llguidance (EOS never is): the most a rollback can undo
         self._terminated = False  # EOS accepted
         self._budget = budget
-        # The latest way to close the answer: its tokens from position `_closing_at` (tokens
-        # consumed then). Followed token by token it stays current; otherwise it is stale, and its
-        # length is what the next look is timed by.
-        self._closing: list[int] | None = None  # None: none found (or never looked)
-        self._closing_at = -1  # -1: never looked
+        # The latest way to close the answer, found with `_plan_from` tokens consumed. The matcher
+        # is on it while every token since then is the plan's next one (`_off_at`: where one was
+        # not), so a speculation's accept-and-roll-back keeps it without walking again.
+        self._plan: list[int] | None = None
+        self._plan_from = 0
+        self._off_at: int | None = None
+        self._force = False  # the plan was found within the margin: only it is allowed
+        self._next_look = 0  # tokens consumed at which to look for a closing next
+        if budget is not None:  # the closing from the start is the grammar's shortest answer: look
+            # first within watch_from of the end, and after half the slack that closing leaves
+            slack = budget.max_tokens - (budget.shortest + 1 + 2 * CLOSE_MARGIN)
+            self._next_look = max(budget.max_tokens - budget.watch_from, slack // 2, 0)
 
     @property
     def is_terminated(self) -> bool:
@@ -155,9 +162,10 @@ class SequenceMatcher:
         # (consume_token would put it in its error state for good).
         if self._m.try_consume_tokens([token_id]) != 1:
             return False
-        if self._closing and self._closing_at == self._consumed and self._closing[0] == token_id:
-            self._closing.pop(0)  # the closing followed: still current one token on
-            self._closing_at += 1
+        if self._plan is not None and self._off_at is None:
+            i = self._consumed - self._plan_from
+            if i >= len(self._plan) or self._plan[i] != token_id:
+                self._off_at = self._consumed
         self._consumed += 1
         return True
 
@@ -173,8 +181,10 @@ class SequenceMatcher:
             if not self._m.rollback(n):
                 raise RuntimeError(f"llguidance refused to roll back {n} tokens: {self._m.get_error()}")
             self._consumed -= n
-            if self._closing_at > self._consumed:  # found past where it stands now: look again
-                self._closing_at = -1
+            if self._off_at is not None and self._consumed <= self._off_at:
+                self._off_at = None  # back on the plan
+            if self._plan is not None and self._consumed < self._plan_from:  # before the plan: look again
+                self._plan, self._force, self._next_look = None, False, self._consumed
 
     def valid_prefix_len(self, draft: Sequence[int]) -> int:
         """How many leading tokens of ``draft`` the grammar allows from here (an EOS counts when the
@@ -218,22 +228,38 @@ class SequenceMatcher:
 
     def _forced(self) -> list[int] | None:
         """The tokens the budget forces from here (the closing, then EOS), or None: the model
-        chooses. Looks for a closing when one is due."""
+        chooses. Looks for a closing when one is due: at the first step within ``watch_from`` of
+        the end, then after half the slack the last look left (tokens to spare beyond the
+        closing, its EOS and twice the margin), so a sequence far from its end looks a few times;
+        once the slack is gone the closing is forced, and followed it needs no more looks."""
         budget = self._budget
         if budget is None or self._terminated:
             return None
         left = budget.max_tokens - self._consumed  # output slots left, the EOS's among them
         if left > budget.watch_from:
             return None
-        if self._m.is_accepting():  # complete: within a closing's margin of the budget, it ends now
-            return [self._eos] if left <= 1 + CLOSE_MARGIN else None
-        if self._closing_at != self._consumed:  # stale (or never looked): look again when due
-            since = self._consumed - self._closing_at
-            tight = self._closing is not None and left <= len(self._closing) + 1 + 2 * CLOSE_MARGIN
-            if not (self._closing_at < 0 or since >= LOOK_EVERY or tight):
-                return None
-            self._closing = closing_tokens(self._m, budget.tokens)  # None: the walk found no way
-            self._closing_at = self._consumed
-        if self._closing is None or left > len(self._closing) + 1 + CLOSE_MARGIN:
+        if self._m.is_accepting():  # complete: within the closing's margin of the budget, it ends now
+            return [self._eos] if left <= 1 + 2 * CLOSE_MARGIN else None
+        on_plan = self._plan is not None and self._off_at is None
+        if on_plan and self._force:
+            assert self._plan is not None
+            return [*self._plan[self._consumed - self._plan_from:], self._eos]
+        if self._consumed < self._next_look:
             return None
-        return [*self._closing, self._eos]
+        if on_plan:  # the model followed the plan by itself: its rest is still a way to close
+            assert self._plan is not None
+            closing: list[int] | None = self._plan[self._consumed - self._plan_from:]
+        else:
+            # a closing longer than ~6 bytes a token left could not fit: stop the walk there
+            closing = closing_tokens(self._m, budget.tokens, max_steps=min(MAX_CLOSE_STEPS, 6 * left))
+        if closing is None or len(closing) + 1 > left:
+            # no way found, or none that fits: nothing to force; the answer may be cut by max_tokens
+            self._plan, self._force, self._next_look = None, False, budget.max_tokens
+            return None
+        self._plan, self._plan_from, self._off_at = closing, self._consumed, None
+        slack = left - (len(closing) + 1 + 2 * CLOSE_MARGIN)
+        if slack > 0:
+            self._force, self._next_look = False, self._consumed + max(1, slack // 2)
+            return None
+        self._force = True
+        return [*closing, self._eos]

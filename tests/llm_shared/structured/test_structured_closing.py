@@ -168,12 +168,12 @@ def test_a_budget_with_room_changes_nothing(compiler: GrammarCompiler, tokenizer
     rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": TIMER, "strict": True}}
     compiled = compiler.compile(constraints(response_format=rf))
     assert compiled is not None
-    free, budgeted = compiler.matcher(compiled), compiler.matcher(compiled, 20)
+    free, budgeted = compiler.matcher(compiled), compiler.matcher(compiled, 40)
     rows = allocate_bitmask(2, tokenizer.vocab_size)
     for token in tokenizer.encode('{"minutes": 4'):
         free.fill_bitmask(rows[0])
         budgeted.fill_bitmask(rows[1])
-        assert (rows[0] == rows[1]).all()  # 20 tokens leave room to close: the model chooses
+        assert (rows[0] == rows[1]).all()  # 40 tokens leave room to close: the model chooses
         assert free.accept(token) and budgeted.accept(token)
 
 
@@ -192,8 +192,8 @@ def test_the_closing_is_what_speculation_verifies(compiler: GrammarCompiler, tok
         assert probe.accept(token)
     closing = closing_tokens(probe._m, compiler.byte_tokens)
     assert closing is not None and tokenizer.decode(closing) == '"}'
-    # a budget one token larger than the closing, its EOS and the margin need after the prefix
-    m = compiler.matcher(compiled, len(prefix) + len(closing) + 1 + CLOSE_MARGIN + 1)
+    # a budget one token larger than the closing, its EOS and the margins need after the prefix
+    m = compiler.matcher(compiled, len(prefix) + len(closing) + 1 + 2 * CLOSE_MARGIN + 1)
     for token in prefix:
         assert m.accept(token)
     # one token left before the closing is forced: the model may still write, e.g., " and"
