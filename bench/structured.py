@@ -17,7 +17,7 @@ SmolLM2-135M on both tiers:
    valid among the answers that ended by themselves is reported beside it). Each tier's matcher
    knows the answer's ``max_tokens`` and, near it, forces a short way to close the document, so an
    answer the small model would loop in ends valid; ``ended_near_budget`` counts the answers that
-   ended within the budget's last ``CLOSE_MARGIN + 1`` tokens (closed by it, or rarely ending there).
+   ended within the budget's last ``NEAR_BUDGET`` (25) tokens (closed by it, or rarely ending there).
    - torch tier: the in-process ``LLMEngine`` (the greedy answers of step 4, speculative, are
      judged too, apart: at ``--spec-tokens`` many are cut short);
    - edge tier: the llama.cpp backend (``engine_edge.create_backend``);
@@ -119,6 +119,7 @@ from llm_shared.tokenizer import Tokenizer  # noqa: E402
 
 SCHEMAS = REPO_ROOT / "configs" / "structured_schemas.json"
 FAMILY = get_family("smollm2")
+NEAR_BUDGET = 3 * CLOSE_MARGIN + 1  # tokens before max_tokens within which an answer "ended near the budget"
 TOOLS_OFFERED = 4  # a tool prompt offers its tool and the next three (all 20 make a 2,700-token prompt)
 # The per-token-cost grammar: an answer that cannot end before max_tokens, mixing strings, numbers
 # and structure as a real list does.
@@ -242,8 +243,9 @@ def summary(verdicts: Sequence[Verdict], cases: Sequence[Case]) -> dict[str, Any
         "valid_rate_finished": sum(not v.why for v in finished) / len(finished) if finished else None,
         "truncated": len(verdicts) - len(finished),
         # ended within the last tokens of max_tokens: where the budget forces a closing (a model
-        # that loops inside the document), or, rarely, an answer that ended there by itself
-        "ended_near_budget": sum(v.budget > 0 and v.tokens >= v.budget - CLOSE_MARGIN - 1 for v in finished),
+        # that loops inside the document; it is forced with 2 * CLOSE_MARGIN + 1 slots to spare,
+        # and a look may come a few tokens late), or, rarely, an answer that ended there by itself
+        "ended_near_budget": sum(v.budget > 0 and v.tokens >= v.budget - NEAR_BUDGET for v in finished),
         "outputs": len(verdicts), "invalid": [vars(v) for v in verdicts if v.why],
         "finish_reasons": {r: sum(v.finish == r for v in verdicts) for r in sorted({v.finish for v in verdicts})},
         "intended_tool_called": sum(v.called == v.case for v in calls) / len(calls) if calls else None,

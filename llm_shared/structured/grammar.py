@@ -51,11 +51,42 @@ class GrammarSource:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
 
+# Dates and times as the validators that read them accept (jsonschema's format checker, pydantic's
+# datetime, Python's fromisoformat): llguidance's own format regexes let through year 0000, 30
+# February and second 60, which those refuse. A string with one of these formats (and no pattern
+# of its own) is constrained by the pattern here instead: years 0001-9999, each month's days (29
+# February in leap years), hours 00-23, seconds 00-59, offsets -23:59..+23:59.
+_LEAP = r"(?:\d\d(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_YEAR = r"(?:000[1-9]|00[1-9]\d|0[1-9]\d\d|[1-9]\d{3})"
+_MONTH_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)"
+              r"|02-(?:0[1-9]|1\d|2[0-8]))")
+_DATE = rf"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)"
+_TIME = r"(?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d(?:\.\d{1,9})?(?:[Zz]|[+-](?:[01]\d|2[0-3]):[0-5]\d)"
+FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[Tt]{_TIME}$"}
+
+
+def _strict_formats(node: object) -> object:
+    """``node`` (a parsed schema) with every date, time and date-time format given as a pattern."""
+    if isinstance(node, list):
+        return [_strict_formats(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _strict_formats(v) for k, v in node.items()}
+    fmt = node.get("format")
+    if isinstance(fmt, str) and fmt in FORMAT_PATTERNS and "pattern" not in node:
+        del out["format"]
+        out["pattern"] = FORMAT_PATTERNS[fmt]
+    return out
+
+
 def json_schema_rule(rule: str, schema_json: str, *, strict: bool) -> str:
     """``rule: %json {...}`` with our compiler options first in the schema. Strict schemas are
     compiled exactly (an unsupported keyword is an error); others leniently (it is ignored), which
-    is what OpenAI's non-strict mode promises: best effort."""
+    is what OpenAI's non-strict mode promises: best effort. Date and time formats become patterns
+    (``FORMAT_PATTERNS``)."""
     options = json.dumps({"whitespace_pattern": JSON_WHITESPACE, "lenient": not strict}, separators=(",", ":"))
+    if '"format"' in schema_json:
+        schema_json = json.dumps(_strict_formats(json.loads(schema_json)), separators=(",", ":"))
     rest = schema_json[1:].lstrip()
     inner = rest if rest.startswith("}") else "," + rest
     return f'{rule}: %json {{"x-guidance":{options}{inner}'

@@ -238,9 +238,9 @@ class SequenceMatcher:
         left = budget.max_tokens - self._consumed  # output slots left, the EOS's among them
         if left > budget.watch_from:
             return None
-        if self._m.is_accepting():  # complete: within the closing's margin of the budget, it ends now
-            return [self._eos] if left <= 1 + 2 * CLOSE_MARGIN else None
         on_plan = self._plan is not None and self._off_at is None
+        if self._m.is_accepting():  # complete: a forced closing ends here; anything else (text) runs on
+            return [self._eos] if self._force and on_plan else None
         if on_plan and self._force:
             assert self._plan is not None
             return [*self._plan[self._consumed - self._plan_from:], self._eos]

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schema_strategies import top_schemas
-from structured_helpers import TIMER, constraints
+from structured_helpers import TIMER, chat_tool, constraints
 
 from llm_shared.structured import (
     CallDone,
@@ -212,3 +212,19 @@ def test_the_closing_is_what_speculation_verifies(compiler: GrammarCompiler, tok
     m.rollback(1)  # back before " and": room again
     m.fill_bitmask(row)
     assert len(allowed_tokens(row, tokenizer.vocab_size)) > 1000
+
+
+def test_a_text_answer_under_auto_runs_to_its_budget(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
+    """Text needs no closing: near the budget a text answer (tools offered, ``auto``) keeps every
+    choice, so it runs to max_tokens as it would without a grammar."""
+    compiled = compiler.compile(constraints([chat_tool("set_timer", TIMER)], tool_choice="auto"))
+    assert compiled is not None
+    text = tokenizer.encode(" ".join(["and then the story went on"] * 6))
+    m = compiler.matcher(compiled, len(text) + 2)
+    row = allocate_bitmask(1, tokenizer.vocab_size)[0]
+    for token in text:
+        m.fill_bitmask(row)
+        assert len(allowed_tokens(row, tokenizer.vocab_size)) > 1000
+        assert m.accept(token)
+    m.fill_bitmask(row)
+    assert len(allowed_tokens(row, tokenizer.vocab_size)) > 1000  # two slots left: still the model's choice

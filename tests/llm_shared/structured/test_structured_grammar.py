@@ -3,6 +3,8 @@ write, checked on SmolLM2's real vocabulary: a whole answer (ending in EOS) is a
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -159,3 +161,25 @@ def test_a_model_without_a_call_syntax_can_still_answer_in_json(
         plain.compile(constraints(TOOLS))
     assert info.value.param == "tools"
     assert plain.compile(constraints(TOOLS, tool_choice="none")) is None
+
+
+@pytest.mark.parametrize(("fmt", "value", "ok"), [
+    ("date", "2024-02-29", True), ("date", "2023-02-29", False), ("date", "2000-02-29", True),
+    ("date", "1900-02-29", False), ("date", "0000-01-01", False), ("date", "0001-01-01", True),
+    ("date", "2024-04-31", False), ("date", "2024-12-31", True),
+    ("date-time", "2024-05-01T09:30:00Z", True), ("date-time", "2024-05-01t09:30:00.25+02:00", True),
+    ("date-time", "0000-01-20T00:00:00+19:30", False), ("date-time", "2024-05-01T24:00:00Z", False),
+    ("date-time", "2024-05-01T09:30:60Z", False), ("date-time", "2024-05-01T09:30:00", False),
+    ("time", "23:59:59-05:00", True), ("time", "12:00:00", False),
+])
+def test_dates_and_times_are_what_datetime_parsers_accept(
+    compiler: GrammarCompiler, tokenizer: Tokenizer, fmt: str, value: str, ok: bool
+) -> None:
+    """A date, date-time or time the grammar lets through is one Python's (and pydantic's) parsers
+    read: no year 0000, no 30 February, no hour 24 or second 60, an offset on every time."""
+    schema = {"type": "object", "properties": {"at": {"type": "string", "format": fmt}}, "required": ["at"],
+              "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+    assert allows(compiler, tokenizer, constraints(response_format=rf), json.dumps({"at": value})) is ok
+    if ok and fmt != "time":
+        datetime.fromisoformat(value.upper().replace("Z", "+00:00"))
