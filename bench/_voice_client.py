@@ -56,6 +56,7 @@ class Cut:
     # All of the answer's audio that arrived (past the cut too: an aligner shown only the audio up
     # to the cut hears the word being said there as a whole word ending at the cut)
     audio: bytes
+    transcript: str  # the text of that audio (its transcript deltas)
     stored: str  # the transcript the server kept
 
 
@@ -73,6 +74,7 @@ class TurnResult:
 class _Response:
     first_audio_at: float | None = None
     audio: bytearray = field(default_factory=bytearray)
+    transcript: str = ""
     item_id: str | None = None
     done: asyncio.Future[dict[str, Any]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     first_audio: asyncio.Event = field(default_factory=asyncio.Event)
@@ -155,7 +157,7 @@ class VoiceSession:
         await self._answer("conversation.item.truncated")
         await self._send({"type": "conversation.item.retrieve", "item_id": response.item_id})
         item = await self._answer("conversation.item.retrieved")
-        result.cut = Cut(played, bytes(response.audio), item["item"]["content"][0]["transcript"])
+        result.cut = Cut(played, bytes(response.audio), response.transcript, item["item"]["content"][0]["transcript"])
         await speaking
         follow_up = await self._wait(self._new_response.get())  # the interruption is answered too
         await self._wait(self._responses[follow_up].done)
@@ -228,6 +230,8 @@ class VoiceSession:
                     response.item_id = event["item_id"]
                     response.first_audio.set()
                 response.audio += base64.b64decode(event["delta"])
+            elif kind == "response.output_audio_transcript.delta":
+                self._responses[event["response_id"]].transcript += event["delta"]
             elif kind == "response.done":
                 response = self._responses[event["response"]["id"]]
                 if not response.done.done():
