@@ -49,8 +49,6 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import tomllib  # noqa: E402
@@ -155,17 +153,17 @@ class ForcedAligner:
     def __init__(self) -> None:
         from pocketsphinx import Decoder
 
+        from voice.tts import FliteSynthesizer
+
         self._decoder = Decoder(samprate=16000, bestpath=False, loglevel="FATAL")
-        self._t2p = shutil.which("t2p")
+        self._flite = FliteSynthesizer()
 
     def _known(self, word: str) -> bool:
         if self._decoder.lookup_word(word) is not None:
             return True
-        if self._t2p is None:
-            return False
-        run = subprocess.run([self._t2p, word], capture_output=True, text=True, timeout=20, check=False)
-        phones = [_SPHINX_PHONE.get(p, p.upper()) for p in re.sub(r"\d", "", run.stdout).split() if p != "pau"]
-        if run.returncode != 0 or not phones:
+        unstressed = [re.sub(r"\d", "", p) for p in self._flite.phones(word) or [] if p != "pau"]
+        phones = [_SPHINX_PHONE.get(p, p.upper()) for p in unstressed]
+        if not phones:
             return False
         self._decoder.add_word(word, " ".join(phones), True)
         return True

@@ -133,18 +133,24 @@ class FliteSynthesizer:
             marks = merge_marks(marks, word_marks(text, phones, self._word_phones(spoken), rate, len(samples)))
         return Speech(samples, rate, marks, time.perf_counter() - started)
 
+    def phones(self, text: str) -> list[str] | None:
+        """flite's phones for ``text`` (its letter-to-sound rules and lexicon, through ``t2p``):
+        ``pau`` where it pauses, vowels with their stress digit (``eh1``); None without t2p or
+        when it fails."""
+        if self.t2p is None:
+            return None
+        run = subprocess.run([self.t2p, text], capture_output=True, text=True, timeout=self.timeout_s, check=False)
+        return run.stdout.split() if run.returncode == 0 else None
+
     def _word_phones(self, text: str) -> list[int] | None:
         """How many phones each whitespace-separated word of ``text`` has, from ``t2p`` with the
         words set apart by commas (a pause between each); None when flite does not pause between
         every pair (an abbreviation such as "Mr." joins the next word) or t2p fails."""
         words = text.split()
-        if not words or self.t2p is None:
+        phones = self.phones(", ".join(words)) if words else None
+        if phones is None:
             return None
-        run = subprocess.run([self.t2p, ", ".join(words)], capture_output=True, text=True,
-                             timeout=self.timeout_s, check=False)
-        if run.returncode != 0:
-            return None
-        groups = [g.split() for g in " ".join(run.stdout.split()).split("pau")]
+        groups = [g.split() for g in " ".join(phones).split("pau")]
         counts = [len(g) for g in groups if g]
         return counts if len(counts) == len(words) else None
 

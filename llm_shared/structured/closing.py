@@ -60,7 +60,7 @@ class ByteTokens:
                 by_byte.setdefault(raw[0], token_id)
         self.by_byte = by_byte
         self.ll_tokenizer = ll_tokenizer
-        self.preferred = [(b, by_byte[b]) for b in _PREFERRED if b in by_byte]
+        self.preferred = [by_byte[b] for b in _PREFERRED if b in by_byte]
         self.closers = frozenset(by_byte[b] for b in b"}]" if b in by_byte)
         self.ender_order = [by_byte[b] for b in b'"}]' if b in by_byte]
         self.enders = frozenset(self.ender_order)
@@ -111,8 +111,10 @@ def _allowed_bytes(walk: llguidance.LLMatcher, candidates: list[int]) -> list[in
 
 def _allowed_special(walk: llguidance.LLMatcher) -> list[int]:
     """A few allowed tokens of any kind, where the grammar allows no single byte (a special token)."""
-    bits = np.unpackbits(np.frombuffer(walk.compute_bitmask(), dtype=np.uint8), bitorder="little")
-    return [int(i) for i in np.flatnonzero(bits)[:4]]
+    from llm_shared.structured.matcher import allowed_tokens  # matcher.py imports this module
+
+    row = np.frombuffer(walk.compute_bitmask(), dtype=np.int32)
+    return [int(i) for i in allowed_tokens(row, row.size * 32)[:4]]
 
 
 class _Walk:
@@ -145,7 +147,7 @@ class _Walk:
                 self.fresh |= now - self.allowed
         self.fresh &= now
         self.allowed = now
-        preferred = [t for _, t in tokens.preferred if t in now and t not in self.idle]
+        preferred = [t for t in tokens.preferred if t in now and t not in self.idle]
         fresh = [t for t in allowed if t in self.fresh and t not in self.used and t not in self.idle]
         unused = [t for t in allowed if t not in self.used and t not in self.idle]
         others = [t for t in allowed if t not in self.idle]

@@ -9,6 +9,7 @@ tens of milliseconds and comes back as a ``SchemaError`` naming the field at fau
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from llm_shared.structured.closing import ByteTokens, closing_tokens
 from llm_shared.structured.errors import SchemaError
 from llm_shared.structured.families import ToolCallFamily, get_family
 from llm_shared.structured.grammar import GrammarSource, build_grammar
-from llm_shared.structured.matcher import CLOSE_MARGIN, MIN_WATCH, Budget, SequenceMatcher
+from llm_shared.structured.matcher import Budget, SequenceMatcher, watch_from
 from llm_shared.structured.spec import OutputConstraints, StructuredLimits
 from llm_shared.tokenizer import Tokenizer
 
@@ -56,13 +57,22 @@ class CompiledGrammar:
     compile_ms: float  # building the matcher and its first mask, measured when it was compiled
     calls: bool  # tool calls are possible: stream the output through the family's parser
     text: str  # the grammar (what SamplingParams.grammar carries to a tier)
-    # tokens of the shortest whole answer (the closing walk's from the start); None: none found
-    # within the walk's bound, and then no budget closes this grammar's answers
-    shortest: int | None
-    # budget left from which a sequence looks for a way to close its answer: twice the shortest
-    # answer and the margins, at least MIN_WATCH (a document that needs long to close starts early)
-    watch_from: int
     _pristine: llguidance.LLMatcher = field(repr=False)  # never advanced; sequences get copies
+    _byte_tokens: ByteTokens = field(repr=False)  # the model's, for the closing walk
+
+    @functools.cached_property
+    def shortest(self) -> int | None:
+        """Tokens of the shortest whole answer (the closing walk's from the start; ~1-10 ms, once,
+        when a tier first makes a budgeted matcher: a gateway that compiles only to refuse bad
+        schemas never pays it); None: none found within the walk's bound, and then no budget
+        closes this grammar's answers."""
+        walk = closing_tokens(self._pristine, self._byte_tokens)
+        return None if walk is None else len(walk)
+
+    @property
+    def watch_from(self) -> int:
+        """Budget left from which its sequences look for a way to close (``matcher.watch_from``)."""
+        return watch_from(self.shortest)
 
 
 @dataclass(frozen=True)
@@ -177,11 +187,8 @@ class GrammarCompiler:
             failure = self._attribute(source, error)
             self._cache.put(key, failure, size)
             raise SchemaError(failure.message, param=failure.param)
-        walk = closing_tokens(matcher, self.byte_tokens)
-        shortest = None if walk is None else len(walk)
-        watch_from = max(MIN_WATCH, 2 * (shortest or 0) + 2 * CLOSE_MARGIN)
-        compiled = CompiledGrammar(key, (time.perf_counter() - start) * 1e3, source.calls, source.text, shortest,
-                                   watch_from, matcher)
+        compiled = CompiledGrammar(key, (time.perf_counter() - start) * 1e3, source.calls, source.text, matcher,
+                                   self.byte_tokens)
         self._cache.put(key, compiled, size)
         return compiled
 
@@ -195,8 +202,8 @@ class GrammarCompiler:
         (output tokens, EOS included) it ends the answer valid within them (``SequenceMatcher``),
         where the grammar has an answer that short."""
         budget = None
-        if max_tokens is not None and compiled.shortest is not None and compiled.shortest < max_tokens:
-            budget = Budget(max_tokens, self.byte_tokens, compiled.watch_from, compiled.shortest)
+        if max_tokens is not None and (shortest := compiled.shortest) is not None and shortest < max_tokens:
+            budget = Budget(max_tokens, self.byte_tokens, shortest)
         return SequenceMatcher(compiled._pristine.deep_copy(), eos_id=self.tokenizer.eos_id,
                                vocab_size=self.tokenizer.vocab_size, budget=budget)
 

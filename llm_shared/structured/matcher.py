@@ -83,8 +83,18 @@ class Budget:
 
     max_tokens: int  # output tokens, EOS included (the request's max_tokens)
     tokens: ByteTokens  # the model's byte tokens, for the closing walk
-    watch_from: int  # budget left from which closings are looked for (``CompiledGrammar.watch_from``)
     shortest: int  # tokens of the grammar's shortest answer: the first look's closing, known in advance
+
+    @property
+    def watch_from(self) -> int:
+        return watch_from(self.shortest)
+
+
+def watch_from(shortest: int | None) -> int:
+    """Budget left from which a sequence looks for a way to close its answer: twice the grammar's
+    shortest answer and the margins, at least MIN_WATCH (a document that needs long to close
+    starts early)."""
+    return max(MIN_WATCH, 2 * (shortest or 0) + 2 * CLOSE_MARGIN)
 
 
 class SequenceMatcher:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,22 @@ def shipped_cases() -> list[tuple[str, dict[str, Any], dict[str, dict[str, Any]]
 CASES = shipped_cases()
 
 
+@dataclass(frozen=True)
+class Shipped:
+    name: str
+    compiled: CompiledGrammar
+    schemas: dict[str, dict[str, Any]]  # tool name -> its parameters; "" -> the answer's schema
+
+
+@pytest.fixture(params=CASES, ids=[c[0] for c in CASES])
+def shipped(request: pytest.FixtureRequest, compiler: GrammarCompiler) -> Shipped:
+    """One shipped schema, compiled as the gateway compiles it."""
+    name, body, schemas = request.param
+    compiled = compiler.compile(parse_chat_constraints(body))
+    assert compiled is not None
+    return Shipped(name, compiled, schemas)
+
+
 def check(text: str, schemas: dict[str, dict[str, Any]]) -> None:
     """``text`` is a valid answer: JSON of the answer's schema, or exactly one call of a known tool
     with arguments of its schema. Formats are the grammar's to enforce (its date-time allows a leap
@@ -77,8 +94,8 @@ def wander(compiler: GrammarCompiler, compiled: CompiledGrammar, rng: random.Ran
     ids: list[int] = []
     eos = compiler.tokenizer.eos_id
     for _ in range(steps):
-        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")[:vocab]
-        allowed = [int(t) for t in np.flatnonzero(bits) if t != eos]
+        allowed = [int(t) for t in allowed_tokens(np.frombuffer(m.compute_bitmask(), dtype=np.int32), vocab)
+                   if t != eos]
         if not allowed or m.is_accepting():
             break
         token = rng.choice(allowed)
@@ -87,13 +104,11 @@ def wander(compiler: GrammarCompiler, compiled: CompiledGrammar, rng: random.Ran
     return m, ids
 
 
-@pytest.mark.parametrize(("name", "body", "schemas"), CASES, ids=[c[0] for c in CASES])
 def test_a_closing_finishes_every_shipped_schema_from_anywhere(
-    name: str, body: dict[str, Any], schemas: dict[str, dict[str, Any]], compiler: GrammarCompiler, tokenizer: Tokenizer
+    shipped: Shipped, compiler: GrammarCompiler, tokenizer: Tokenizer
 ) -> None:
-    compiled = compiler.compile(parse_chat_constraints(body))
-    assert compiled is not None
-    rng = random.Random(name)
+    compiled, schemas = shipped.compiled, shipped.schemas
+    rng = random.Random(shipped.name)
     for steps in (0, 1, 3, 8, 20, 45, 90):
         m, ids = wander(compiler, compiled, rng, steps, tokenizer.vocab_size)
         before = m.deep_copy()
@@ -135,18 +150,16 @@ class LoopingModel:
         return ids
 
 
-@pytest.mark.parametrize(("name", "body", "schemas"), CASES, ids=[c[0] for c in CASES])
 def test_a_looping_model_ends_valid_within_its_budget(
-    name: str, body: dict[str, Any], schemas: dict[str, dict[str, Any]], compiler: GrammarCompiler, tokenizer: Tokenizer
+    shipped: Shipped, compiler: GrammarCompiler, tokenizer: Tokenizer
 ) -> None:
-    compiled = compiler.compile(parse_chat_constraints(body))
-    assert compiled is not None
     model = LoopingModel(tokenizer)
-    for seed, max_tokens in enumerate((compiled.watch_from, 160, 384)):
-        ids = model.run(compiler.matcher(compiled, max_tokens), max_tokens, random.Random(f"{name}{seed}"))
+    for seed, max_tokens in enumerate((shipped.compiled.watch_from, 160, 384)):
+        ids = model.run(compiler.matcher(shipped.compiled, max_tokens), max_tokens,
+                        random.Random(f"{shipped.name}{seed}"))
         assert ids[-1] == tokenizer.eos_id, f"cut at {max_tokens} tokens: {tokenizer.decode(ids)[-200:]!r}"
         assert len(ids) <= max_tokens
-        check(tokenizer.decode(ids[:-1]), schemas)
+        check(tokenizer.decode(ids[:-1]), shipped.schemas)
 
 
 @settings(derandomize=True, deadline=None, max_examples=40,
