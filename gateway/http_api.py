@@ -34,12 +34,13 @@ from gateway.chat_schema import (
 from gateway.demo import add_demo_routes
 from gateway.limits import LimitsUnavailableError
 from gateway.metrics import CONTENT_TYPE
+from gateway.model_files import device_card, file_response, model_file_error, not_downloadable
 from gateway.shaping import CallStream, call_stream
 from gateway.state import STATE, GatewayState
 from gateway.turns import Turn
 from gateway.ws.fields import is_unicode
 from llm_shared.contract import FinishEvent, StreamEvent
-from llm_shared.errors import EngineError, EngineUnavailableError, InvalidRequestError, OverloadedError
+from llm_shared.errors import EngineError, EngineUnavailableError, InvalidRequestError, ModelFileError, OverloadedError
 from llm_shared.structured import ArgumentsDelta, CallStarted, TextDelta, render_messages
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -117,6 +118,20 @@ def _model_card(state: GatewayState, model_id: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": state.created, "owned_by": "rt-llm-gateway"}
 
 
+async def _device_field(state: GatewayState) -> dict[str, Any] | None:
+    """``x_device`` of a served model's card (our extension): the edge tier's model file, which a
+    client may run on the device, when the config makes it downloadable."""
+    model = state.config.models[state.config.edge.model]
+    if model.id not in state.device_models:
+        return None
+    try:
+        info = await state.device_models.info(model.id)
+    except ModelFileError as e:
+        model_file_error(e)
+        return None
+    return device_card(model.id, info, model.family, model.context_length)
+
+
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
@@ -135,7 +150,28 @@ async def get_model(request: web.Request) -> web.Response:
             raise HttpError(404, "model_not_found", f"The model '{model_id}' does not exist", param="model")
     except HttpError as e:
         return json_error(e)
-    return web.json_response(_model_card(state, model_id))
+    card = _model_card(state, model_id)
+    if (device := await _device_field(state)) is not None:
+        card["x_device"] = device
+    return web.json_response(card)
+
+
+async def get_model_file(request: web.Request) -> web.StreamResponse:
+    """The GGUF file of a downloadable ``[models]`` entry (``gateway.model_files``)."""
+    state = request.app[STATE]
+    model_id = request.match_info["model"]
+    try:
+        authorize(request, state)
+        if model_id not in state.device_models:
+            raise HttpError(404, "model_not_downloadable", not_downloadable(model_id, model_id in state.config.models),
+                            param="model")
+        try:
+            info = await state.device_models.info(model_id)
+        except ModelFileError as e:
+            raise HttpError(503, "model_file_unavailable", model_file_error(e), type_="server_error") from e
+    except HttpError as e:
+        return json_error(e)
+    return file_response(info)
 
 
 MAX_JSON_DEPTH = 32  # a chat body nests 5 levels; more is an attack on the parser
@@ -365,11 +401,12 @@ async def _write(response: web.StreamResponse, data: bytes, timeout: float) -> N
         raise ConnectionError(f"the client took no data for {timeout:g} s") from None
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, *, isolate_page: bool = True) -> None:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/v1/models/{model}/file", get_model_file)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    add_demo_routes(app)  # the demo page and the JS SDK (gateway/demo.py)
+    add_demo_routes(app, isolate=isolate_page)  # the demo page and the JS SDK (gateway/demo.py)

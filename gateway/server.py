@@ -74,7 +74,7 @@ def create_app(config: Config, engines: dict[str, Engine] | None = None,
     if engines is not None:
         state.set_engines(engines, owned=False)
     state.voice = voice
-    add_routes(app)
+    add_routes(app, isolate_page=config.server.cross_origin_isolation)
     app.router.add_get(REALTIME_PATH, realtime)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)

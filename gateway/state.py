@@ -22,6 +22,7 @@ from gateway.config import Config
 from gateway.engines import build_router, host_plan
 from gateway.limits import Limits, LimitsStore, store_from_config
 from gateway.metrics import GatewayMetrics
+from gateway.model_files import DeviceModels
 from gateway.shaping import Grammars
 from llm_shared.contract import Engine
 
@@ -39,6 +40,7 @@ class GatewayState:
     limits: LimitsStore  # per-key request and token buckets, running and session caps ([limits])
     metrics: GatewayMetrics = field(init=False)
     grammars: Grammars = field(init=False)  # tools and response_format, compiled per tokenizer
+    device_models: DeviceModels = field(init=False)  # model files served for on-device fallbacks
     engines: dict[str, Engine] = field(default_factory=dict)
     router: Router | None = None
     models: dict[str, str] = field(default_factory=dict)  # served model id -> route (cascade, edge, gpu)
@@ -57,6 +59,7 @@ class GatewayState:
         self.metrics = GatewayMetrics(lambda: self.engines)
         # The tiers of one gateway share a tokenizer family (Config checks it): one tool-call syntax.
         self.grammars = Grammars(self.config.models[self.config.edge.model].family)
+        self.device_models = DeviceModels(self.config.models)
         Gauge("gateway_limits_degraded", "1 while the shared limits store is unreachable and this process "
               "applies its own limits (fail_open) or refuses (fail_closed)", registry=self.metrics.registry
               ).set_function(lambda: float(self.limits.degraded))

@@ -30,10 +30,15 @@ class ModelConfig:
     tokenizer: str = ""  # tokenizer.json path for safetensors checkpoints; "" = inside the model
     context_length: int = 0  # 0 = read from the model
     family: str = ""  # tokenizer family; a drafter must share its target's family
+    # The gateway serves the file at /v1/models/<id>/file (behind the API's keys) for clients that
+    # run it on the device when the gateway is away (the JS SDK's in-browser engine). GGUF only.
+    downloadable: bool = False
 
     def __post_init__(self) -> None:
         require(bool(self.id), "every model needs an id")
         require(bool(self.source), f"models.{self.id}.source is required")
+        require(not self.downloadable or self.format == "gguf",
+                f"models.{self.id}.downloadable needs a gguf model (the on-device runtimes read GGUF)")
 
 
 def parse_models(raw: Any) -> dict[str, ModelConfig]:

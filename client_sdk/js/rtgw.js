@@ -26,6 +26,14 @@
 // answers that server VAD starts come as `serverTurn` events; `truncateAudio` cuts an answer to
 // the audio played. The browser's side (the microphone, Web Audio playback, `VoiceSession` with
 // barge-in) is rtgw-voice.js, which builds on this module.
+//
+// On the device: given `device` (rtgw-device.js's DeviceFallback, or any object with `bind`,
+// `available`, `prepare` and `answer`), a turn the gateway cannot take (unreachable, or its socket
+// lost mid-answer) is answered on the device from the same conversation, with the same events
+// (`response.created`, the message, its deltas, `response.done` with `metadata.x_tier` "device");
+// the next turn tries the gateway first and, once it answers, restores the whole conversation on
+// it, the device's answers included. `prefetchOffline()` downloads and loads the model while
+// online. This module imports nothing: a client without `device` loads no on-device code.
 
 export const MSGPACK_SUBPROTOCOL = "x-openai-realtime-msgpack";
 const KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key.";
@@ -323,6 +331,71 @@ export class Turn extends Emitter {
   }
 }
 
+// --- an answer made on the device, told as the gateway's events ----------------------------------
+
+/** One response of the on-device model as the server events the gateway sends for the same output
+ * (as the Python SDK's device_response.py): `response.created`, the assistant message
+ * (`response.output_item.added`, `conversation.item.added`), its text deltas, then
+ * `response.output_item.done` and `response.done`. `resume` continues a response the gateway
+ * began: only its further deltas and its end follow. */
+export class DeviceResponse {
+  constructor(responseId = newId("resp")) {
+    this.id = responseId;
+    this._message = null;
+    this._output = [];
+    this.done = false;
+  }
+
+  static resume(responseId, itemId, text) {
+    const response = new DeviceResponse(responseId);
+    if (itemId) {
+      response._message = { id: itemId, object: "realtime.item", type: "message", status: "in_progress",
+        role: "assistant", content: [{ type: "output_text", text }] };
+      response._output.push(response._message);
+    }
+    return response;
+  }
+
+  created() {
+    return [{ type: "response.created", response: { id: this.id, object: "realtime.response", status: "in_progress",
+      output: [] } }];
+  }
+
+  text(text) {
+    if (!text || this.done) return [];
+    const events = this._message ? [] : this._open();
+    this._message.content[0].text += text;
+    return [...events, { type: "response.output_text.delta", response_id: this.id, item_id: this._message.id,
+      output_index: this._output.indexOf(this._message), content_index: 0, delta: text }];
+  }
+
+  /** status: completed, incomplete, cancelled or failed; `reason` for incomplete/cancelled, `error` for failed. */
+  finish(status, { reason = null, error = null, usage = {}, metadata = {} } = {}) {
+    if (this.done) return [];
+    const events = !this._message && ["completed", "incomplete"].includes(status) ? this._open() : [];
+    if (this._message) {
+      this._message.status = status === "completed" ? "completed" : "incomplete";
+      events.push({ type: "response.output_item.done", response_id: this.id,
+        output_index: this._output.indexOf(this._message), item: structuredClone(this._message) });
+    }
+    this.done = true;
+    const details = error ? { type: status, error } : reason ? { type: status, reason } : null;
+    events.push({ type: "response.done", response: { id: this.id, object: "realtime.response", status,
+      status_details: details, output: structuredClone(this._output), metadata, usage } });
+    return events;
+  }
+
+  _open() {
+    const previous = this._output.at(-1)?.id ?? null;
+    this._message = { id: newId("item"), object: "realtime.item", type: "message", status: "in_progress",
+      role: "assistant", content: [{ type: "output_text", text: "" }] };
+    this._output.push(this._message);
+    return [{ type: "response.output_item.added", response_id: this.id, output_index: this._output.length - 1,
+      item: structuredClone(this._message) },
+    { type: "conversation.item.added", previous_item_id: previous, item: structuredClone(this._message) }];
+  }
+}
+
 // --- the client -------------------------------------------------------------------------------
 
 const SESSION_FIELDS = { instructions: "instructions", temperature: "temperature", maxOutputTokens: "max_output_tokens",
@@ -374,7 +447,8 @@ export class RealtimeClient extends Emitter {
    *   model, framing ("json" | "msgpack"), msgpack (the codec, for msgpack framing), instructions,
    *   temperature, maxOutputTokens, tools, toolChoice, parallelToolCalls, connectTimeoutMs,
    *   silenceTimeoutMs, requestTimeoutMs,
-   *   backoff ({initialMs, factor, maxMs, jitter, attempts}), WebSocket, fetch, random.
+   *   backoff ({initialMs, factor, maxMs, jitter, attempts}), WebSocket, fetch, random,
+   *   device (the on-device fallback: rtgw-device.js's DeviceFallback).
    */
   constructor(options = {}) {
     super();
@@ -413,18 +487,35 @@ export class RealtimeClient extends Emitter {
     this._reconnectTimer = null;
     this._resume = null;
     this._wakeups = new Set(); // the waits of a connect in progress, which close() cuts short
+    this.device = options.device ?? null;
+    this.device?.bind({ baseUrl: httpUrl(this.wsUrl, ""), apiKey: this.apiKey, model: this.model, fetch: this._fetch });
+    this.mode = "online"; // where the latest turn was served: "online" or "device"
   }
 
   get connected() { return this._ws !== null && this.session !== null; }
+
+  _setMode(mode) {
+    if (this.mode === mode) return;
+    this.mode = mode;
+    this.emit("mode", { mode });
+  }
+
+  /** While online: download the device's model (when the gateway offers a newer one than is
+   * stored), check and store it, and load it, so that a drop does not start a download at the
+   * worst moment. Progress: the device's `progress` events. Resolves with the model's card. */
+  prefetchOffline() {
+    if (!this.device) return Promise.reject(new GatewayError("no on-device fallback was configured (device)", "no_device"));
+    return this.device.prepare({ download: true });
+  }
   get activeTurn() { return this._turn; }
 
   // --- lifecycle ---
 
   /** Opens a session (retrying with backoff) unless one is open; restores the conversation on it. */
-  connect() {
+  connect(policy = {}) {
     if (this._closed) return Promise.reject(new GatewayError("the client is closed", "client_closed"));
     if (this.connected) return Promise.resolve();
-    this._connecting ??= this._connectWithRetry()
+    this._connecting ??= this._connectWithRetry(policy)
       .catch((error) => { this._failResume(error); throw error; })
       .finally(() => { this._connecting = null; });
     return this._connecting;
@@ -453,7 +544,9 @@ export class RealtimeClient extends Emitter {
     });
   }
 
-  async _connectWithRetry() {
+  /** policy: {attempts, timeoutMs} instead of the client's backoff and connect timeout (a turn
+   * with a device fallback tries the gateway once, briefly, before it answers on the device). */
+  async _connectWithRetry({ attempts, timeoutMs } = {}) {
     const closed = () => new GatewayError("the client is closed", "client_closed");
     const hinted = () => { // a drained gateway said when to come back
       const waitMs = this._reconnectAt === null ? 0 : this._reconnectAt - now();
@@ -462,12 +555,12 @@ export class RealtimeClient extends Emitter {
     };
     const waitMs = hinted();
     if (waitMs > 0) await this._pause(waitMs);
-    const delays = backoffDelays(this.backoff, this._random);
+    const delays = backoffDelays(attempts ? { ...this.backoff, attempts } : this.backoff, this._random);
     let restored = 0;
     for (let attempt = 1; ; attempt++) {
       if (this._closed) throw closed();
       try {
-        restored = await this._open();
+        restored = await this._open(timeoutMs ?? this.connectTimeoutMs);
         break;
       } catch (error) {
         if (this._closed) throw closed();
@@ -485,6 +578,7 @@ export class RealtimeClient extends Emitter {
       this._armSilenceTimer();
       this._sendEvent({ type: "response.create", event_id: resume.createEventId, ...resume._request });
     }
+    this._setMode("online");
     this.emit("connected", { session: this.session, restored });
     this._push({ type: "client.connected", session: this.session, restored });
   }
@@ -492,7 +586,7 @@ export class RealtimeClient extends Emitter {
   /** One attempt: a session with our settings and, after the first, the conversation restored
    * on it; resolves with the number of items restored. A session that fails half-way is closed,
    * so that the client is never left on one that lacks the conversation. */
-  _open() {
+  _open(timeoutMs) {
     return new Promise((resolve, reject) => {
       const protocols = [...(this.framing === "msgpack" ? [MSGPACK_SUBPROTOCOL] : []), "realtime",
         ...(this.apiKey ? [KEY_SUBPROTOCOL_PREFIX + this.apiKey] : [])];
@@ -514,7 +608,7 @@ export class RealtimeClient extends Emitter {
         reject(error);
       };
       const timer = setTimeout(() => fail(new GatewayUnreachable(
-        `no session from ${this.wsUrl} within ${this.connectTimeoutMs} ms`, "connect_timeout")), this.connectTimeoutMs);
+        `no session from ${this.wsUrl} within ${timeoutMs} ms`, "connect_timeout")), timeoutMs);
       this._ws = ws;
       this.session = null;
       ws.onopen = () => {
@@ -555,7 +649,8 @@ export class RealtimeClient extends Emitter {
 
   async _afterOpen() {
     if (Object.keys(this.sessionSettings).length) await this._updateSession(this.sessionSettings);
-    return this.sessions > 1 ? this._restore() : 0;
+    // after a reconnect, or a first session after turns answered on the device
+    return this.conversation.length ? this._restore() : 0;
   }
 
   /** Closes a session that opened but cannot be used (its settings or items did not get onto
@@ -611,6 +706,8 @@ export class RealtimeClient extends Emitter {
       // none, or send() is still connecting: its connect tries again or fails the turn
     } else if (reconnectInMs !== null && !turn.responseId) {
       this._resume = turn;
+    } else if (this.device?.available && !this._closed && !turn.device) {
+      this._continueOnDevice(turn); // the answer goes on where it stopped, on the device
     } else {
       this._turn = null;
       this._keepPartial(turn);
@@ -700,7 +797,7 @@ export class RealtimeClient extends Emitter {
   // --- what arrives ---
 
   _handle(event) {
-    if (this._turn) this._armSilenceTimer();
+    if (this._turn && !this._turn.device) this._armSilenceTimer();
     switch (event.type) {
       case "session.created":
       case "session.updated":
@@ -912,10 +1009,18 @@ export class RealtimeClient extends Emitter {
     const turn = new Turn(userItemId);
     this._turn = turn;
     try {
-      await this.connect();
+      // with a device fallback the gateway gets one quick try, and the device answers if it fails
+      await this.connect(this.device ? { attempts: 1, timeoutMs: Math.min(this.connectTimeoutMs,
+        this.device.probeTimeoutMs ?? this.connectTimeoutMs) } : {});
       // a session lost between the connect and here: nothing was sent, say so now
       if (!this.connected) throw new GatewayError("the connection was lost", "connection_lost");
     } catch (e) {
+      if (this.device && this._turn === turn && !this._closed && !(e instanceof GatewayRefused)
+        && !(e instanceof ServerError) && await this._deviceReady()) {
+        this.conversation.push(...items);
+        this._deviceTurn(turn, options);
+        return turn;
+      }
       if (this._turn === turn) this._turn = null;
       this._stopSilenceTimer();
       turn._finish({ status: "failed", error: { type: "connection_error", code: e.code, message: e.message } });
@@ -952,6 +1057,10 @@ export class RealtimeClient extends Emitter {
   async cancel() {
     const turn = this._turn;
     if (!turn) return null;
+    if (turn.device) { // on the device: its generation stops at once
+      turn._abort.abort();
+      return turn.result;
+    }
     if (turn === this._resume) { // waiting for the next session: it never started
       this._resume = null;
       this._turn = null;
@@ -1000,6 +1109,89 @@ export class RealtimeClient extends Emitter {
     await this._request({ type: "conversation.item.create", previous_item_id: previous, item: wireItem(replacement) },
       (e) => (e.type === "conversation.item.added" || e.type === "conversation.item.created") && e.item?.id === item.id);
     return { itemId: item.id, text: heard, method: "replace" };
+  }
+
+  // --- on the device ---
+
+  /** Whether the device can answer now: its model stored and loaded (loading it if need be). */
+  async _deviceReady() {
+    if (this.device.available) return true;
+    try {
+      await this.device.prepare({ download: false });
+      return true;
+    } catch {
+      return false; // no model on the device: the turn fails as without a fallback
+    }
+  }
+
+  /** Answers `turn` on the device from the conversation (its items already in it). */
+  _deviceTurn(turn, options) {
+    turn._startedAt = now();
+    const request = { instructions: options.instructions ?? this.sessionSettings.instructions ?? "",
+      maxOutputTokens: options.maxOutputTokens ?? this.sessionSettings.max_output_tokens,
+      temperature: options.temperature ?? this.sessionSettings.temperature };
+    const tools = options.tools ?? this.sessionSettings.tools;
+    const choice = options.toolChoice ?? this.sessionSettings.tool_choice ?? "auto";
+    const response = new DeviceResponse();
+    this._runOnDevice(turn, response, { ...request, conversation: [...this.conversation] },
+      tools?.length && choice !== "none" && choice !== "auto" ? {
+        type: "invalid_request_error", code: "unsupported_on_device",
+        message: "the on-device model cannot call tools; this turn requires a call (tool_choice)" } : null);
+  }
+
+  /** The gateway went away in the middle of `turn`'s answer: the device writes the rest. */
+  _continueOnDevice(turn) {
+    this._keepPartial(turn);
+    const item = this._item(turn.itemId);
+    const conversation = this.conversation.filter((i) => i !== item);
+    const response = DeviceResponse.resume(turn.responseId, item ? turn.itemId : null, turn.text);
+    const request = turn._request?.response ?? {};
+    this._runOnDevice(turn, response, { conversation, continueText: item ? turn.text : "",
+      instructions: request.instructions ?? this.sessionSettings.instructions ?? "",
+      maxOutputTokens: request.max_output_tokens ?? this.sessionSettings.max_output_tokens,
+      temperature: request.temperature ?? this.sessionSettings.temperature }, null, true);
+  }
+
+  async _runOnDevice(turn, response, request, refusal, resumed = false) {
+    turn.device = true;
+    turn._abort = new AbortController();
+    this._setMode("device");
+    const feed = (events) => { for (const event of events) this._handle(event); };
+    if (!resumed) feed(response.created());
+    let status = "completed";
+    let reason = null;
+    let error = refusal;
+    let usage = {};
+    if (refusal) status = "failed";
+    else {
+      try {
+        let produced = 0;
+        for await (const part of this.device.answer({ ...request, signal: turn._abort.signal })) {
+          if (part.done) {
+            usage = part.usage ?? {};
+            if (part.finishReason === "length") [status, reason] = ["incomplete", "max_output_tokens"];
+          } else {
+            produced += 1;
+            feed(response.text(part.text));
+          }
+          if (turn._abort.signal.aborted) break;
+        }
+        if (turn._abort.signal.aborted) [status, reason] = ["cancelled", "client_cancelled"];
+        else if (!produced && resumed) [status, reason] = ["incomplete", "device_continued"];
+      } catch (e) {
+        if (turn._abort.signal.aborted || e?.cancelled) [status, reason] = ["cancelled", "client_cancelled"];
+        else {
+          status = "failed";
+          error = { type: "device_error", code: e?.code ?? "device_failed", message: e?.message ?? String(e) };
+        }
+      }
+    }
+    feed(response.finish(status, { reason, error, usage, metadata: { x_tier: "device" } }));
+    if (this._turn === turn) { // a response.done for another id (a resumed one with no message)
+      this._turn = null;
+      turn._finish({ status, reason, error, usage, metadata: { x_tier: "device" } });
+      this.emit("turn", turn);
+    }
   }
 
   // --- voice ---

@@ -82,7 +82,8 @@ def control_server(gateway: GatewayProcess) -> Iterator[str]:
 def test_js_sdk_pure_parts() -> None:
     """The msgpack codec, the client's logic over a scripted socket and its voice parts (the
     downsampler, the player on a fake AudioContext, barge-in): no gateway, no browser, fast."""
-    done = run_node(("msgpack.test.mjs", "client.test.mjs", "voice.test.mjs"), {}, timeout=120)
+    done = run_node(("msgpack.test.mjs", "client.test.mjs", "voice.test.mjs", "device.test.mjs", "no_dom.test.mjs"), {},
+                    timeout=120)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
 
 

@@ -1,0 +1,458 @@
+// rtgw-device: the JS SDK's on-device fallback. When the gateway cannot be reached, or its socket
+// drops mid-turn, a RealtimeClient given `device: new DeviceFallback(...)` answers from the same
+// conversation with the gateway's own edge model, run where the app runs.
+//
+//   import { RealtimeClient } from "/sdk/rtgw.js";
+//   import { DeviceFallback } from "/sdk/rtgw-device.js";
+//   const device = new DeviceFallback();            // the browser: wllama, Cache Storage
+//   const client = new RealtimeClient({ url, apiKey, device });
+//   device.on("progress", ({ loaded, total }) => bar(loaded / total));
+//   await client.prefetchOffline();                 // while online: download, check, store, load
+//
+// Three parts, each replaceable:
+// - an engine: `load(blob)` and `generate({prompt, maxTokens, temperature, signal})`, an async
+//   iterator of `{text}` pieces and one last `{done, finishReason, usage}`. `WllamaEngine` is
+//   llama.cpp in WebAssembly (@wllama/wllama, served by the gateway at /vendor/, never a CDN);
+//   another runtime (llama.rn in React Native) plugs in with the same two calls;
+// - a store: the model file, fetched once from the gateway (`/v1/models/{id}/file`, behind the API
+//   key), checked against the SHA-256 the gateway publishes, kept in Cache Storage;
+// - the prompt: the conversation rendered with the model family's chat template, as the edge
+//   tier renders it (`renderPrompt`), so the device sees the prompt the gateway would.
+// Only an app that imports this module loads any of it; rtgw.js imports nothing.
+
+import { Emitter, GatewayError } from "./rtgw.js";
+
+/** The device cannot answer: the model is missing, damaged, too large for the storage, or failed. */
+export class DeviceModelError extends GatewayError {}
+
+// --- the prompt -------------------------------------------------------------------------------
+
+/** JSON as Python's json.dumps writes it (", " and ": "; non-ASCII kept), which the gateway uses
+ * for a call's arguments in the prompt. */
+export function pyJson(value) {
+  if (Array.isArray(value)) return `[${value.map(pyJson).join(", ")}]`;
+  if (value !== null && typeof value === "object") {
+    return `{${Object.entries(value).map(([k, v]) => `${JSON.stringify(k)}: ${pyJson(v)}`).join(", ")}}`;
+  }
+  return JSON.stringify(value);
+}
+
+/** Each family's way of writing calls and tool results in the prompt (llm_shared.structured.families). */
+const FAMILIES = {
+  smollm2: {
+    calls: (calls) => {
+      const items = calls.map(({ name, arguments: args }) => {
+        let rendered;
+        try { rendered = pyJson(JSON.parse(args)); } catch { rendered = JSON.stringify(args); }
+        return `{"name": ${JSON.stringify(name)}, "arguments": ${rendered}}`;
+      });
+      return `<tool_call>[${items.join(", ")}]</tool_call>`;
+    },
+    toolResult: (content) => `<tool_response>\n${content}\n</tool_response>`,
+    // ChatML as SmolLM2's GGUF template writes it, its default system turn included
+    template: (messages) => {
+      let out = messages[0]?.role === "system" ? ""
+        : "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n";
+      for (const m of messages) out += `<|im_start|>${m.role}\n${m.content}<|im_end|>\n`;
+      return out + "<|im_start|>assistant\n";
+    },
+  },
+};
+
+export const FAMILY_NAMES = Object.freeze(Object.keys(FAMILIES));
+
+/** The local conversation (RealtimeClient.conversation) as role/content messages, as the gateway
+ * renders a Realtime conversation with no tools offered: the instructions as the system turn, an
+ * assistant's calls joined to its text, a call's output as a user turn; empty messages left out. */
+export function conversationMessages(conversation, instructions, family = "smollm2") {
+  const syntax = FAMILIES[family];
+  if (!syntax) throw new DeviceModelError(`no chat format for the model family ${JSON.stringify(family)}`, "unknown_family");
+  const history = instructions ? [{ role: "system", content: instructions, calls: [] }] : [];
+  for (const item of conversation) {
+    if (item.type === "function_call") {
+      const last = history.at(-1);
+      if (last?.role === "assistant") last.calls.push(item);
+      else history.push({ role: "assistant", content: "", calls: [item] });
+    } else if (item.type === "function_call_output") {
+      history.push({ role: "user", content: syntax.toolResult(item.output), calls: [] });
+    } else if (item.text) {
+      history.push({ role: item.role, content: item.text, calls: [] });
+    }
+  }
+  return history.map(({ role, content, calls }) => {
+    if (!calls.length) return { role, content };
+    const rendered = syntax.calls(calls);
+    return { role, content: content ? `${content}\n${rendered}` : rendered };
+  });
+}
+
+/** The prompt text for `messages`; `continueText`: an assistant answer cut short, which the model
+ * goes on writing (its end marker left out). */
+export function renderPrompt(family, messages, continueText = "") {
+  const syntax = FAMILIES[family];
+  if (!syntax) throw new DeviceModelError(`no chat format for the model family ${JSON.stringify(family)}`, "unknown_family");
+  return syntax.template(messages) + continueText;
+}
+
+// --- the model store --------------------------------------------------------------------------
+
+const CACHE_NAME = "rtgw-device-models-v1";
+const RECORD_PATH = "/.rtgw-device/model.json"; // the stored model's description, a key in the cache
+
+async function sha256Hex(blob) {
+  const digest = await globalThis.crypto.subtle.digest("SHA-256", await blob.arrayBuffer());
+  return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+function isQuotaError(error) {
+  return error?.name === "QuotaExceededError" || error?.code === 22 || /quota/i.test(error?.message ?? "");
+}
+
+/** The model file in Cache Storage: one model at a time (a newer version replaces it). */
+export class ModelStore {
+  /** @param {object} options  caches (a CacheStorage; default globalThis.caches), fetch, base (the
+   *   gateway's http(s) origin and path prefix), maxAttempts (download tries, resuming with Range) */
+  constructor({ caches = globalThis.caches, fetch = globalThis.fetch?.bind(globalThis), base = "",
+    maxAttempts = 4 } = {}) {
+    this._caches = caches;
+    this._fetch = fetch;
+    this.base = base.replace(/\/+$/, "");
+    this.maxAttempts = maxAttempts;
+  }
+
+  _recordUrl() { return new URL(RECORD_PATH, this.base + "/").toString(); }
+  _fileUrl(card) { return this.base + card.url; }
+
+  async _cache() {
+    if (!this._caches) throw new DeviceModelError("this runtime has no Cache Storage to keep the model in", "no_storage");
+    return this._caches.open(CACHE_NAME);
+  }
+
+  /** The stored model's card ({model, url, bytes, sha256, family, ...}), or null. */
+  async stored() {
+    if (!this._caches) return null;
+    const cache = await this._cache();
+    const response = await cache.match(this._recordUrl());
+    if (!response) return null;
+    try { return await response.json(); } catch { return null; }
+  }
+
+  /** The stored file as a Blob, or null (none, or not whole: then it is dropped). */
+  async load(card) {
+    const cache = await this._cache();
+    const response = await cache.match(this._fileUrl(card));
+    if (!response) return null;
+    const blob = await response.blob();
+    if (blob.size !== card.bytes) {
+      await this.clear();
+      return null;
+    }
+    return blob;
+  }
+
+  /** Downloads `card`'s file (headers: the API key), resuming a broken transfer with Range and
+   * If-Range; checks its length and SHA-256; stores it. `onProgress({loaded, total})`. Resolves
+   * with the Blob; a file that fails its checks is discarded (DeviceModelError). */
+  async download(card, { headers = {}, onProgress = () => {}, signal } = {}) {
+    if (!this._fetch) throw new DeviceModelError("this runtime has no fetch to download the model with", "no_fetch");
+    const url = this._fileUrl(card);
+    const total = card.bytes;
+    let chunks = [];
+    let loaded = 0;
+    let etag = null;
+    let failures = 0;
+    let lastError = null;
+    onProgress({ loaded, total });
+    while (loaded < total) {
+      if (failures >= this.maxAttempts) {
+        throw new DeviceModelError(`the model download broke off at ${loaded} of ${total} bytes ` +
+          `(${failures} tries${lastError ? `: ${lastError.message}` : ""}); it was discarded`, "download_truncated");
+      }
+      const ask = { ...headers };
+      if (loaded > 0) {
+        ask.Range = `bytes=${loaded}-`;
+        if (etag) ask["If-Range"] = etag;
+      }
+      let response;
+      try {
+        response = await this._fetch(url, { headers: ask, signal, cache: "no-store" });
+      } catch (e) {
+        if (signal?.aborted) throw e;
+        failures += 1;
+        lastError = e;
+        continue;
+      }
+      if (!response.ok) {
+        let message = `HTTP ${response.status}`;
+        try { message = (await response.json()).error?.message ?? message; } catch { /* not our JSON */ }
+        throw new DeviceModelError(`the gateway refused the model file: ${message}`, "download_refused");
+      }
+      if (loaded > 0 && response.status !== 206) { // the file changed (If-Range): start again
+        chunks = [];
+        loaded = 0;
+      }
+      etag = response.headers.get("ETag") ?? etag;
+      const before = loaded;
+      try {
+        const reader = response.body.getReader();
+        for (;;) {
+          const { done, value } = await reader.read();
+          if (done) break;
+          loaded += value.length;
+          if (loaded > total) {
+            throw new DeviceModelError(`the model file is longer than the ${total} bytes announced; it was discarded`,
+              "model_size_mismatch");
+          }
+          chunks.push(value);
+          onProgress({ loaded, total });
+        }
+      } catch (e) {
+        if (signal?.aborted || e instanceof DeviceModelError) throw e;
+        lastError = e;
+      }
+      if (loaded < total) failures += loaded > before ? 0.5 : 1; // a try that moved on costs half
+    }
+    const blob = new Blob(chunks, { type: "application/octet-stream" });
+    chunks = null;
+    const digest = await sha256Hex(blob);
+    if (digest !== card.sha256) {
+      throw new DeviceModelError(`the model file's SHA-256 is ${digest}, not the ${card.sha256} the gateway ` +
+        "published; it was discarded", "model_hash_mismatch");
+    }
+    await this._save(card, blob);
+    return blob;
+  }
+
+  async _save(card, blob) {
+    try {
+      await this.clear(); // one model at a time: a new version replaces the old
+      const cache = await this._cache();
+      await cache.put(this._fileUrl(card), new Response(blob, { headers: {
+        "Content-Type": "application/octet-stream", "Content-Length": String(blob.size) } }));
+      await cache.put(this._recordUrl(), new Response(JSON.stringify({ ...card, storedAt: Date.now() }),
+        { headers: { "Content-Type": "application/json" } }));
+    } catch (e) {
+      await this.clear().catch(() => {});
+      if (isQuotaError(e)) {
+        throw new DeviceModelError(`the browser's storage quota is too small for the model (${blob.size} bytes); ` +
+          "the on-device fallback is off, the gateway still answers", "storage_quota_exceeded");
+      }
+      throw e instanceof DeviceModelError ? e : new DeviceModelError(`the model could not be stored: ${e.message}`,
+        "storage_failed");
+    }
+  }
+
+  async clear() {
+    if (this._caches) await this._caches.delete(CACHE_NAME);
+  }
+}
+
+// --- llama.cpp in WebAssembly -----------------------------------------------------------------
+
+const QUIET = { debug() {}, log() {}, info() {}, warn: (...a) => console.warn("[wllama]", ...a),
+  error: (...a) => console.error("[wllama]", ...a) };
+
+/** The browser engine: @wllama/wllama from the gateway's /vendor/ (or the class passed as
+ * `Wllama`). Threads: `threads`, else the cores when the page is cross-origin isolated (COOP and
+ * COEP: SharedArrayBuffer), else one. Its "compat" mode, which fetches a build from a CDN, is off. */
+export class WllamaEngine {
+  constructor({ assetsUrl = "/vendor/", threads = null, nCtx = 4096, Wllama = null } = {}) {
+    this.assetsUrl = new URL(assetsUrl, globalThis.location?.href ?? "http://localhost/").toString();
+    this.requestedThreads = threads;
+    this.nCtx = nCtx;
+    this._Wllama = Wllama;
+    this._wllama = null;
+  }
+
+  get loaded() { return this._wllama !== null; }
+  get threads() { return this._wllama?.getNumThreads?.() ?? 0; }
+
+  static defaultThreads() {
+    const cores = globalThis.navigator?.hardwareConcurrency ?? 1;
+    return globalThis.crossOriginIsolated ? Math.max(1, Math.min(cores, 8)) : 1;
+  }
+
+  async load(blob) {
+    if (this._wllama) return;
+    const Wllama = this._Wllama ?? (await import(new URL("wllama.js", this.assetsUrl).toString())).Wllama;
+    const wllama = new Wllama({ default: new URL("wllama.wasm", this.assetsUrl).toString() }, { logger: QUIET });
+    wllama.setCompat(null); // never the CDN build
+    await wllama.loadModel([blob], { n_ctx: this.nCtx, n_threads: this.requestedThreads ?? WllamaEngine.defaultThreads(),
+      n_gpu_layers: 0 });
+    this._wllama = wllama;
+  }
+
+  async* generate({ prompt, maxTokens, temperature = 0.8, signal }) {
+    if (!this._wllama) throw new DeviceModelError("the on-device model is not loaded", "not_loaded");
+    let stream;
+    try {
+      stream = await this._wllama.createCompletion({ prompt, stream: true, max_tokens: maxTokens, temperature,
+        abortSignal: signal, cache_prompt: true });
+    } catch (e) {
+      throw engineError(e, signal);
+    }
+    let last = null;
+    try {
+      for await (const chunk of stream) {
+        const text = chunk.choices?.[0]?.text ?? "";
+        if (text) yield { text };
+        last = chunk;
+      }
+    } catch (e) {
+      throw engineError(e, signal);
+    }
+    const usage = last?.usage ?? {};
+    yield { done: true, finishReason: last?.choices?.[0]?.finish_reason ?? "stop", usage: {
+      input_tokens: usage.prompt_tokens ?? 0, output_tokens: usage.completion_tokens ?? 0,
+      total_tokens: usage.total_tokens ?? 0,
+      input_token_details: { cached_tokens: usage.prompt_tokens_details?.cached_tokens ?? 0 } } };
+  }
+
+  async unload() {
+    const wllama = this._wllama;
+    this._wllama = null;
+    await wllama?.exit();
+  }
+}
+
+/** An aborted generation, or llama.cpp's refusal (a prompt past the context), as our error. */
+function engineError(e, signal) {
+  if (signal?.aborted || e?.name === "AbortError" || e?.name === "WllamaAbortError") {
+    const aborted = new DeviceModelError("the on-device answer was cancelled", "cancelled");
+    aborted.cancelled = true;
+    return aborted;
+  }
+  const message = e?.message ?? String(e);
+  if (/context|exceed/i.test(message)) {
+    return new DeviceModelError(`the conversation is too long for the on-device model's context: ${message}`,
+      "context_length_exceeded");
+  }
+  return new DeviceModelError(`the on-device model failed: ${message}`, "device_failed");
+}
+
+// --- the fallback -----------------------------------------------------------------------------
+
+/** What a RealtimeClient calls when the gateway is away. Events: `state` ({state: "idle" |
+ * "downloading" | "loading" | "ready" | "error", error}), `progress` ({loaded, total}). */
+export class DeviceFallback extends Emitter {
+  /** @param {object} options  engine (default WllamaEngine), store (default ModelStore),
+   *   maxOutputTokens (when the turn names none: the gateway's default, 512), probeTimeoutMs (how
+   *   long a turn waits for the gateway before answering here), temperature, fetch. */
+  constructor({ engine = null, store = null, maxOutputTokens = 512, probeTimeoutMs = 1500, temperature = 0.8,
+    fetch = null } = {}) {
+    super();
+    this._engineOption = engine;
+    this._storeOption = store;
+    this.maxOutputTokens = maxOutputTokens;
+    this.probeTimeoutMs = probeTimeoutMs;
+    this.temperature = temperature;
+    this._fetch = fetch;
+    this.state = "idle";
+    this.card = null; // the model's x_device card: from the gateway, or from the store when offline
+    this.error = null;
+    this.engine = null;
+    this.store = null;
+    this._ready = null;
+    this.lastPrompt = null; // the prompt of the latest answer (what the model was given)
+  }
+
+  /** Called by the RealtimeClient it is given to: where the gateway is and how to authenticate. */
+  bind({ baseUrl, apiKey, model, fetch }) {
+    this.baseUrl = baseUrl.replace(/\/+$/, "");
+    this.apiKey = apiKey;
+    this.model = model;
+    this._fetch ??= fetch;
+    this.store = this._storeOption ?? new ModelStore({ base: this.baseUrl, fetch: this._fetch });
+    this.engine = this._engineOption ?? new WllamaEngine({ assetsUrl: `${this.baseUrl}/vendor/` });
+  }
+
+  get available() { return this.state === "ready"; }
+
+  _setState(state, error = null) {
+    this.state = state;
+    this.error = error;
+    this.emit("state", { state, error });
+  }
+
+  _headers() { return this.apiKey ? { Authorization: `Bearer ${this.apiKey}` } : {}; }
+
+  /** The model's card from the gateway (`x_device` of GET /v1/models/{id}); null when the gateway
+   * offers no downloadable model. Throws when it cannot be reached. */
+  async fetchCard() {
+    const path = this.model ? `/v1/models/${encodeURIComponent(this.model)}` : "/v1/models";
+    const response = await this._fetch(this.baseUrl + path, { headers: this._headers(), cache: "no-store" });
+    if (!response.ok) throw new DeviceModelError(`the gateway answered HTTP ${response.status} for ${path}`, "card_refused");
+    const body = await response.json();
+    const card = this.model ? body : (body.data ?? [])[0] ?? {};
+    return card.x_device ?? (this.model ? null : await this._firstCard(body));
+  }
+
+  async _firstCard(list) {
+    for (const entry of list.data ?? []) {
+      const response = await this._fetch(`${this.baseUrl}/v1/models/${encodeURIComponent(entry.id)}`,
+        { headers: this._headers(), cache: "no-store" });
+      if (response.ok) {
+        const card = (await response.json()).x_device;
+        if (card) return card;
+      }
+    }
+    return null;
+  }
+
+  /** Ready to answer: the model stored (downloaded first when the gateway offers a newer one or
+   * none is stored) and loaded into the engine. With `download: false`, only a stored model is
+   * used (the gateway is away). Resolves with the card; rejects with DeviceModelError. */
+  prepare({ download = true } = {}) {
+    this._ready ??= this._prepare(download).catch((error) => {
+      this._ready = null;
+      const failure = error instanceof DeviceModelError ? error
+        : new DeviceModelError(`the on-device model could not be made ready: ${error.message}`, "device_failed");
+      this._setState("error", failure);
+      throw failure;
+    });
+    return this._ready;
+  }
+
+  async _prepare(download) {
+    if (!this.store) throw new DeviceModelError("the fallback is not bound to a client", "not_bound");
+    if (this.state === "ready" && this.card) return this.card;
+    let card = null;
+    if (download) {
+      try {
+        card = await this.fetchCard();
+      } catch (e) {
+        if (e instanceof DeviceModelError) throw e;
+        card = null; // the gateway is away: what is stored will do
+      }
+    }
+    const stored = await this.store.stored();
+    card ??= stored;
+    if (!card) {
+      throw new DeviceModelError(download ? "the gateway offers no downloadable model" :
+        "no model is stored on this device (prefetch it while online)", "no_model");
+    }
+    let blob = stored && stored.sha256 === card.sha256 ? await this.store.load(card) : null;
+    if (!blob) {
+      if (!download) throw new DeviceModelError("no model is stored on this device (prefetch it while online)", "no_model");
+      this._setState("downloading");
+      blob = await this.store.download(card, { headers: this._headers(),
+        onProgress: (p) => this.emit("progress", p) });
+    }
+    this.card = card;
+    this._setState("loading");
+    await this.engine.load(blob);
+    this._setState("ready");
+    return card;
+  }
+
+  /** The answer to `conversation` (the client's local items): `{text}` pieces, then `{done,
+   * finishReason, usage}`. `continueText`: an answer cut short by a lost gateway, continued. */
+  async* answer({ conversation, instructions = "", maxOutputTokens, temperature, continueText = "", signal }) {
+    if (!this.available) await this.prepare({ download: false });
+    const messages = conversationMessages(conversation, instructions, this.card.family || "smollm2");
+    const prompt = renderPrompt(this.card.family || "smollm2", messages, continueText);
+    this.lastPrompt = prompt;
+    yield* this.engine.generate({ prompt, maxTokens: maxOutputTokens ?? this.maxOutputTokens,
+      temperature: temperature ?? this.temperature, signal });
+  }
+}
