@@ -339,8 +339,11 @@ export class DeviceFallback extends Emitter {
    *   maxOutputTokens (when the turn names none: the gateway's default, 512), probeTimeoutMs (how
    *   long a turn waits for the gateway before answering here), temperature, fetch. */
   constructor({ engine = null, store = null, maxOutputTokens = 512, probeTimeoutMs = 1500, temperature = 0.8,
-    fetch = null } = {}) {
+    fetch = null, warm = true } = {}) {
     super();
+    this.warmEnabled = warm;
+    this._busy = false;
+    this.warming = null;
     this._engineOption = engine;
     this._storeOption = store;
     this.maxOutputTokens = maxOutputTokens;
@@ -362,8 +365,9 @@ export class DeviceFallback extends Emitter {
     this.apiKey = apiKey;
     this.model = model;
     this._fetch ??= fetch;
-    this.store = this._storeOption ?? new ModelStore({ base: this.baseUrl, fetch: this._fetch });
-    this.engine = this._engineOption ?? new WllamaEngine({ assetsUrl: `${this.baseUrl}/vendor/` });
+    // bound again by a new client of the same app: the loaded engine and its store stay
+    this.store ??= this._storeOption ?? new ModelStore({ base: this.baseUrl, fetch: this._fetch });
+    this.engine ??= this._engineOption ?? new WllamaEngine({ assetsUrl: `${this.baseUrl}/vendor/` });
   }
 
   get available() { return this.state === "ready"; }
@@ -445,10 +449,30 @@ export class DeviceFallback extends Emitter {
     return card;
   }
 
+  /** After a turn served online: the engine reads the conversation so far (one token generated,
+   * thrown away), so that its KV cache holds it and a turn the device must take later computes only
+   * what is new (`warm: false` in the options turns this off). Skipped while the engine is busy. */
+  warm({ conversation, instructions = "" }) {
+    if (!this.warmEnabled || !this.available || this._busy) return null;
+    this._busy = true;
+    const messages = conversationMessages(conversation, instructions, this.card.family || "smollm2");
+    const prompt = renderPrompt(this.card.family || "smollm2", messages);
+    const run = (async () => {
+      try {
+        for await (const _ of this.engine.generate({ prompt, maxTokens: 1, temperature: 0 })) { /* discarded */ }
+      } catch { /* the next answer reads the prompt itself */ } finally {
+        this._busy = false;
+      }
+    })();
+    this.warming = run;
+    return run;
+  }
+
   /** The answer to `conversation` (the client's local items): `{text}` pieces, then `{done,
    * finishReason, usage}`. `continueText`: an answer cut short by a lost gateway, continued. */
   async* answer({ conversation, instructions = "", maxOutputTokens, temperature, continueText = "", signal }) {
     if (!this.available) await this.prepare({ download: false });
+    await this.warming; // one generation at a time: a warm-up in flight ends first (its KV is reused)
     const messages = conversationMessages(conversation, instructions, this.card.family || "smollm2");
     const prompt = renderPrompt(this.card.family || "smollm2", messages, continueText);
     this.lastPrompt = prompt;

@@ -918,6 +918,10 @@ export class RealtimeClient extends Emitter {
     turn._finish({ status: response.status, text, calls, metadata: response.metadata, usage: response.usage,
       reason: details.reason, error: details.error });
     this.emit("turn", turn);
+    // the device reads the conversation while the app waits for the user: a later drop costs less
+    if (!turn.device && this.device?.available) {
+      this.device.warm?.({ conversation: [...this.conversation], instructions: this.sessionSettings.instructions ?? "" });
+    }
   }
 
   _serverError(error) {

@@ -7,12 +7,29 @@
 // conversation (the SDK's VoiceSession): the microphone streams to the server, whose voice detection
 // answers each utterance in speech; the page plays it, and talking over an answer interrupts it (the
 // conversation keeps the words played).
+// Answers render as markdown (marked, then DOMPurify; the model's raw HTML is shown as text, never
+// injected; images are not fetched). With "Answer on this device" on (Settings), the page loads the
+// SDK's on-device fallback (rtgw-device.js, llama.cpp in WebAssembly), downloads the model once with
+// a progress bar, and answers on the device whenever the server is away; the badge says where.
 import { codePointLength, codePointSlice, GatewayRefused, GatewayUnreachable, RealtimeClient } from "../sdk/rtgw.js";
 import { VoiceSession } from "../sdk/rtgw-voice.js";
+import { Marked } from "../vendor/marked.js";
+import DOMPurify from "../vendor/purify.js";
 
 const SPEAK_RATE = 15; // characters per second, about a speaking voice
 const STORE = "rtgw-demo";
 const MAX_TOOL_ROUNDS = 3; // calls answered in a row before the model must answer in text
+const DEFAULT_MAX_TOKENS = 512; // the gateway's own default: room for a code answer
+
+// --- markdown ---
+
+const escapeHtml = (text) => text.replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;",
+  '"': "&quot;", "'": "&#39;" })[c]);
+const markdown = new Marked({ gfm: true, breaks: true, renderer: {
+  html: ({ text }) => escapeHtml(text), // the model's HTML is text on the page
+  image: ({ text, href }) => escapeHtml(`[${text}](${href})`), // nothing is fetched from elsewhere
+} });
+const renderMarkdown = (text) => DOMPurify.sanitize(markdown.parse(text), { FORBID_TAGS: ["img", "style", "form"] });
 
 // The demo tools, answered by this page. Strings are bounded so that a small model cannot write
 // one until it runs out of tokens.
@@ -41,12 +58,16 @@ const ui = {
   status: el("status"), banner: el("banner"), messages: el("messages"), form: el("composer"), prompt: el("prompt"),
   send: el("send"), stop: el("stop"), model: el("model"), maxTokens: el("max-tokens"), apiKey: el("api-key"),
   speaking: el("speaking"), newChat: el("new-chat"), rate: el("rate"), tools: el("tools"), mic: el("mic"),
-  voiceState: el("voice-state"),
+  voiceState: el("voice-state"), offline: el("offline"), device: el("device"), deviceLabel: el("device-label"),
+  deviceProgress: el("device-progress"),
 };
 
 let client = null;
 let active = null; // the TurnView of the answer being streamed or spoken
 let voice = null; // the VoiceSession while Talk is on
+let deviceModule = null; // rtgw-device.js, imported only once the on-device setting is on
+let device = null; // its DeviceFallback, shared by the clients of this page (the model stays loaded)
+let lastProgress = null;
 // What the voice conversation did, for the console and the page's test.
 const voiceStats = { audioDeltas: 0, receivedMs: 0, playbackStarts: 0, cuts: [], transcripts: [], turns: [],
   errors: [] };
@@ -57,7 +78,8 @@ function loadSettings() {
   let saved = {};
   try { saved = JSON.parse(localStorage.getItem(STORE) || "{}"); } catch { /* a fresh start */ }
   ui.apiKey.value = saved.apiKey ?? "";
-  ui.maxTokens.value = saved.maxTokens ?? 80;
+  ui.maxTokens.value = saved.maxTokens ?? DEFAULT_MAX_TOKENS;
+  ui.offline.checked = Boolean(saved.offline);
   ui.speaking.checked = Boolean(saved.speaking);
   ui.tools.value = ["auto", "required"].includes(saved.tools) ? saved.tools : "off";
   ui.rate.textContent = String(SPEAK_RATE);
@@ -66,7 +88,8 @@ function loadSettings() {
 
 function saveSettings() {
   localStorage.setItem(STORE, JSON.stringify({ apiKey: ui.apiKey.value.trim(), model: ui.model.value,
-    maxTokens: Number(ui.maxTokens.value) || 80, speaking: ui.speaking.checked, tools: ui.tools.value }));
+    maxTokens: Number(ui.maxTokens.value) || DEFAULT_MAX_TOKENS, speaking: ui.speaking.checked, tools: ui.tools.value,
+    offline: ui.offline.checked }));
 }
 
 const authHeaders = () => (ui.apiKey.value.trim() ? { Authorization: `Bearer ${ui.apiKey.value.trim()}` } : {});
@@ -152,7 +175,8 @@ class TurnView {
     const length = codePointLength(text);
     if (!this.speaking) {
       this.shown = length;
-      this.textEl.textContent = text;
+      this.textEl.classList.add("md");
+      this.textEl.innerHTML = renderMarkdown(text);
     } else if (this.timer !== null) {
       if (this.firstAt === null && length) this.firstAt = performance.now();
       const due = this.firstAt === null ? 0 : Math.floor(((performance.now() - this.firstAt) / 1000) * SPEAK_RATE);
@@ -246,6 +270,49 @@ function describe(result) {
   return out;
 }
 
+// --- on the device ---
+
+async function loadDevice() {
+  if (!ui.offline.checked) return null;
+  deviceModule ??= await import("../sdk/rtgw-device.js");
+  if (!device) {
+    device = new deviceModule.DeviceFallback();
+    device.on("state", showDevice);
+    device.on("progress", (p) => { lastProgress = p; showDevice(); });
+  }
+  return device;
+}
+
+function showDevice() {
+  ui.device.hidden = !device;
+  if (!device) return;
+  const state = device.state;
+  let mode = client?.mode === "device" ? "device" : "online";
+  let label = mode === "device" ? "on device" : state === "ready" ? "online · device ready" : "online";
+  if (state === "downloading") {
+    mode = "downloading";
+    const p = lastProgress;
+    label = p?.total ? `downloading ${Math.floor((100 * p.loaded) / p.total)}%` : "downloading";
+    ui.deviceProgress.max = p?.total || 1;
+    ui.deviceProgress.value = p?.loaded ?? 0;
+  } else if (state === "loading") {
+    mode = "loading";
+    label = "loading the model";
+  } else if (state === "error" && mode !== "device") {
+    mode = "error";
+    label = "device: unavailable";
+    ui.device.title = device.error?.message ?? "";
+  }
+  ui.deviceProgress.hidden = state !== "downloading";
+  ui.device.dataset.mode = mode;
+  ui.deviceLabel.textContent = label;
+}
+
+function prefetch() {
+  if (!device || !client?.connected) return;
+  client.prefetchOffline().catch((e) => showBanner(`The on-device model is not available: ${e.message}`));
+}
+
 // --- the client ---
 
 function newClient() {
@@ -253,11 +320,15 @@ function newClient() {
   const c = new RealtimeClient({
     url: location.origin, apiKey: ui.apiKey.value.trim() || null, model: ui.model.value || null,
     backoff: { initialMs: 250, maxMs: 2000, attempts: 3 }, connectTimeoutMs: 15000, silenceTimeoutMs: 120000,
+    device,
   });
+  c.on("mode", () => { if (client === c) showDevice(); });
   c.on("connected", ({ restored }) => {
     if (client !== c) return;
     hideBanner();
     setStatus("connected", restored ? `reconnected, ${restored} messages restored` : "connected");
+    showDevice();
+    prefetch();
   });
   c.on("disconnected", ({ reconnectInMs }) => {
     if (client !== c) return;
@@ -279,7 +350,7 @@ async function connect() {
   } catch (e) {
     if (client !== c) return;
     setStatus("error", e instanceof GatewayRefused ? "refused" : "unreachable");
-    showBanner(explain(e));
+    showBanner(explain(e) + (device && !(e instanceof GatewayRefused) ? " Answers come from this device meanwhile." : ""));
   }
 }
 
@@ -322,13 +393,15 @@ async function send(text) {
   active = view;
   setBusy(true);
   try {
-    const maxOutputTokens = Number(ui.maxTokens.value) || 80;
+    const maxOutputTokens = Number(ui.maxTokens.value) || DEFAULT_MAX_TOKENS;
     let turn = await client.send(text, { maxOutputTokens, ...toolOptions(0) });
     for (let round = 1; ; round++) {
-      setStatus("connected", "connected");
+      if (client.mode === "device") setStatus("idle", "the server is away: answering on this device");
+      else if (ui.status.dataset.state !== "connected") setStatus("connected", "connected");
       view.attach(turn);
       const result = await turn.result;
       view.finish(result);
+      if (result.tier === "device") hideBanner();
       if (result.error?.code === "connection_lost" || result.error?.code === "silence_timeout") {
         showBanner(`${result.error.message}. The next message reconnects and restores the conversation.`);
       }
@@ -484,6 +557,18 @@ ui.newChat.addEventListener("click", newChat);
 ui.maxTokens.addEventListener("change", saveSettings);
 ui.speaking.addEventListener("change", saveSettings);
 ui.tools.addEventListener("change", saveSettings);
+ui.offline.addEventListener("change", async () => {
+  saveSettings();
+  if (active) return;
+  if (!ui.offline.checked) {
+    await device?.store?.clear(); // "keeps the model": off, it is not kept
+    device = null;
+  } else {
+    await loadDevice();
+  }
+  showDevice();
+  newChat(); // a client with (or without) the fallback; prefetch starts once it is connected
+});
 ui.model.addEventListener("change", () => { saveSettings(); newChat(); });
 ui.apiKey.addEventListener("change", async () => {
   saveSettings();
@@ -492,11 +577,15 @@ ui.apiKey.addEventListener("change", async () => {
 });
 
 await loadModels(saved.model);
+await loadDevice();
+showDevice();
 newClient();
 connect();
 // for the console and the page's tests
 globalThis.rtgwDemo = {
   client: () => client,
+  device: () => device,
+  renderMarkdown,
   voice: () => ({ ...voiceStats, on: voice !== null, playing: voice?.player.playing ?? false,
     playedMs: voice?.player.playedMs() ?? 0, bargeIns: voice?.bargeIns ?? 0, micMs: voice?.microphone.capturedMs ?? 0,
     micKind: voice?.microphone.kind ?? null, turns: voiceStats.turns.map(({ responseId, itemId, view }) => ({

@@ -127,6 +127,16 @@ class GatewayProcess:
             self._log.close()
             self._log = None
 
+    def kill(self) -> None:
+        """SIGKILL: the process dies at once, as a crashed host's would (no drain, no close frames)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(STOP_TIMEOUT_S)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
     def restart(self) -> None:
         self.stop()
         self.start()

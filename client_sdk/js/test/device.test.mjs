@@ -287,3 +287,25 @@ test("a device turn past the model's context fails with the server's code; a req
   assert.equal(refused.error.code, "unsupported_on_device");
   c.close();
 });
+
+test("after an online turn a ready device reads the conversation, so a later device turn reuses it", async () => {
+  const server = new FakeServer();
+  const engine = new ScriptedEngine({ pieces: ["Yes."] });
+  const { c, device } = deviceClient(server, engine);
+  await device.prepare({ download: false });
+  await onlineTurn(c, server, "Remember 42.", ["Noted: 42."]);
+  assert.equal(engine.requests.length, 1);
+  const warm = engine.requests[0];
+  assert.equal(warm.maxTokens, 1);
+  assert.match(warm.prompt, /Remember 42\.<\|im_end\|>\n<\|im_start\|>assistant\nNoted: 42\.<\|im_end\|>\n<\|im_start\|>assistant\n$/);
+  server.drop(server.last, 1006, "");
+  await c.once("disconnected");
+  server.refuse = 100;
+  const result = await (await c.send("Which number?")).result;
+  assert.equal(result.tier, "device");
+  const answer = engine.requests[1].prompt;
+  // the answer's prompt extends what was read, up to the last message's end
+  const shared = warm.prompt.slice(0, warm.prompt.lastIndexOf("<|im_start|>assistant\n"));
+  assert.ok(answer.startsWith(shared));
+  c.close();
+});
