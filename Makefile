@@ -94,7 +94,7 @@ test-all: $(STAMP) web-deps system-deps
 test-cluster: $(CLUSTER_STAMP)
 	$(BIN)/python -m pytest -q -m ray
 
-bench: $(STAMP)
+bench: $(STAMP) web-deps
 	$(BIN)/python bench/edge.py
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/gateway.py
@@ -108,6 +108,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/load.py
 	$(BIN)/python bench/faults.py
 	$(BIN)/python bench/soak.py
+	$(BIN)/python bench/browser_offline.py
 	$(MAKE) $(CLUSTER_STAMP)
 	$(BIN)/python bench/cluster.py
 

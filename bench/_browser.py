@@ -25,7 +25,8 @@ WATCH = """() => {
     const c = window.rtgwDemo.client(), d = window.rtgwDemo.device();
     if (c && !c.__watched) {
       c.__watched = true;
-      c.on('delta', ({ turn }) => { w.firstDelta[turn.responseId] ??= [performance.now(), c.mode]; });
+      // keyed by response and mode: an answer the device continues has a first device delta of its own
+      c.on('delta', ({ turn }) => { w.firstDelta[`${turn.responseId} ${c.mode}`] ??= [performance.now(), c.mode]; });
       c.on('turn', (turn) => turn.result.then((r) => w.tiers.push(r.tier)));
     }
     if (d && !d.__watched) {

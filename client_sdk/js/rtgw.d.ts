@@ -96,6 +96,32 @@ export interface ClientOptions extends SessionSettings, VoiceSettings {
   /** Used to tell a refused key from an unreachable server after a failed handshake. */
   fetch?: typeof fetch;
   random?: () => number;
+  /** The on-device fallback (rtgw-device.js's DeviceFallback): turns the gateway cannot take are
+   * answered on the device from the same conversation. */
+  device?: DeviceLike | null;
+}
+
+/** What the client asks of an on-device fallback (rtgw-device.js's DeviceFallback implements it). */
+export interface DeviceLike {
+  bind(info: { baseUrl: string; apiKey: string | null; model: string | null; fetch?: typeof fetch }): void;
+  readonly available: boolean;
+  readonly probeTimeoutMs?: number;
+  prepare(options?: { download?: boolean }): Promise<unknown>;
+  answer(request: { conversation: ConversationItem[]; instructions?: string; maxOutputTokens?: number;
+    temperature?: number; continueText?: string; signal: AbortSignal }): AsyncIterable<
+    { text: string; done?: undefined } | { done: true; finishReason: string; usage: Usage }>;
+  warm?(request: { conversation: ConversationItem[]; instructions?: string }): Promise<void> | null;
+}
+
+/** An on-device answer told as the gateway's server events. */
+export class DeviceResponse {
+  constructor(responseId?: string);
+  static resume(responseId: string, itemId: string | null, text: string): DeviceResponse;
+  readonly id: string;
+  created(): RealtimeEvent[];
+  text(text: string): RealtimeEvent[];
+  finish(status: TurnResult["status"], fields?: { reason?: string | null; error?: ServerErrorBody | null;
+    usage?: Usage; metadata?: Record<string, string> }): RealtimeEvent[];
 }
 
 export interface MessageItem {
@@ -238,8 +264,15 @@ export class RealtimeClient extends Emitter {
   readonly sessions: number;
   readonly connected: boolean;
   readonly activeTurn: Turn | null;
+  /** Where the latest turn was served ("mode" events on change). */
+  readonly mode: "online" | "device";
+  readonly device: DeviceLike | null;
 
-  connect(): Promise<void>;
+  /** `policy`: one attempt and a shorter timeout instead of the backoff (what a turn does when a
+   * device can answer instead). */
+  connect(policy?: { attempts?: number; timeoutMs?: number }): Promise<void>;
+  /** While online: download (once), check, store and load the device's model. */
+  prefetchOffline(): Promise<unknown>;
   /** Ends the session and any reconnect under way (a connect in progress rejects with
    * `client_closed`, and no session opens after it); the client cannot be opened again. */
   close(): void;

@@ -125,6 +125,28 @@ def reload_without_isolation(page: Any, gateway: GatewayProcess, config: Path, l
     assert text.strip()
 
 
+def context_overflow_is_an_error(page: Any) -> None:
+    """A prompt past the device's context is refused with the gateway's code, never a hang."""
+    outcome = page.evaluate("""async () => {
+      const mod = await import('/sdk/rtgw-device.js');
+      const d = window.rtgwDemo.device();
+      const engine = new mod.WllamaEngine({ assetsUrl: '/vendor/', threads: 1, nCtx: 256 });
+      await engine.load(await d.store.load(d.card));
+      const run = async (prompt, maxTokens) => {
+        let end = null;
+        try {
+          for await (const part of engine.generate({ prompt, maxTokens, temperature: 0 })) if (part.done) end = part;
+          return { finishReason: end?.finishReason, output: end?.usage?.output_tokens };
+        } catch (e) { return { code: e.code, message: e.message }; }
+      };
+      const long = '<|im_start|>user\\n' + 'Tell me about the sea. '.repeat(80) + '<|im_end|>\\n<|im_start|>assistant\\n';
+      const tooLong = await run(long, 16);
+      await engine.unload();
+      return { tooLong };
+    }""")
+    assert outcome["tooLong"].get("code") == "context_length_exceeded", outcome
+
+
 def markdown_is_rendered_and_html_is_text(page: Any) -> None:
     html = page.evaluate("""() => {
       const box = document.createElement('div');
@@ -156,6 +178,7 @@ def test_demo_page_answers_on_the_device_when_the_gateway_dies(tmp_path: Path) -
                 online_then_device(page, gateway, log)
                 markdown_is_rendered_and_html_is_text(page)
                 reload_without_isolation(page, gateway, plain, log)
+                context_overflow_is_an_error(page)
                 assert log.offsite(gateway.url) == []
                 assert log.count("/vendor/wllama.wasm") >= 1
             finally:

@@ -158,8 +158,8 @@ class ScriptedEngine {
     this.requests.push(request);
     if (this.fail) throw this.fail;
     for (const text of this.pieces) {
-      if (this.gated) await new Promise((resolve) => { this._gate = resolve; request.signal.addEventListener("abort", resolve); });
-      if (request.signal.aborted) throw Object.assign(new DeviceModelError("cancelled", "cancelled"), { cancelled: true });
+      if (this.gated) await new Promise((resolve) => { this._gate = resolve; request.signal?.addEventListener("abort", resolve); });
+      if (request.signal?.aborted) throw Object.assign(new DeviceModelError("cancelled", "cancelled"), { cancelled: true });
       yield { text };
     }
     yield { done: true, finishReason: "stop", usage: { input_tokens: 40, output_tokens: this.pieces.length,
@@ -307,5 +307,40 @@ test("after an online turn a ready device reads the conversation, so a later dev
   // the answer's prompt extends what was read, up to the last message's end
   const shared = warm.prompt.slice(0, warm.prompt.lastIndexOf("<|im_start|>assistant\n"));
   assert.ok(answer.startsWith(shared));
+  c.close();
+});
+
+test("a read asked for while one runs waits for it, then reads the newest conversation once", async () => {
+  const server = new FakeServer();
+  const engine = new ScriptedEngine({ pieces: ["x"], gated: true });
+  const { c, device } = deviceClient(server, engine);
+  await device.prepare({ download: false });
+  await onlineTurn(c, server, "One.", ["1"]);
+  while (!engine._gate) await new Promise((r) => setTimeout(r, 1)); // the first read is running
+  await onlineTurn(c, server, "Two.", ["2"]);
+  await onlineTurn(c, server, "Three.", ["3"]);
+  engine.step();
+  while (engine.requests.length < 2 || engine._gate === null) await new Promise((r) => setTimeout(r, 1));
+  engine.step();
+  await device.warming;
+  assert.equal(engine.requests.length, 2); // the middle conversation was never read on its own
+  assert.match(engine.requests[1].prompt, /Three\.<\|im_end\|>\n<\|im_start\|>assistant\n3<\|im_end\|>/);
+  c.close();
+});
+
+test("interrupt() during a device answer cancels it and keeps the characters heard, locally", async () => {
+  const server = new FakeServer({ refuse: 100 });
+  const engine = new ScriptedEngine({ pieces: ["Hello ", "there, ", "friend"], gated: true });
+  const { c } = deviceClient(server, engine);
+  const turn = await c.send("Greet me");
+  while (!engine._gate) await new Promise((r) => setTimeout(r, 1));
+  engine.step();
+  while (!engine._gate || turn.text.length < 6) await new Promise((r) => setTimeout(r, 1));
+  engine.step();
+  while (turn.text !== "Hello there, ") await turn.once("delta");
+  const cut = await c.interrupt(5);
+  assert.deepEqual(cut, { itemId: turn.itemId, text: "Hello", method: "local" });
+  assert.equal((await turn.result).status, "cancelled");
+  assert.equal(c.conversation.at(-1).text, "Hello");
   c.close();
 });
