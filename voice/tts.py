@@ -139,7 +139,10 @@ class FliteSynthesizer:
         when it fails."""
         if self.t2p is None:
             return None
-        run = subprocess.run([self.t2p, text], capture_output=True, text=True, timeout=self.timeout_s, check=False)
+        # A leading space: t2p takes an argument starting with "-" ("-5 degrees", a clause cut at
+        # " - ") as an option and prints only its usage; with the space it is read as text.
+        run = subprocess.run([self.t2p, " " + text], capture_output=True, text=True, timeout=self.timeout_s,
+                             check=False)
         return run.stdout.split() if run.returncode == 0 else None
 
     def _word_phones(self, text: str) -> list[int] | None:

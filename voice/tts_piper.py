@@ -17,6 +17,7 @@ Python API), so the alignment interpolates by characters.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import queue
 import re
@@ -35,6 +36,7 @@ from voice.tts import MAX_TEXT_CHARS, Speech, read_wav
 
 _UNSPOKEN = re.compile(r"[\x00-\x1f\x7f]")  # control characters; a line break would make two utterances
 VOICE_NAME = "joe"
+log = logging.getLogger(__name__)
 
 
 def find_piper_voice() -> Path:
@@ -49,6 +51,7 @@ class _Child:
     """One piper process and a thread that hands its ``Wrote`` lines (or its end) to a queue."""
 
     def __init__(self, python: str, model: Path, folder: Path) -> None:
+        self.folder = folder.resolve()
         self.process = subprocess.Popen([python, "-m", "piper", "-m", str(model), "-d", str(folder)],
                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                         text=True, encoding="utf-8", bufsize=1)
@@ -70,7 +73,12 @@ class _Child:
         path = self.written.get(timeout=timeout_s)
         if path is None:
             raise RuntimeError(f"piper exited with {self.process.wait()}")
-        return Path(path)
+        # The caller reads and deletes this file: only a .wav piper wrote in its own folder (a
+        # stderr line is not to be trusted with any other path).
+        written = Path(path).resolve()
+        if written.suffix != ".wav" or written.parent != self.folder:
+            raise RuntimeError(f"piper named a file outside its output folder: {path!r}")
+        return written
 
     def kill(self) -> None:
         self.process.kill()
@@ -112,20 +120,32 @@ class PiperSynthesizer:
         if not line:
             return Speech(np.zeros(0, np.int16), 22_050)
         started = time.perf_counter()
-        child = self._idle.get(timeout=self.timeout_s)  # as many callers as children at once
+        try:
+            child: _Child | None = self._idle.get(timeout=self.timeout_s)  # as many callers as children
+        except queue.Empty:
+            raise RuntimeError(f"no piper process free within {self.timeout_s:g} s") from None
         try:
             path = child.speak(line, self.timeout_s)
         except (queue.Empty, RuntimeError, OSError) as e:
-            child.kill()  # stuck or dead: a fresh one takes its place
-            child = _Child(self._python, self.model, self._folder)
+            child.kill()  # stuck, dead or lying: a fresh one takes its place
+            child = self._replacement()
             raise RuntimeError(f"piper did not speak: {e or 'timed out'}") from e
         finally:
-            self._idle.put(child)
+            if child is not None:  # never a killed one: the next caller would wait on it
+                self._idle.put(child)
         try:
             samples, rate = read_wav(path)
         finally:
             path.unlink(missing_ok=True)
         return Speech(samples, rate, (), time.perf_counter() - started)
+
+    def _replacement(self) -> _Child | None:
+        """A fresh child, or None when one cannot start (the pool shrinks; callers are told so)."""
+        try:
+            return _Child(self._python, self.model, self._folder)
+        except OSError as e:
+            log.error("a piper process could not be started again: %s", e)
+            return None
 
     def close(self) -> None:
         while True:

@@ -20,12 +20,11 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client_sdk"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gateway_process import REPO_ROOT, GatewayProcess, write_config
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
-WAIT_MS = 180_000
+from bench._browser import ARGS, CHROMIUM, WAIT_MS, ask, last_answer, wait_done, wait_text
+
 IMG = REPO_ROOT / "docs" / "img"
 STORY = "Tell me a long story about a dragon who learns to bake bread, with many details."
 
@@ -46,30 +45,6 @@ WATCH = """() => {
     if (b) window.__lengths.push([b.querySelector('.text').textContent.length, b.dataset.status]);
   }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
 }"""
-
-
-def last_answer(page: Any) -> Any:
-    return page.locator(".msg.assistant").last
-
-
-def ask(page: Any, text: str, max_tokens: int) -> Any:
-    page.evaluate("""(n) => { const input = document.getElementById('max-tokens');
-                             input.value = n; input.dispatchEvent(new Event('change')); }""", max_tokens)
-    page.fill("#prompt", text)
-    page.click("#send")
-    return last_answer(page)
-
-
-def wait_done(page: Any, answer: Any) -> str:
-    answer.locator("xpath=self::*[@data-status!='waiting' and @data-status!='streaming']").wait_for(timeout=WAIT_MS)
-    page.wait_for_function("() => !document.getElementById('send').disabled", timeout=WAIT_MS)
-    return str(answer.get_attribute("data-status"))
-
-
-def wait_text(page: Any, chars: int) -> None:
-    page.wait_for_function(
-        """(n) => { const b = [...document.querySelectorAll('.msg.assistant')].at(-1);
-                    return b && b.querySelector('.text').textContent.length >= n; }""", arg=chars, timeout=WAIT_MS)
 
 
 def open_settings(page: Any) -> None:

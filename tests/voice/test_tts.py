@@ -114,6 +114,15 @@ def test_every_word_of_a_plain_sentence_gets_its_end_from_flite(synthesizer: Fli
             assert alignment.spoken_text(ms - 1) == text[:word_ends[n - 1]]
 
 
+def test_a_phrase_starting_with_a_dash_keeps_its_word_timing(synthesizer: FliteSynthesizer) -> None:
+    # a clause cut at " - ", a negative number: t2p must read it as text, not as an option
+    assert synthesizer.phones("-5 degrees")[:6] == ["pau", "m", "ay1", "n", "ax", "s"]
+    text = "-5 degrees outside today."
+    made = synthesizer.synthesize(text, "alloy")
+    marked = dict(made.marks)
+    assert all(m.end() in marked for m in re.finditer(r"\S+", text)), made.marks
+
+
 def test_word_marks_need_phone_counts_that_add_up() -> None:
     phones = [("pau", 0.1), ("hh", 0.2), ("ay", 0.3), ("pau", 0.4), ("y", 0.5), ("uw", 0.6), ("pau", 0.7)]
     assert word_marks("Hi, you.", phones, [2, 2], 100, 100) == ((3, 30), (8, 60))

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import queue
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,3 +80,59 @@ def test_a_dead_child_is_replaced(piper: PiperSynthesizer) -> None:
     with pytest.raises(RuntimeError, match="piper"):
         piper.synthesize("This one fails.")
     assert piper.synthesize("This one works.").seconds > 0.5
+
+
+# --- a hostile or broken piper (issue 39, item 8): a fake program in its place -----------------
+
+FAKE_PIPER = '''import sys
+wrote, fail_after = sys.argv[1], int(sys.argv[2])
+for n, line in enumerate(sys.stdin):
+    if n >= fail_after:
+        sys.exit(3)
+    print("Wrote " + wrote, file=sys.stderr, flush=True)
+'''
+
+
+def fake_python(tmp_path: Path, wrote: Path, *, fail_after: int = 1_000) -> str:
+    """An executable that stands for ``python -m piper ...``: it answers each line with ``Wrote
+    <wrote>`` (the path is ours to choose), and exits after ``fail_after`` lines."""
+    script = tmp_path / "fake_piper.py"
+    script.write_text(FAKE_PIPER)
+    launcher = tmp_path / "python"
+    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {script} {wrote} {fail_after}\n")
+    launcher.chmod(0o755)
+    return str(launcher)
+
+
+def test_a_wrote_line_outside_pipers_folder_is_refused_and_nothing_there_is_touched(tmp_path: Path) -> None:
+    from voice.tts_piper import _Child
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    victim = tmp_path / "precious.wav"
+    victim.write_bytes(b"RIFF not ours")
+    child = _Child(fake_python(tmp_path, victim), tmp_path / "voice.onnx", folder)
+    try:
+        with pytest.raises(RuntimeError, match="outside its output folder"):
+            child.speak("Hello.", timeout_s=30)
+    finally:
+        child.kill()
+    assert victim.read_bytes() == b"RIFF not ours"
+
+
+def test_a_child_that_cannot_be_replaced_is_not_put_back(tmp_path: Path) -> None:
+    from voice.tts_piper import PiperSynthesizer, _Child
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    dead = _Child(fake_python(tmp_path, folder / "x.wav", fail_after=0), tmp_path / "voice.onnx", folder)
+    synth = PiperSynthesizer.__new__(PiperSynthesizer)  # its pool alone: piper itself is not installed here
+    synth.timeout_s, synth.model, synth._folder = 5.0, tmp_path / "voice.onnx", folder
+    synth._python = str(tmp_path / "no-such-python")  # the replacement cannot start
+    synth._idle = queue.Queue()
+    synth._idle.put(dead)
+    with pytest.raises(RuntimeError, match="piper did not speak"):
+        synth.synthesize("Hello there.")
+    assert synth._idle.empty(), "a killed child went back into the pool"
+    with pytest.raises(RuntimeError, match="no piper process"):
+        synth.synthesize("Hello again.")
