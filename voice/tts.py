@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from voice.audio import Int16Array
+from voice.children import child_env
 from voice.errors import VoiceModelError
 
 Mark = tuple[int, int]  # (character offset in the phrase's text, sample offset in its audio)
@@ -93,7 +94,8 @@ class FliteSynthesizer:
         self._tmpdir = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
     def _list_voices(self) -> tuple[str, ...]:
-        out = subprocess.run([self.binary, "-lv"], capture_output=True, text=True, timeout=self.timeout_s, check=False)
+        out = subprocess.run([self.binary, "-lv"], capture_output=True, text=True, timeout=self.timeout_s, check=False,
+                             env=child_env())
         # "Voices available: kal awb_time kal16 awb rms slt "
         _, _, names = out.stdout.partition(":")
         return tuple(names.split())
@@ -121,7 +123,8 @@ class FliteSynthesizer:
         try:
             # -t: the text is an argument, never a file name or an option, whatever it starts with.
             run = subprocess.run([self.binary, "-voice", self.resolve_voice(voice), "-psdur", "-o", wav_path,
-                                  "-t", spoken], capture_output=True, text=True, timeout=self.timeout_s, check=False)
+                                  "-t", spoken], capture_output=True, text=True, timeout=self.timeout_s, check=False,
+                                 env=child_env())
             if run.returncode != 0:
                 raise RuntimeError(f"flite exited with {run.returncode}: {run.stderr.strip()[:200]}")
             samples, rate = read_wav(Path(wav_path))
@@ -142,7 +145,7 @@ class FliteSynthesizer:
         # A leading space: t2p takes an argument starting with "-" ("-5 degrees", a clause cut at
         # " - ") as an option and prints only its usage; with the space it is read as text.
         run = subprocess.run([self.t2p, " " + text], capture_output=True, text=True, timeout=self.timeout_s,
-                             check=False)
+                             check=False, env=child_env())
         return run.stdout.split() if run.returncode == 0 else None
 
     def _word_phones(self, text: str) -> list[int] | None:
@@ -159,10 +162,14 @@ class FliteSynthesizer:
 
 
 def read_wav(path: Path) -> tuple[Int16Array, int]:
-    with wave.open(str(path), "rb") as w:
-        if w.getsampwidth() != 2 or w.getnchannels() != 1:
-            raise RuntimeError(f"expected 16-bit mono WAV, got {w.getsampwidth() * 8}-bit x {w.getnchannels()}")
-        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.int16), w.getframerate()
+    """A synthesizer's WAV; RuntimeError for a file that is empty or not a 16-bit mono WAV."""
+    try:
+        with wave.open(str(path), "rb") as w:
+            if w.getsampwidth() != 2 or w.getnchannels() != 1:
+                raise RuntimeError(f"expected 16-bit mono WAV, got {w.getsampwidth() * 8}-bit x {w.getnchannels()}")
+            return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.int16), w.getframerate()
+    except (wave.Error, EOFError) as e:
+        raise RuntimeError(f"the synthesizer wrote no usable WAV: {e or 'empty file'}") from e
 
 
 def parse_phone_ends(text: str) -> list[tuple[str, float]]:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from voice.children import child_env
 from voice.errors import VoiceModelError
 from voice.tts import MAX_TEXT_CHARS, Speech, read_wav
 
@@ -54,7 +55,7 @@ class _Child:
         self.folder = folder.resolve()
         self.process = subprocess.Popen([python, "-m", "piper", "-m", str(model), "-d", str(folder)],
                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True, encoding="utf-8", bufsize=1)
+                                        text=True, encoding="utf-8", bufsize=1, env=child_env())
         self.written: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, name="piper-stderr", daemon=True).start()
 

@@ -129,3 +129,23 @@ def test_word_marks_need_phone_counts_that_add_up() -> None:
     assert word_marks("Hi, you.", phones, [2, 1], 100, 100) == ()  # flite spoke another phone
     assert word_marks("Hi, you.", phones, None, 100, 100) == ()  # t2p could not count them
     assert merge_marks(((0, 10), (8, 60)), ((3, 30), (8, 60))) == ((0, 10), (3, 30), (8, 60))
+
+
+def test_flite_and_t2p_never_see_the_servers_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine core's secret and the API keys sit in the gateway's environment; the programs
+    that speak get none of it (issue 39, item 9)."""
+    monkeypatch.setenv("ENGINE_CORE_SECRET", "s3cret-core-secret-value")
+    monkeypatch.setenv("GATEWAY_API_KEYS", "sk-live-key")
+    dump = tmp_path / "env.txt"
+    for name in ("flite", "t2p"):  # each writes its environment down, then lists voices or fails
+        program = tmp_path / name
+        program.write_text(f"#!/bin/sh\nenv >> {dump}\necho 'Voices available: slt rms'\nexit 0\n")
+        program.chmod(0o755)
+    synthesizer = FliteSynthesizer(str(tmp_path / "flite"))
+    assert synthesizer.t2p == str(tmp_path / "t2p")
+    synthesizer.phones("hello")
+    with pytest.raises(RuntimeError, match="no usable WAV"):
+        synthesizer.synthesize("Hello.")  # the fake writes no WAV
+    seen = dump.read_text()
+    assert "PATH=" in seen and seen.count("PATH=") >= 3  # all three runs were recorded
+    assert "s3cret" not in seen and "sk-live-key" not in seen
