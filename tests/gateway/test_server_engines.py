@@ -17,7 +17,8 @@ from llm_shared.errors import ConfigError, EngineUnavailableError, ModelFileErro
 
 async def test_a_gpu_tier_with_a_missing_checkpoint_fails_at_start_up() -> None:
     config = make_config()
-    big = replace(config.models["smollm2-135m"], id="big", source="/nonexistent/ckpt", format="safetensors")
+    big = replace(config.models["smollm2-135m"], id="big", source="/nonexistent/ckpt", format="safetensors",
+                  downloadable=False)
     config = replace(config, models={**config.models, "big": big}, engine=replace(config.engine, model="big"),
                      routing=RoutingConfig(default="gpu"))
     assert needed_tiers(config) == ("gpu",)
