@@ -35,6 +35,15 @@ class AbortGeneration:
 
 
 @dataclass(frozen=True)
+class AdmitResponse:
+    """Command: the session wants to start a response of its own (server VAD heard the end of a
+    turn). The adapter charges it to the key as it charges a client's ``response.create``, then
+    reports with ``RealtimeSession.response_admitted(ok)``: every generation passes one admission."""
+
+    item_id: str  # the user's speech that it answers, for logs
+
+
+@dataclass(frozen=True)
 class Transcribe:
     """Command: transcribe a user item's speech (PCM16, 24 kHz) and report it with
     ``RealtimeSession.transcribed`` (or ``transcription_failed``)."""
@@ -64,4 +73,4 @@ class CancelSpeech:
     response_id: str
 
 
-Command = StartGeneration | AbortGeneration | Transcribe | Synthesize | CancelSpeech
+Command = StartGeneration | AbortGeneration | AdmitResponse | Transcribe | Synthesize | CancelSpeech

@@ -30,9 +30,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.shaping import Grammars
 from gateway.turns import Turn
 from gateway.ws.codec import DecodeError, FrameCodec
+from gateway.ws.commands import AbortGeneration, AdmitResponse, StartGeneration
 from gateway.ws.outbox import Outbox
 from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent, TextDelta
-from gateway.ws.session import AbortGeneration, RealtimeSession, StartGeneration
+from gateway.ws.session import RealtimeSession
 from gateway.ws.voice_link import VoiceLink, VoiceService
 from llm_shared.contract import Engine, FinishEvent, Priority, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError, InvalidRequestError
@@ -346,6 +347,8 @@ class RealtimeConnection:
                 self._start(command)
             elif isinstance(command, AbortGeneration):
                 await self._abort(command.response_id)
+            elif isinstance(command, AdmitResponse):  # server VAD's turn: charged like a client's
+                self.session.response_admitted(await self._admit())
             elif self._voice is not None:
                 self._voice.run(command)
         events += self.session.events_to_send()  # what starting produced (an early refusal), in one write

@@ -119,6 +119,7 @@ class RealtimeSession(SessionItems, SessionVoice):
         self._eager: tuple[str, int] | None = None
         self._early: dict[str, tuple[int, str, float]] = {}
         self._held: Callable[[], None] | None = None  # starts the active response once transcripts are in
+        self._admitting = False  # a response server VAD asked for waits for the key's admission
 
     # ----- public API -------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from gateway.ws.audio_events import AudioAppend, AudioClear, AudioCommit, AudioEvent
 from gateway.ws.audio_input import SegmenterFactory, SpeechPaused, SpeechStarted
-from gateway.ws.commands import AbortGeneration, CancelSpeech, Synthesize, Transcribe
+from gateway.ws.commands import AbortGeneration, AdmitResponse, CancelSpeech, Synthesize, Transcribe
 from gateway.ws.conversation import Item
 from gateway.ws.events import ItemTruncate, ResponseCreate
 from gateway.ws.fields import ProtocolError
@@ -72,17 +72,22 @@ class SessionVoice:
     def transcription_failed(self: RealtimeSession, item_id: str, message: str, tag: int = 0) -> None:
         """The item's speech could not be transcribed: it stays in the conversation without a
         transcript (the model does not hear it). A job started at a pause that fails is forgotten:
-        the end of the turn starts a new one."""
-        entry = self._transcribing.get(item_id)
-        if entry is None or entry[1] != tag:
-            if self._eager == (item_id, tag):
-                self._eager = None
-            return
-        item = self._transcribing.pop(item_id)[0]
-        item.transcribing = False
-        self._emit("conversation.item.input_audio_transcription.failed", item_id=item_id, content_index=0,
-                   error={"type": "server_error", "code": "transcription_failed", "message": message, "param": None})
-        self._release_held()
+        the end of the turn starts a new one. Never raises."""
+        try:
+            entry = self._transcribing.get(item_id)
+            if entry is None or entry[1] != tag:
+                if self._eager == (item_id, tag):
+                    self._eager = None
+                return
+            item = self._transcribing.pop(item_id)[0]
+            item.transcribing = False
+            self._emit("conversation.item.input_audio_transcription.failed", item_id=item_id, content_index=0,
+                       error={"type": "server_error", "code": "transcription_failed", "message": message,
+                              "param": None})
+            self._release_held()
+        except Exception:
+            logger.exception("internal error handling the failed transcription of %s", item_id)
+            self._internal_error(None)
 
     def speech_ready(self: RealtimeSession, response_id: str, index: int, audio: bytes,
                      marks: Sequence[Mark] = ()) -> None:
@@ -149,8 +154,12 @@ class SessionVoice:
             self._speech_item = None
             self._emit("input_audio_buffer.speech_stopped", audio_end_ms=speech.audio_end_ms, item_id=item_id)
             audio = self._input.take(start, speech.audio_end_ms)
-            self._commit_speech(item_id, audio, respond=vad is not None and vad.create_response,
-                                cut=speech.speech_end_ms)
+            try:
+                self._commit_speech(item_id, audio, respond=vad is not None and vad.create_response,
+                                    cut=speech.speech_end_ms)
+            except ProtocolError as e:  # no room for the item: said, and the chunk's later speech still counts
+                self._eager, self._early = None, {}
+                self._error(e)
 
     def _commit_speech(self: RealtimeSession, item_id: str, audio: bytes, *, respond: bool,
                        cut: int | None = None) -> None:
@@ -173,8 +182,23 @@ class SessionVoice:
         else:
             self._transcribing[item_id] = (item, 0)
             self._commands.append(Transcribe(item_id=item_id, audio=audio))
-        if respond and self._active is None:
+        if respond and self._active is None and not self._admitting:
+            self._admitting = True  # the response starts once the key is charged for it
+            self._commands.append(AdmitResponse(item_id))
+
+    def response_admitted(self: RealtimeSession, ok: bool) -> None:
+        """The adapter's answer to ``AdmitResponse``: charged (the response starts now, unless one
+        started meanwhile) or refused (the adapter has told the client why). Never raises."""
+        self._admitting = False
+        if not ok or self._active is not None:
+            return
+        try:
             self._response_create(ResponseCreate(event_id=None))
+        except ProtocolError as e:
+            self._error(e)
+        except Exception:
+            logger.exception("internal error starting a response of %s", self._session_id)
+            self._internal_error(None)
 
     def _truncate_audio(self: RealtimeSession, item: Item, event: ItemTruncate) -> None:
         """Voice barge-in: keep the text said by ``audio_end_ms`` of the item's speech."""

@@ -167,6 +167,27 @@ async def test_push_to_talk_and_hostile_audio(voice: GatewayVoice, question_pcm:
             assert done["response"]["output"][0]["content"][0]["text"] == "".join(ANSWER)
 
 
+async def test_turns_that_server_vad_ends_are_charged_to_the_key(voice: GatewayVoice, question_pcm: bytes) -> None:
+    """Server VAD's turns pass the key's request limit like a client's response.create (issue 39,
+    item 1): with one request a minute, the second spoken turn is refused with the limit's error
+    and starts no response; the session goes on."""
+    engine = FakeEngine(reply=answer)
+    async for served in serve(voice, engine, requests_per_minute=1):
+        async with websockets.connect(f"{served.url.replace('http', 'ws')}/v1/realtime") as ws:
+            await next_event(ws, {"session.created"})
+            for chunk in chunks(question_pcm):
+                await send(ws, {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})
+            assert (await next_event(ws, {"response.done"}))["response"]["status"] == "completed"
+            for chunk in chunks(question_pcm):
+                await send(ws, {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})
+            with pytest.raises(AssertionError, match="rate_limit_exceeded"):
+                await next_event(ws, {"response.created"})
+            await send(ws, {"type": "conversation.item.retrieve", "item_id": "missing"})
+            with pytest.raises(AssertionError, match=r"item_not_found|invalid_value"):
+                await next_event(ws, {"never"})  # the session still answers
+    assert len(engine.started) == 1
+
+
 def test_a_missing_synthesizer_turns_voice_off_and_leaves_text_served(caplog: pytest.LogCaptureFixture) -> None:
     from dataclasses import replace
 

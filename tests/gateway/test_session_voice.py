@@ -15,7 +15,7 @@ from session_helpers import drain
 
 from gateway.ws.audio_events import PCM_BYTES_PER_MS, ServerVad
 from gateway.ws.audio_input import SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
-from gateway.ws.commands import AbortGeneration, CancelSpeech, StartGeneration, Synthesize, Transcribe
+from gateway.ws.commands import AbortGeneration, AdmitResponse, CancelSpeech, StartGeneration, Synthesize, Transcribe
 from gateway.ws.session import RealtimeSession, SessionLimits
 from gateway.ws.session_voice import VoiceHooks
 from llm_shared.contract import FinishEvent, TokenEvent
@@ -133,14 +133,17 @@ def test_server_vad_commits_the_speech_and_answers_once_it_is_transcribed() -> N
     session = make()
     events, commands = speak_turn(session)
     assert types(events) == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-                             "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done",
-                             "response.created"]
+                             "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
     started, stopped = events[0], events[1]
     assert started["audio_start_ms"] == 0  # speech from 200 ms, with 300 ms of padding before it
     assert stopped["audio_end_ms"] == 1300 and stopped["item_id"] == started["item_id"]
     item = events[3]["item"]
     assert item["content"] == [{"type": "input_audio", "transcript": None}]
-    (transcribe,) = commands
+    transcribe, admit = commands
+    # the response waits for the key's admission, as a client's response.create does
+    assert admit == AdmitResponse(item["id"])
+    session.response_admitted(True)
+    assert types(drain(session)) == ["response.created"]
     assert isinstance(transcribe, Transcribe) and transcribe.item_id == item["id"]
     assert len(transcribe.audio) == 1300 * PCM_BYTES_PER_MS  # from the padded start to the end of speech
 
@@ -192,7 +195,8 @@ def test_an_audio_response_speaks_its_phrases_in_order() -> None:
 def test_speech_during_an_answer_cancels_it_and_truncate_keeps_what_was_heard() -> None:
     session = audio_session()
     _, commands = speak_turn(session)
-    (transcribe,) = commands
+    transcribe, _ = commands
+    session.response_admitted(True)
     session.transcribed(transcribe.item_id, "Tell me a story.", 1.3)
     drain(session)
     (start,) = session.commands()
@@ -325,8 +329,12 @@ def test_transcription_starts_at_a_pause_and_its_transcript_serves_the_turn() ->
     events = append(session, tone(300, QUIET))
     assert types(events) == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
                              "conversation.item.added", "conversation.item.done",
-                             "conversation.item.input_audio_transcription.completed", "response.created"]
-    (start,) = session.commands()  # no second transcription: the response starts at once
+                             "conversation.item.input_audio_transcription.completed"]
+    (admit,) = session.commands()  # no second transcription
+    assert isinstance(admit, AdmitResponse)
+    session.response_admitted(True)
+    assert types(drain(session)) == ["response.created"]
+    (start,) = session.commands()  # the transcript is in: the response starts at once
     assert isinstance(start, StartGeneration) and start.messages[-1]["content"] == "Lights on."
 
 
@@ -340,9 +348,54 @@ def test_speech_that_resumes_after_a_pause_is_transcribed_again() -> None:
     assert second.item_id == first.item_id and second.tag > first.tag
     session.transcribed(first.item_id, "Turn on", 0.4, first.tag)  # late, for the shorter cut: dropped
     events = append(session, tone(400, QUIET))
-    assert types(events)[-1] == "response.created" and session.commands() == []  # waits for the second
+    assert types(events)[-1] == "conversation.item.done"
+    assert [type(c) for c in session.commands()] == [AdmitResponse]
+    session.response_admitted(True)
+    assert types(drain(session)) == ["response.created"] and session.commands() == []  # waits for the second
     session.transcribed(second.item_id, "Turn on the lights.", 1.0, second.tag)
     (completed,) = drain(session)
     assert completed["transcript"] == "Turn on the lights."
     (start,) = session.commands()
     assert isinstance(start, StartGeneration) and start.messages[-1]["content"] == "Turn on the lights."
+
+
+def test_a_turn_server_vad_ends_is_answered_only_once_the_key_is_charged() -> None:
+    """Every generation passes the key's admission (issue 39, item 1): server VAD asks for one
+    with ``AdmitResponse``; refused, the turn's item stays and no response starts; one request
+    at a time, however many turns end while it waits."""
+    session = make()
+    events, commands = speak_turn(session)
+    assert "response.created" not in types(events)
+    assert isinstance(commands[-1], AdmitResponse)
+    events, more = speak_turn(session)  # a second turn ends while the first waits for admission
+    assert "response.created" not in types(events) and not any(isinstance(c, AdmitResponse) for c in more)
+    session.response_admitted(False)  # refused: the adapter told the client why
+    assert drain(session) == [] and session.active_response_id is None and session.commands() == []
+    events, commands = speak_turn(session)
+    assert [c for c in commands if isinstance(c, AdmitResponse)]
+    session.response_admitted(True)
+    assert types(drain(session)) == ["response.created"]
+
+
+def test_speech_that_finds_the_conversation_full_is_refused_and_the_next_speech_still_counts() -> None:
+    """A commit refused for room (an error event) leaves the rest of that audio chunk's speech
+    events intact (issue 39, item 9)."""
+    session = make(limits=SessionLimits(max_conversation_items=1))
+    session.receive({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+    drain(session)
+    events = append(session, tone(200, QUIET) + tone(600, LOUD) + tone(600, QUIET) + tone(300, LOUD))
+    kinds = types(events)
+    assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "error",
+                     "input_audio_buffer.speech_started"], kinds
+    assert events[2]["error"]["code"] == "conversation_limit_exceeded"
+    assert session.commands() == []  # nothing transcribed, nothing answered
+
+
+def test_a_failed_transcription_report_never_raises_at_the_adapter() -> None:
+    session = make()
+    _, commands = speak_turn(session)
+    transcribe, _ = commands
+    session._transcribing[transcribe.item_id] = ("not an item", 0)  # type: ignore[assignment]  # a bug
+    session.transcription_failed(transcribe.item_id, "boom")  # must not raise
+    assert types(drain(session)) == ["error"]

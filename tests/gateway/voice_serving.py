@@ -79,9 +79,10 @@ class Served:
         self.engine = engine
 
 
-async def serve(voice: GatewayVoice, engine: FakeEngine) -> AsyncIterator[Served]:
-    """A gateway on a free loopback port (``async for served in serve(...)``), stopped after."""
-    running = await start_server(create_app(make_config(), {"edge": engine}, voice=voice))
+async def serve(voice: GatewayVoice, engine: FakeEngine, **server: object) -> AsyncIterator[Served]:
+    """A gateway on a free loopback port (``async for served in serve(...)``), stopped after;
+    ``server``: ``[server]`` settings to change."""
+    running = await start_server(create_app(make_config(**server), {"edge": engine}, voice=voice))
     try:
         yield Served(running.url, engine)
     finally:
