@@ -7,7 +7,11 @@ The API adapters parse the request's fields into ``OutputConstraints`` and its h
 
 - ``Grammars``: the gateway's compilers, one per tokenizer (llguidance's tokenizer view built off
   the event loop, once), so a schema that cannot be enforced is refused with the field named
-  before any generation, and the grammar text travels to the tier in ``SamplingParams.grammar``;
+  before any generation, and the grammar text travels to the tier in ``SamplingParams.grammar``.
+  Compiles run on threads of their own (``COMPILE_THREADS``), never on the event loop: a client
+  sending a new, hard schema per request (128 tools, a failed compile that names each one) costs
+  those threads, not every session's streams, Redis calls and timers; a compile (with its wait for
+  a thread) past ``compile_timeout_s`` is refused (``grammar_too_complex``);
 - ``CallStream``: one response's output split into answer text and tool calls (with the ids the
   APIs give them), for adapters to turn into SSE chunks or session events.
 """
@@ -15,10 +19,12 @@ The API adapters parse the request's fields into ``OutputConstraints`` and its h
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from llm_shared.errors import InvalidRequestError
 from llm_shared.structured import (
     ArgumentsDelta,
     CallDone,
@@ -36,6 +42,9 @@ from llm_shared.structured import (
 )
 from llm_shared.tokenizer import Tokenizer
 
+COMPILE_THREADS = 2  # grammar compiles at once per process; more wait for one (within the time cap)
+COMPILE_TIMEOUT_S = 5.0  # a turn's compile, its wait for a thread included (llguidance's fuel bounds the rest)
+
 
 def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
@@ -45,10 +54,12 @@ class Grammars:
     """The gateway's grammar compilers, one per tokenizer object (every tier of one served model
     shares a tokenizer family; each engine process compiles the text again with its own)."""
 
-    def __init__(self, family: str) -> None:
+    def __init__(self, family: str, *, compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
         self.family = get_family(family) if family else None
+        self.compile_timeout_s = compile_timeout_s
         self._compilers: dict[int, tuple[Tokenizer, GrammarCompiler]] = {}
         self._building: dict[int, asyncio.Future[GrammarCompiler]] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
 
     async def compiler(self, tokenizer: Tokenizer) -> GrammarCompiler:
         """The compiler for ``tokenizer``; the first call builds it in a thread (~0.1 s)."""
@@ -75,7 +86,16 @@ class Grammars:
         if source is None:  # nothing constrains the output: no compiler needed
             return None
         compiler = await self.compiler(tokenizer)
-        return compiler.compile_source(source)
+        work = asyncio.get_running_loop().run_in_executor(self._pool, compiler.compile_source, source)
+        try:
+            return await asyncio.wait_for(work, self.compile_timeout_s)
+        except TimeoutError:
+            # The thread finishes its compile (it cannot be stopped) and its result is cached;
+            # this turn is refused now, so its key learns at once.
+            raise InvalidRequestError(
+                f"the output grammar did not compile within {self.compile_timeout_s:g} s (the server's compile "
+                "threads are busy, or the schemas are too large); simplify them or retry",
+                code="grammar_too_complex", param="tools" if source.calls else "response_format") from None
 
 
 @dataclass

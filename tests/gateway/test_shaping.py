@@ -1,0 +1,87 @@
+"""The gateway's grammar compiles leave the event loop (issue 39, item 3): they run on the
+compile threads, a compile past its time cap is refused with a clear error, and the loop keeps
+serving meanwhile. The real tokenizer of the embedded model; the compile itself is the library's."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from gateway.shaping import COMPILE_THREADS, Grammars
+from llm_shared.errors import InvalidRequestError
+from llm_shared.modelfile import default_gguf_path
+from llm_shared.structured import GrammarCompiler, parse_chat_constraints
+from llm_shared.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(default_gguf_path())
+
+
+def weather(name: str = "get_weather") -> dict[str, object]:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def constraints(*tools: dict[str, object]) -> object:
+    return parse_chat_constraints({"tools": list(tools), "tool_choice": "required"})
+
+
+async def test_a_compile_runs_on_a_compile_thread_never_on_the_event_loop(tokenizer: Tokenizer,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[str] = []
+    compile_source = GrammarCompiler.compile_source
+
+    def recorded(self: GrammarCompiler, source: object) -> object:
+        threads.append(threading.current_thread().name)
+        return compile_source(self, source)
+
+    monkeypatch.setattr(GrammarCompiler, "compile_source", recorded)
+    grammars = Grammars("smollm2")
+    compiled = await grammars.compile(tokenizer, constraints(weather()))
+    assert compiled is not None and compiled.calls
+    assert threads and threads[0].startswith("grammar-compile"), threads
+    assert threading.current_thread().name not in threads
+
+
+async def test_a_compile_past_its_cap_is_refused_and_the_loop_goes_on(tokenizer: Tokenizer,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    compile_source = GrammarCompiler.compile_source
+
+    def stuck(self: GrammarCompiler, source: object) -> object:
+        release.wait(60)  # a compile that takes as long as the test says
+        return compile_source(self, source)
+
+    monkeypatch.setattr(GrammarCompiler, "compile_source", stuck)
+    grammars = Grammars("smollm2", compile_timeout_s=0.5)
+    await grammars.compiler(tokenizer)  # built once, beforehand
+    ticks = 0
+
+    async def ticking() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(ticking())
+    try:
+        # every compile thread stuck, and one more request waiting for a thread
+        attempts = [grammars.compile(tokenizer, constraints(weather(f"tool_{i}"))) for i in range(COMPILE_THREADS + 1)]
+        results = await asyncio.gather(*attempts, return_exceptions=True)
+    finally:
+        release.set()
+        ticker.cancel()
+    for result in results:
+        assert isinstance(result, InvalidRequestError) and result.code == "grammar_too_complex", result
+        assert result.param == "tools" and "did not compile within 0.5 s" in result.message
+    assert ticks >= 5, "the event loop was blocked while the compiles ran"
+    # the threads come back: the next compile is served
+    monkeypatch.setattr(GrammarCompiler, "compile_source", compile_source)
+    grammars.compile_timeout_s = 60
+    assert await grammars.compile(tokenizer, constraints(weather("later"))) is not None
