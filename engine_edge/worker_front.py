@@ -14,6 +14,7 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -89,6 +90,9 @@ class WorkerFront(EdgeBackend):
         self.config = config
         self._tokenizer = tokenizer
         self._grammars: GrammarCompiler | None = None  # built with the first request that has a grammar
+        # Grammars compile on a thread of their own: never on the event loop (every stream of the
+        # process waits on it) nor in the worker's decode loop (every sequence of the batch would).
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-grammar")
         self.n_vocab = n_vocab
         self.n_ctx_seq = n_ctx_seq
         self._n_seq_max = config.n_seq_max
@@ -129,8 +133,40 @@ class WorkerFront(EdgeBackend):
         except EngineError as e:
             return EventChannel.refused(e)
         self._open.add(request_id)
-        self._commands.put(command)
+        if params.grammar:
+            self._compile(command)  # to the worker once its matcher exists
+        else:
+            self._commands.put(command)
         return command.sink.channel
+
+    def _compile(self, command: GenerateCmd) -> None:
+        loop = asyncio.get_running_loop()
+        params = command.params
+        future = self._compile_pool.submit(self._matcher, params.grammar, params.max_tokens)
+
+        def compiled(done: concurrent.futures.Future[SequenceMatcher]) -> None:
+            try:
+                loop.call_soon_threadsafe(self._compiled, command, done)
+            except RuntimeError:  # the consumer's loop is closed: nobody waits for it
+                pass
+
+        future.add_done_callback(compiled)
+
+    def _compiled(self, command: GenerateCmd, done: concurrent.futures.Future[SequenceMatcher]) -> None:
+        """On the loop: the compiled request goes to the worker, or its stream ends with the
+        compiler's SchemaError (naming ``grammar``). A request whose consumer left meanwhile is dropped."""
+        channel = command.sink.channel
+        if channel.closed or command.request_id not in self._open:
+            return
+        if self._closed:
+            channel.fail(EngineUnavailableError("the edge engine is closed"))
+            return
+        error = None if done.cancelled() else done.exception()
+        if done.cancelled() or error is not None:
+            channel.fail(error if isinstance(error, EngineError) else EngineUnavailableError(
+                f"the output grammar could not be compiled: {error or 'the edge engine closed'}"))
+            return
+        self._commands.put(replace(command, matcher=done.result()))
 
     def _left(self, request_id: str, finished: bool) -> None:
         self._open.discard(request_id)
@@ -160,14 +196,13 @@ class WorkerFront(EdgeBackend):
             raise OverloadedError(
                 f"the edge engine is busy ({len(self._open)} requests running or queued); retry shortly"
             )
-        matcher = self._matcher(params.grammar, params.max_tokens) if params.grammar else None
         channel = EventChannel(on_close=lambda finished: self._left(request_id, finished))
         return GenerateCmd(request_id, prompt, params, Priority(priority),
-                           EventSink(asyncio.get_running_loop(), channel), session_id, salt, matcher)
+                           EventSink(asyncio.get_running_loop(), channel), session_id, salt)
 
     def _matcher(self, grammar: str, max_tokens: int) -> SequenceMatcher:
         """A fresh matcher of ``grammar`` that ends its answer within ``max_tokens`` (compiled once
-        per text; SchemaError names ``grammar``).
+        per text; SchemaError names ``grammar``), on the compile thread.
         The compiler is built with the first grammar (~0.1 s, once)."""
         if self._grammars is None:
             self._grammars = GrammarCompiler(self._tokenizer, family=None)
@@ -208,6 +243,7 @@ class WorkerFront(EdgeBackend):
         if self._closed:
             return
         self._closed = True
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)  # each one's stream ends (closed)
         self._commands.put(CloseCmd())
         await asyncio.to_thread(self._thread.join)
         self._drain_after_close()

@@ -126,3 +126,30 @@ def test_answers_for_generated_schemas_fit_them(backend: LlamaCppBackend, schema
         text = backend.tokenizer.decode(ids)
         assert finish.reason == "stop" and len(ids) < 96, (finish, text)  # the budget closes a long one
         jsonschema.validate(json.loads(text), schema, cls=jsonschema.Draft202012Validator)
+
+
+async def test_grammars_compile_on_the_edge_compile_thread(backend: LlamaCppBackend,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never on the event loop nor in the worker's decode loop (issue 39, item 3): the request
+    reaches the worker once its matcher exists; a schema the compiler refuses ends the stream."""
+    import threading
+
+    from llm_shared.structured import GrammarCompiler
+
+    threads: list[str] = []
+    text_matcher = GrammarCompiler.text_matcher
+
+    def recorded(self: GrammarCompiler, grammar: str, max_tokens: int) -> Any:
+        threads.append(threading.current_thread().name)
+        return text_matcher(self, grammar, max_tokens)
+
+    monkeypatch.setattr(GrammarCompiler, "text_matcher", recorded)
+    grammar = grammar_of({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}})
+    text, finish = await run(backend, "edge-compile-thread", "Give me a number.",
+                             SamplingParams(max_tokens=24, temperature=0.0, grammar=grammar))
+    assert threads and all(name.startswith("edge-grammar") for name in threads), threads
+    assert finish.reason in ("stop", "length")
+    with pytest.raises(InvalidRequestError) as refused:
+        await run(backend, "edge-bad-grammar", "x", SamplingParams(max_tokens=4, grammar="start: %json {\"type\": 7}"))
+    assert refused.value.param == "grammar"
