@@ -4,7 +4,10 @@ One thread, one selector. While requests are unfinished the loop polls the socke
 waiting, handles every message that arrived since the last step (adds, aborts, stats), then
 runs one step and sends each client its requests' new tokens with fresh stats. When idle it
 blocks in ``select`` until a message arrives: no busy spin. An abort frees the request's blocks
-before the next step; a client that disconnects has its requests aborted.
+before the next step; a client that disconnects has its requests aborted. A request with a
+grammar is compiled on a thread of its own first (``COMPILE_THREADS``), so a new grammar never
+pauses the batch of every client: the compiled request joins the loop through a wake-up pipe
+(or is rejected with the compiler's error), and an abort or a disconnect meanwhile drops it.
 
 Every connection proves it knows the shared secret (``protocol.Challenge``/``Authenticate``)
 before anything else; the secret comes from the environment variable ``engine.secret_env``
@@ -20,10 +23,12 @@ worker other machines connect to::
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import json
 import logging
 import os
+import queue
 import secrets
 import selectors
 import shutil
@@ -35,7 +40,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine_gpu.config import EngineConfig, load_engine_config, parse_engine_table
 from engine_gpu.outputs import RequestOutput
@@ -68,8 +73,8 @@ from engine_gpu.protocol import (
     secret_bytes,
 )
 from llm_shared.configtools import build
-from llm_shared.contract import FinishReason, Priority, SamplingParams
-from llm_shared.errors import ConfigError, EngineError
+from llm_shared.contract import FinishEvent, FinishReason, Priority, SamplingParams
+from llm_shared.errors import ConfigError, DuplicateRequestError, EngineError
 from llm_shared.models import ModelConfig
 
 log = logging.getLogger("engine_gpu.core")
@@ -77,6 +82,10 @@ log = logging.getLogger("engine_gpu.core")
 RECV_BYTES = 1 << 20
 MAX_RECVS_PER_WAKEUP = 64
 MAX_OUTBUF_BYTES = 64 * 1024 * 1024  # a client this far behind is dropped (its requests aborted)
+if TYPE_CHECKING:
+    from llm_shared.structured import SequenceMatcher
+
+COMPILE_THREADS = 1  # grammar compiles at once (one thread: the engine builds its compiler lazily, once)
 MAX_UNAUTHENTICATED = 32  # peers waiting to authenticate; more are refused at accept
 GC_YOUNG_THRESHOLD = 10_000  # allocations between collections of the youngest generation (Python's default: 700)
 
@@ -86,7 +95,8 @@ class StepEngine(Protocol):
 
     def add_checked_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                             priority: Priority, draft_ids: list[int] | None = None,
-                            cache_salt: str = "") -> None: ...
+                            cache_salt: str = "", matcher: SequenceMatcher | None = None) -> None: ...
+    def compile_matcher(self, params: SamplingParams) -> SequenceMatcher | None: ...
     def abort_request(self, request_id: str, reason: FinishReason = "abort", message: str = "") -> RequestOutput | None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
@@ -157,6 +167,16 @@ class CoreServer:
         self._conns: set[_Conn] = set()
         self._next_cid = 0
         self._stopping = False
+        # Grammars compile off the step loop; compiled adds come back through a queue and a pipe
+        # whose read end wakes the selector. Pending: engine id -> (connection, its add message).
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="core-grammar")
+        self._compiled: queue.SimpleQueue[tuple[str, concurrent.futures.Future[SequenceMatcher | None]]] = \
+            queue.SimpleQueue()
+        self._pending: dict[str, tuple[_Conn, AddRequest]] = {}
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._sel.register(self._wake_read, selectors.EVENT_READ, self._on_compiled)
 
     # --- loop ------------------------------------------------------------------------------
 
@@ -198,7 +218,10 @@ class CoreServer:
         for conn in list(self._conns):
             self._flush(conn)
             self._close(conn)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._sel.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
 
     def _until_auth_deadline(self) -> float | None:
         """How long an idle select may block: until the next unauthenticated peer's deadline."""
@@ -334,6 +357,8 @@ class CoreServer:
         if conn.closed:
             return
         conn.closed = True
+        for engine_id in [e for e, (owner, _) in self._pending.items() if owner is conn]:
+            del self._pending[engine_id]  # still compiling: dropped when it comes back
         for engine_id in list(conn.requests):
             self.engine.abort_request(engine_id)  # frees its blocks; nobody is left to tell
             self._owners.pop(engine_id, None)
@@ -384,6 +409,10 @@ class CoreServer:
                 self._add(conn, msg)
             case AbortRequest():
                 engine_id = f"{conn.cid}/{msg.request_id}"
+                pending = self._pending.pop(engine_id, None)
+                if pending is not None:  # still compiling: never added, and its stream ends here
+                    end = FinishEvent("abort", len(pending[1].prompt_ids), 0, tier="gpu")
+                    self._send(conn, StepOutputs([RequestOutput(msg.request_id, [], end)], self.engine.stats()))
                 if engine_id in conn.requests:
                     out = self.engine.abort_request(engine_id)
                     del conn.requests[engine_id]
@@ -403,15 +432,59 @@ class CoreServer:
     def _add(self, conn: _Conn, msg: AddRequest) -> None:
         # Request ids are the client's own: namespacing them per connection keeps clients apart.
         engine_id = f"{conn.cid}/{msg.request_id}"
+        if msg.params.grammar:  # compiled on the compile thread; added when it comes back
+            if engine_id in self._pending or engine_id in conn.requests:
+                e = DuplicateRequestError(f"request {msg.request_id!r} is already running", param="request_id")
+                self._send(conn, Rejected(msg.request_id, e.code, e.message, e.param))
+                return
+            self._pending[engine_id] = (conn, msg)
+            future = self._compile_pool.submit(self.engine.compile_matcher, msg.params)
+            future.add_done_callback(lambda done: self._compiled_one(engine_id, done))
+            return
+        self._add_now(conn, msg, engine_id, None)
+
+    def _add_now(self, conn: _Conn, msg: AddRequest, engine_id: str, matcher: SequenceMatcher | None) -> None:
         try:
             # decode_client_message checked the fields; the engine checks only its own limits
             self.engine.add_checked_request(engine_id, msg.prompt_ids, msg.params, msg.priority, msg.draft_ids,
-                                            msg.cache_salt)
+                                            msg.cache_salt, matcher)
         except EngineError as e:
             self._send(conn, Rejected(msg.request_id, e.code, e.message, e.param))
             return
         conn.requests[engine_id] = msg.request_id
         self._owners[engine_id] = conn
+
+    def _compiled_one(self, engine_id: str, done: concurrent.futures.Future[SequenceMatcher | None]) -> None:
+        """On the compile thread: hand the result to the loop and wake it."""
+        self._compiled.put((engine_id, done))
+        try:
+            os.write(self._wake_write, b"\0")
+        except (BlockingIOError, OSError):  # the pipe is full (the loop will drain it) or closed (stopping)
+            pass
+
+    def _on_compiled(self, _mask: int) -> None:
+        """On the loop: add each compiled request whose client still wants it, or reject it with
+        the compiler's error."""
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                engine_id, done = self._compiled.get_nowait()
+            except queue.Empty:
+                return
+            pending = self._pending.pop(engine_id, None)
+            if pending is None:
+                continue  # aborted, or its client left, while it compiled
+            conn, msg = pending
+            error = None if done.cancelled() else done.exception()
+            if done.cancelled() or error is not None:
+                e = error if isinstance(error, EngineError) else EngineError(f"the grammar failed to compile: {error}")
+                self._send(conn, Rejected(msg.request_id, e.code, e.message, e.param))
+                continue
+            self._add_now(conn, msg, engine_id, done.result())
 
 
 # --- process entry point --------------------------------------------------------------------

@@ -115,15 +115,22 @@ class LLMEngine:
         self._track(request_id, len(prompt_ids), params, matcher)
 
     def add_checked_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                            priority: Priority, draft_ids: list[int] | None = None, cache_salt: str = "") -> None:
+                            priority: Priority, draft_ids: list[int] | None = None, cache_salt: str = "",
+                            matcher: SequenceMatcher | None = None) -> None:
         """Queue a request whose fields the core's socket decoder checked; only this engine's limits
-        are checked (vocabulary, length, duplicates, load, the grammar), raising as ``add_request`` does."""
-        matcher = self._matcher(params)
+        are checked (vocabulary, length, duplicates, load, the grammar), raising as ``add_request`` does.
+        ``matcher``: the grammar's, already compiled (``compile_matcher``, on the core's compile thread)."""
+        matcher = matcher if matcher is not None else self._matcher(params)
         if matcher is not None and draft_ids:  # verified under the grammar: only its valid prefix
             draft_ids = draft_ids[: matcher.valid_prefix_len(draft_ids)]
         self.scheduler.add_checked_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
                                            draft_ids=draft_ids, cache_salt=cache_salt)
         self._track(request_id, len(prompt_ids), params, matcher)
+
+    def compile_matcher(self, params: SamplingParams) -> SequenceMatcher | None:
+        """The request's grammar compiled into a fresh matcher (None without one); SchemaError for
+        a grammar that cannot be. Safe off the step thread: it touches only the compiler."""
+        return self._matcher(params)
 
     def _matcher(self, params: SamplingParams) -> SequenceMatcher | None:
         """A fresh matcher of the request's grammar (compiled once per grammar text), or None."""

@@ -106,3 +106,95 @@ def test_the_unix_socket_is_owner_only_and_never_replaces_another_file(tmp_path:
     assert precious.read_text() == "keep me"
     again, _, _ = open_listener(address)  # a stale socket file from a dead core is replaced
     again.close()
+
+
+@pytest.fixture(scope="module")
+def json_engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
+    # 98 ids: the three specials, then every printable ASCII character once (a JSON grammar compiles)
+    return LLMEngine.from_config(write_tiny_model(tmp_path_factory.mktemp("tiny98"), seed=5, vocab_size=98), CONFIG)
+
+
+@pytest.fixture
+async def json_client(json_engine: LLMEngine, tmp_path: Path) -> AsyncIterator[EngineClient]:
+    listener, address, _ = open_listener(f"unix:{tmp_path}/json.sock")
+    stop_read, stop_write = os.pipe()
+    core = CoreServer(json_engine, listener, secret=SECRET, stop_fd=stop_read)
+    thread = threading.Thread(target=core.serve_forever, daemon=True)
+    thread.start()
+    c = await EngineClient.connect(address, secret=SECRET, tokenizer=json_engine.tokenizer)
+    try:
+        yield c
+    finally:
+        await c.close()
+        os.close(stop_write)
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        os.close(stop_read)
+        listener.close()
+
+
+def json_grammar() -> str:
+    import json
+
+    from llm_shared.structured import ResponseFormat, build_grammar
+    from llm_shared.structured.spec import OutputConstraints
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    source = build_grammar(OutputConstraints(response_format=ResponseFormat("json_schema", "a", json.dumps(schema),
+                                                                            strict=True)), None)
+    assert source is not None
+    return source.text
+
+
+async def test_a_grammar_compiles_off_the_step_loop_while_the_batch_streams(
+        json_client: EngineClient, json_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new grammar never pauses the batch (issue 39, item 4): its compile runs on the core's
+    compile thread while other requests step to their end; the constrained request then runs; one
+    aborted while it compiles is never added; a grammar that cannot compile is rejected."""
+    import asyncio
+
+    from llm_shared.errors import EngineError
+
+    release = threading.Event()
+    compiling = threading.Event()
+    real = json_engine.compile_matcher
+
+    def slow(params: SamplingParams) -> object:
+        compiling.set()
+        release.wait(60)
+        return real(params)
+
+    monkeypatch.setattr(json_engine, "compile_matcher", slow)
+    constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=60, grammar=json_grammar())
+    held = asyncio.ensure_future(_collect(json_client, "constrained", constrained))
+    await asyncio.to_thread(compiling.wait, 30)
+    free = [e async for e in json_client.generate("free", [5, 6, 7, 8], GREEDY)]  # while the compile is stuck
+    assert isinstance(free[-1], FinishEvent) and free[-1].reason == "length" and len(free) == 7
+    assert not held.done()
+    release.set()
+    events = await asyncio.wait_for(held, 60)
+    assert isinstance(events[-1], FinishEvent) and events[-1].reason in ("stop", "length")
+
+    release.clear()
+    compiling.clear()
+    stream = json_client.generate("dropped", [5, 6], constrained)
+    aborted = asyncio.ensure_future(_collect_stream(stream))
+    await asyncio.to_thread(compiling.wait, 30)
+    await json_client.abort("dropped")
+    release.set()
+    await asyncio.wait_for(aborted, 60)
+    assert (await json_client.refresh_stats())["kv_blocks_in_use"] == 0 and not json_engine.has_unfinished()
+
+    monkeypatch.setattr(json_engine, "compile_matcher", real)
+    with pytest.raises(EngineError, match="cannot be compiled") as refused:
+        await _collect(json_client, "bad", SamplingParams(grammar="start: %json {\"type\": \"nope\"}"))
+    assert "Invalid type: nope" in refused.value.message
+
+
+async def _collect(client: EngineClient, rid: str, params: SamplingParams) -> list[object]:
+    return [e async for e in client.generate(rid, [5, 6, 7], params)]
+
+
+async def _collect_stream(stream: object) -> list[object]:
+    return [e async for e in stream]  # type: ignore[attr-defined]
