@@ -74,6 +74,9 @@ class GatewayProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._ps: psutil.Process | None = None
         self._log: IO[bytes] | None = None
+        # its first API key, for /metrics (behind the key when keys are configured)
+        keys = tomllib.loads(config_path.read_text(encoding="utf-8")).get("server", {}).get("api_keys", [])
+        self._headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
     def start(self) -> None:
         self._log = self.log_path.open("wb")
@@ -96,7 +99,8 @@ class GatewayProcess:
 
     def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+            request = urllib.request.Request(self.url + path, headers=self._headers)
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.status, response.read()
         except urllib.error.HTTPError as e:
             return e.code, e.read()

@@ -68,6 +68,9 @@ class ServerConfig:
     # Off, the page works the same and the on-device model runs on one thread.
     cross_origin_isolation: bool = True
     operator_endpoints_need_key: bool = False  # /readyz and /metrics require an API key (when keys are configured)
+    # /metrics requires an API key when keys are configured (its series tell other tenants' load,
+    # and each scrape costs the event loop); false: open to whoever reaches the port
+    metrics_need_key: bool = True
     # Prefix-cache hits only within one API key (a per-key cache salt to every tier); "auto": when
     # more than one key is configured. Off, one tenant's TTFT and cached_tokens tell whether
     # another sent a prompt.

@@ -77,9 +77,11 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-def _operator_check(request: web.Request, state: GatewayState) -> web.Response | None:
-    """``/readyz`` and ``/metrics`` may require an API key (``server.operator_endpoints_need_key``)."""
-    if not state.config.server.operator_endpoints_need_key:
+def _operator_check(request: web.Request, state: GatewayState, *, metrics: bool = False) -> web.Response | None:
+    """``/readyz`` and ``/metrics`` may require an API key (``server.operator_endpoints_need_key``);
+    ``/metrics`` does by default (``server.metrics_need_key``)."""
+    server = state.config.server
+    if not (server.operator_endpoints_need_key or (metrics and server.metrics_need_key)):
         return None
     try:
         authorize(request, state)
@@ -108,7 +110,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if (refused := _operator_check(request, state)) is not None:
+    if (refused := _operator_check(request, state, metrics=True)) is not None:
         return refused
     body = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

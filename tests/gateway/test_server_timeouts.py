@@ -67,3 +67,17 @@ async def test_operator_endpoints_can_require_a_key() -> None:
             assert (await http.get(path)).status == 401
             assert (await http.get(path, headers={"Authorization": "Bearer sk-operator"})).status == 200
         assert (await http.get("/healthz")).status == 200  # liveness stays open
+
+
+async def test_metrics_need_the_api_key_by_default_when_keys_are_configured() -> None:
+    """/metrics tells other tenants' load and costs the event loop per scrape: behind the key by
+    default (issue 39, item 7); /readyz stays open for probes; metrics_need_key = false opens it."""
+    import aiohttp
+
+    async with running_gateway(api_keys=("sk-tenant",)) as gw, aiohttp.ClientSession(gw.http) as http:
+        assert (await http.get("/metrics")).status == 401
+        assert (await http.get("/metrics", headers={"Authorization": "Bearer sk-tenant"})).status == 200
+        assert (await http.get("/readyz")).status == 200
+    async with running_gateway(api_keys=("sk-tenant",), metrics_need_key=False) as gw, \
+            aiohttp.ClientSession(gw.http) as http:
+        assert (await http.get("/metrics")).status == 200

@@ -123,7 +123,7 @@ async def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float
     from prometheus_client.parser import text_string_to_metric_families
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=EVENT_TIMEOUT_S)) as http, \
-            http.get(f"{url}/metrics") as response:
+            http.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}) as response:
         assert response.status == 200
         text = await response.text()
     return {(s.name, frozenset(s.labels.items())): s.value
