@@ -2,11 +2,12 @@
 schemas (a Realtime session's tools, an app's fixed response model), and compiling costs
 milliseconds where a cache hit costs a dictionary lookup and a matcher copy (~1 µs).
 
-Bounded in entries and in bytes, least recently used first out. The bytes are the grammar texts'
-(the Rust side's memory cannot be read from Python; it grows with the grammar, and its lexer state
-count is capped by ``StructuredLimits.max_lexer_states``). A schema that failed to compile is
-remembered too, so a client repeating it is refused without compiling again. Thread-safe: the
-engine's step thread and the gateway's request handlers may share one cache.
+Bounded in entries and in bytes, least recently used first out. The bytes are what each entry
+is counted for by its owner: the compiler counts a compiled grammar's matcher by a measured model
+of its memory (``compiler.matcher_bytes``: the Rust side's memory cannot be read from Python), a
+failure by its text. A schema that failed to compile is remembered too, so a client repeating it
+is refused without compiling again. Thread-safe: compile threads and request handlers may share
+one cache.
 """
 
 from __future__ import annotations

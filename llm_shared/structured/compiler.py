@@ -101,6 +101,20 @@ def _reason(error: str) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+# What a cached compiled grammar holds in memory, which Python cannot read from the Rust side:
+# measured as the process's RSS growth over 60 distinct compiled tool grammars kept alive (the
+# embedded model's tokenizer): 52 KiB for 468 bytes of grammar text, 223 KiB for 2.2 KB, 743 KiB
+# for 8.6 KB, i.e. 88-113 bytes per byte of text. Counted as 16 KiB plus 128 bytes a byte, above
+# each of those, so the cache's byte bound bounds the memory it keeps.
+MATCHER_BASE_BYTES = 16 * 1024
+MATCHER_BYTES_PER_TEXT_BYTE = 128
+
+
+def matcher_bytes(text_bytes: int) -> int:
+    """The memory a compiled grammar of ``text_bytes`` of text is counted for in the cache."""
+    return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_TEXT_BYTE * text_bytes
+
+
 def grammar_source(constraints: OutputConstraints, family: ToolCallFamily | None) -> GrammarSource | None:
     """The grammar of ``constraints`` for a model of ``family`` (None: nothing constrains the output);
     InvalidRequestError when tools could be called by a model with no known call syntax. Needs no
@@ -185,11 +199,11 @@ class GrammarCompiler:
         size = len(source.text.encode("utf-8"))
         if error:
             failure = self._attribute(source, error)
-            self._cache.put(key, failure, size)
+            self._cache.put(key, failure, size)  # a failure keeps its message alone
             raise SchemaError(failure.message, param=failure.param)
         compiled = CompiledGrammar(key, (time.perf_counter() - start) * 1e3, source.calls, source.text, matcher,
                                    self.byte_tokens)
-        self._cache.put(key, compiled, size)
+        self._cache.put(key, compiled, matcher_bytes(size))
         return compiled
 
     def text_matcher(self, text: str, max_tokens: int | None = None) -> SequenceMatcher:

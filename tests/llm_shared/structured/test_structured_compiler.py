@@ -132,6 +132,23 @@ def test_the_cache_returns_the_same_grammar(tokenizer: Tokenizer, compiler: Gram
     assert own.compile(constraints(TOOLS)) is not first
 
 
+def test_the_cache_counts_a_compiled_grammar_by_its_matchers_memory(tokenizer: Tokenizer,
+                                                                     compiler: GrammarCompiler) -> None:
+    """Each cached grammar keeps llguidance's matcher, ~100 bytes per byte of grammar text
+    (measured): the cache's byte bound counts that, not the text alone (issue 39, item 5), so a
+    client sending a new schema per request cannot grow the process past the bound."""
+    own = GrammarCompiler(tokenizer, family="smollm2", ll_tokenizer=compiler.ll_tokenizer,
+                          cache_bytes=1024 * 1024)
+    first = own.compile(constraints(TOOLS))
+    assert first is not None
+    assert own.cache_stats().bytes >= 100 * len(first.text.encode())
+    for n in range(64):  # distinct grammars: the oldest are evicted to stay within 1 MiB
+        own.compile(constraints(response_format=rf({"type": "object", "properties": {f"f{n}": {"type": "string"}},
+                                                    "required": [f"f{n}"]})))
+    stats = own.cache_stats()
+    assert stats.bytes <= 1024 * 1024 and stats.evictions > 0 and stats.entries < 65
+
+
 def test_a_failed_compile_is_remembered(tokenizer: Tokenizer, compiler: GrammarCompiler) -> None:
     own = GrammarCompiler(tokenizer, family="smollm2", ll_tokenizer=compiler.ll_tokenizer)
     bad = constraints(response_format=rf({"type": "array", "uniqueItems": True}))
