@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -66,16 +66,16 @@ class GatewayVoice:
         log.info("voice ready in %.1f s: Silero VAD, Whisper (%s), %s", time.perf_counter() - started,
                  service.recognizer.model_dir, config.tts_backend)
 
-    async def transcribe(self, audio: bytes) -> tuple[str, float]:
+    async def transcribe(self, audio: bytes, owner: Hashable = None) -> tuple[str, float]:
         try:
-            result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"))
+            result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner)
         except EngineError as e:  # VoiceBusy, VoiceTimeout: their messages are for the client
             raise VoiceUnavailable(e.message) from e
         return result.text, result.seconds_of_audio
 
-    async def synthesize(self, text: str, voice: str) -> tuple[bytes, tuple[Mark, ...]]:
+    async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:
         try:
-            phrase = await self.service.speak(text, voice)
+            phrase = await self.service.speak(text, voice, owner)
         except EngineError as e:
             raise VoiceUnavailable(e.message) from e
         return phrase.pcm.astype("<i2", copy=False).tobytes(), phrase.marks

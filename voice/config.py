@@ -32,9 +32,11 @@ class VoiceConfig:
     tts_model: str = "auto"  # piper's voice (.onnx); "auto": en_US-joe-medium from its wheel
     voice: str = "alloy"  # audio.output.voice when a session sets none
     pool_threads: int = 2  # worker threads for recognition and synthesis, shared by all sessions
-    # The pool refuses work (voice_busy) past this much audio outstanding (queued and running)...
-    max_queued_audio_s: float = 120.0
+    # The pool refuses work (voice_busy) past this much audio work outstanding (queued and running;
+    # a recognition counts Whisper's whole 30 s window, so 600 s is 20 utterances or ~150 phrases)...
+    max_queued_audio_s: float = 600.0
     max_queued_jobs: int = 64  # ... or this many jobs
+    max_session_jobs: int = 4  # ... or a session with this many (the workers serve sessions in turn)
     job_timeout_s: float = 30.0  # one utterance's recognition or one phrase's synthesis
     max_input_buffer_s: float = 60.0  # uncommitted input audio per session
     max_append_bytes: int = 262_144  # decoded audio in one input_audio_buffer.append (~2.7 s)
@@ -61,6 +63,8 @@ class VoiceConfig:
         require(1 <= self.asr_beam_size <= 10, "voice.asr_beam_size must be in 1..10")
         require(1 <= self.pool_threads <= 64, "voice.pool_threads must be in 1..64")
         require(1 <= self.max_queued_jobs <= 100_000, "voice.max_queued_jobs must be in 1..100000")
+        require(1 <= self.max_session_jobs <= self.max_queued_jobs,
+                "voice.max_session_jobs must be in 1..voice.max_queued_jobs")
         require(0 < self.job_timeout_s <= 600, "voice.job_timeout_s must be in (0, 600]")
         require(0 < self.max_input_buffer_s <= 3600, "voice.max_input_buffer_s must be in (0, 3600]")
         # A committed buffer is one recognition job: one the pool could never admit is a dead config.

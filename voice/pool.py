@@ -1,10 +1,15 @@
 """The worker pool that recognition and synthesis run on, off the event loop, within bounds.
 
 Threads, because the work does not hold the GIL: CTranslate2 releases it while Whisper runs and
-flite is a child process. Admission is bounded by the audio outstanding (queued and running, in
-seconds) and by a job count; work past either bound is refused at once with ``VoiceBusy``, so a
-burst of voice sessions is told "busy" instead of queueing minutes of work while text sessions
-wait for the cores.
+flite is a child process. Admission is bounded by the work outstanding (queued and running, in
+seconds of audio processed: a recognition job counts its recognizer's whole window, since Whisper
+encodes 30 s whatever the utterance) and by a job count; work past either bound is refused at once
+with ``VoiceBusy``, so a burst of voice sessions is told "busy" instead of queueing minutes of work
+while text sessions wait for the cores.
+
+Fair between sessions: each job has an ``owner`` (its session), each owner at most
+``max_jobs_per_owner`` jobs outstanding, and the workers take the owners' queues in turn (round
+robin), so one session's backlog delays another session's next job by at most one job per worker.
 
 A job is one unit the caller awaits: one utterance to transcribe, one phrase to speak. Cancelling
 the awaiting task (a barge-in, a closed session) takes a queued job off the queue before it runs;
@@ -23,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
@@ -80,7 +86,7 @@ class PoolStats:
 @dataclass
 class _Job:
     kind: Kind
-    audio_s: float
+    audio_s: float  # what it counts against the bound (its cost)
     submitted: float
     started: float | None = None
     finished: float | None = None
@@ -88,18 +94,31 @@ class _Job:
     abandoned: bool = False  # the caller stopped waiting (cancelled); the job may still have run
     completed: bool = False  # fn returned: real work, counted in the real-time factor whatever the caller did
     measured_audio_s: float | None = None
+    owner: Hashable = None
+
+
+@dataclass
+class _Queued:
+    """A job waiting for a worker, in its owner's queue."""
+
+    job: _Job
+    execute: Callable[[], object]
+    result: asyncio.Future[object]  # what the caller awaits; cancelled if it stops waiting
 
 
 class VoicePool:
     """One per gateway process, shared by every voice session; used from one event loop."""
 
-    def __init__(self, *, threads: int = 2, max_outstanding_audio_s: float = 120.0, max_outstanding_jobs: int = 64,
-                 job_timeout_s: float = 30.0, observer: Callable[[JobFigures], None] | None = None) -> None:
-        if threads < 1 or max_outstanding_jobs < 1 or max_outstanding_audio_s <= 0 or job_timeout_s <= 0:
-            raise ValueError("threads and max_outstanding_jobs must be >= 1, the bounds and timeout > 0")
+    def __init__(self, *, threads: int = 2, max_outstanding_audio_s: float = 600.0, max_outstanding_jobs: int = 64,
+                 job_timeout_s: float = 30.0, max_jobs_per_owner: int = 4,
+                 observer: Callable[[JobFigures], None] | None = None) -> None:
+        if (threads < 1 or max_outstanding_jobs < 1 or max_jobs_per_owner < 1 or max_outstanding_audio_s <= 0
+                or job_timeout_s <= 0):
+            raise ValueError("threads and the job bounds must be >= 1, the audio bound and timeout > 0")
         self.threads = threads
         self.max_outstanding_audio_s = max_outstanding_audio_s
         self.max_outstanding_jobs = max_outstanding_jobs
+        self.max_jobs_per_owner = max_jobs_per_owner
         self.job_timeout_s = job_timeout_s
         self.observer = observer
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="voice")
@@ -108,29 +127,37 @@ class VoicePool:
         self._running = 0  # written by worker threads, read for stats only
         self._running_lock = threading.Lock()
         self._kinds: dict[str, KindStats] = {"asr": KindStats(), "tts": KindStats()}
+        self._queues: OrderedDict[Hashable, deque[_Queued]] = OrderedDict()  # owners in turn order
+        self._owned: dict[Hashable, int] = {}  # owner -> its jobs outstanding
+        self._free = threads  # workers not running one of our jobs
+        self._closed = False
 
     async def transcribe(self, recognizer: Recognizer, samples_16k: Float32Array,
-                         timeout_s: float | None = None) -> Transcription:
+                         timeout_s: float | None = None, owner: Hashable = None) -> Transcription:
         audio_s = len(samples_16k) / SPEECH_RATE
         samples = np.array(samples_16k, np.float32)  # the caller's buffer may change while the job waits
-        return await self.run("asr", lambda: recognizer.transcribe(samples), audio_s=audio_s, timeout_s=timeout_s)
+        return await self.run("asr", lambda: recognizer.transcribe(samples), audio_s=audio_s, timeout_s=timeout_s,
+                              owner=owner)
 
     async def synthesize(self, synthesizer: Synthesizer, text: str, voice: str | None = None,
-                         timeout_s: float | None = None) -> Speech:
+                         timeout_s: float | None = None, owner: Hashable = None) -> Speech:
         estimate = max(len(text.strip()), 1) / SPOKEN_CHARS_PER_S
         return await self.run("tts", lambda: synthesizer.synthesize(text, voice), audio_s=estimate,
-                              timeout_s=timeout_s, measure=lambda speech: speech.seconds)
+                              timeout_s=timeout_s, measure=lambda speech: speech.seconds, owner=owner)
 
     async def run(self, kind: Kind, fn: Callable[[], T], *, audio_s: float, timeout_s: float | None = None,
-                  measure: Callable[[T], float] | None = None) -> T:
-        """Run ``fn`` on a worker; ``audio_s`` is what it counts against the bound. Raises
-        ``VoiceBusy`` at once past a bound, ``VoiceTimeout`` after ``timeout_s`` (default: the
-        pool's), and ``CancelledError`` if the caller is cancelled; ``fn``'s own errors pass through."""
-        self._admit(kind, audio_s)
-        loop = asyncio.get_running_loop()
-        job = _Job(kind, audio_s, time.perf_counter())
+                  measure: Callable[[T], float] | None = None, owner: Hashable = None) -> T:
+        """Run ``fn`` on a worker, in ``owner``'s turn; ``audio_s`` is what it counts against the
+        bound. Raises ``VoiceBusy`` at once past a bound, ``VoiceTimeout`` after ``timeout_s``
+        (default: the pool's), and ``CancelledError`` if the caller is cancelled; ``fn``'s own
+        errors pass through."""
+        if self._closed:
+            raise VoiceBusy("voice is shutting down")
+        self._admit(kind, audio_s, owner)
+        job = _Job(kind, audio_s, time.perf_counter(), owner=owner)
         self._audio_s += audio_s
         self._jobs += 1
+        self._owned[owner] = self._owned.get(owner, 0) + 1
 
         def execute() -> T:
             job.started = time.perf_counter()
@@ -147,41 +174,100 @@ class VoicePool:
                 with self._running_lock:
                     self._running -= 1
 
+        queued = _Queued(job, execute, asyncio.get_running_loop().create_future())
+        self._queues.setdefault(owner, deque()).append(queued)
+        self._dispatch()
         try:
-            future = self._executor.submit(execute)
-        except RuntimeError:  # closed: the gateway is shutting down
-            self._audio_s -= audio_s
-            self._jobs -= 1
-            raise VoiceBusy("voice is shutting down") from None
-
-        def done(f: Future[T]) -> None:
-            try:
-                loop.call_soon_threadsafe(self._finish, job, f)
-            except RuntimeError:  # the loop closed while a worker ran: nothing left to account to
-                pass
-
-        future.add_done_callback(done)
-        try:
-            # wrap_future cancels `future` when the awaiting task is cancelled (a job still queued
-            # then never runs); wait_for does the same on timeout.
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s or self.job_timeout_s)
+            return await asyncio.wait_for(queued.result, timeout_s or self.job_timeout_s)  # type: ignore[return-value]
         except asyncio.CancelledError:
             job.abandoned = True
+            self._drop(queued)  # still queued: it never runs and frees its share now
             raise
         except TimeoutError:
             job.timed_out = True
+            self._drop(queued)
             raise VoiceTimeout(f"voice {kind} job took longer than {timeout_s or self.job_timeout_s:g} s") from None
 
-    def _admit(self, kind: Kind, audio_s: float) -> None:
+    def _admit(self, kind: Kind, audio_s: float, owner: Hashable) -> None:
         if self._jobs + 1 > self.max_outstanding_jobs or self._audio_s + audio_s > self.max_outstanding_audio_s:
             self._kinds[kind].refused += 1
             raise VoiceBusy(f"the voice workers are busy ({self._audio_s:.1f} s of audio in {self._jobs} jobs "
                             f"outstanding); try again shortly")
+        if owner is not None and self._owned.get(owner, 0) + 1 > self.max_jobs_per_owner:
+            self._kinds[kind].refused += 1
+            raise VoiceBusy(f"this session has {self._owned[owner]} voice jobs outstanding (at most "
+                            f"{self.max_jobs_per_owner}); wait for them")
+
+    def _dispatch(self) -> None:
+        """Hand queued jobs to free workers, the owners in turn."""
+        loop = asyncio.get_running_loop()
+        while self._free > 0 and self._queues:
+            owner, queue = next(iter(self._queues.items()))
+            queued = queue.popleft()
+            if queue:
+                self._queues.move_to_end(owner)  # its next job waits for the others' turns
+            else:
+                del self._queues[owner]
+            self._free -= 1
+            try:
+                future = self._executor.submit(queued.execute)
+            except RuntimeError:  # closed: the gateway is shutting down
+                self._free += 1
+                self._fail_queued(queued, VoiceBusy("voice is shutting down"))
+                continue
+
+            def ended(f: Future[object], queued: _Queued = queued) -> None:
+                try:
+                    loop.call_soon_threadsafe(self._ended, queued, f)
+                except RuntimeError:  # the loop closed while a worker ran: nothing left to account to
+                    pass
+
+            future.add_done_callback(ended)
+
+    def _ended(self, queued: _Queued, future: Future[object]) -> None:
+        """On the event loop: a job a worker took has ended; its worker takes the next turn."""
+        self._free += 1
+        result = queued.result
+        if not result.done() and future.cancelled():
+            result.set_exception(VoiceBusy("voice is shutting down"))
+        elif not result.done():
+            error = future.exception()
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(future.result())
+        self._finish(queued.job, future)
+        self._dispatch()
+
+    def _drop(self, queued: _Queued) -> None:
+        """Take a job its caller stopped waiting for out of its owner's queue (if a worker has not
+        taken it yet) and account for it now."""
+        queue = self._queues.get(queued.job.owner)
+        if queue is None or queued not in queue:
+            return  # running (accounted when it ends) or ended
+        queue.remove(queued)
+        if not queue:
+            del self._queues[queued.job.owner]
+        never = Future()
+        never.cancel()
+        self._finish(queued.job, never)
+
+    def _fail_queued(self, queued: _Queued, error: BaseException) -> None:
+        if not queued.result.done():
+            queued.result.set_exception(error)
+        never = Future()
+        never.cancel()
+        self._finish(queued.job, never)
 
     def _finish(self, job: _Job, future: Future[T]) -> None:
         """On the event loop, once the job really ended (ran, failed, or was cancelled unstarted)."""
         self._audio_s = max(self._audio_s - job.audio_s, 0.0)
         self._jobs -= 1
+        left = self._owned.get(job.owner, 0) - 1
+        if left > 0:
+            self._owned[job.owner] = left
+        else:
+            self._owned.pop(job.owner, None)
         stats = self._kinds[job.kind]
         if job.timed_out:
             outcome: Outcome = "timeout"
@@ -213,5 +299,11 @@ class VoicePool:
                          {k: KindStats(**vars(v)) for k, v in self._kinds.items()})
 
     def close(self) -> None:
-        """Stop taking work; queued jobs are dropped, running ones finish in their threads."""
+        """Stop taking work; queued jobs are dropped (their callers get ``VoiceBusy``), running
+        ones finish in their threads."""
+        self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
+        queues, self._queues = self._queues, OrderedDict()
+        for queue in queues.values():
+            for queued in queue:
+                self._fail_queued(queued, VoiceBusy("voice is shutting down"))

@@ -15,7 +15,7 @@ VAD and input resampling are cheap enough for the loop (``voice.vad``, ``voice.a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +28,8 @@ from voice.phrases import PhraseBounds, PhraseSplitter
 from voice.pool import SPOKEN_CHARS_PER_S, JobFigures, VoicePool
 from voice.tts import FliteSynthesizer, Synthesizer
 from voice.vad import SileroVad, SpeechSegmenter, VadParams
+
+ASR_WINDOW_S = 30.0  # Whisper encodes a 30 s window whatever the utterance: what one recognition costs
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class VoiceService:
         self.synthesizer = make_synthesizer(config)
         self.pool = VoicePool(threads=config.pool_threads, max_outstanding_audio_s=config.max_queued_audio_s,
                               max_outstanding_jobs=config.max_queued_jobs, job_timeout_s=config.job_timeout_s,
-                              observer=observer)
+                              max_jobs_per_owner=config.max_session_jobs, observer=observer)
         self.phrase_bounds = PhraseBounds(first_max_chars=config.first_phrase_max_chars,
                                           max_chars=config.phrase_max_chars)
 
@@ -64,14 +66,17 @@ class VoiceService:
         """One per spoken response."""
         return PhraseSplitter(self.phrase_bounds)
 
-    async def transcribe(self, pcm_24k: Int16Array) -> Transcription:
-        """A committed input buffer's text. Raises ``VoiceBusy``, ``VoiceTimeout``."""
+    async def transcribe(self, pcm_24k: Int16Array, owner: Hashable = None) -> Transcription:
+        """A committed input buffer's text, in ``owner``'s (its session's) turn. It counts against
+        the pool's bound as the recognizer's whole window (Whisper encodes 30 s whatever the
+        utterance), its figures as the audio it had. Raises ``VoiceBusy``, ``VoiceTimeout``."""
         pcm = np.array(pcm_24k, np.int16)  # the session's buffer is cleared and reused while this waits
         recognizer = self.recognizer
+        seconds = len(pcm) / REALTIME_RATE
         return await self.pool.run("asr", lambda: recognizer.transcribe(resample(pcm, REALTIME_RATE, SPEECH_RATE)),
-                                   audio_s=len(pcm) / REALTIME_RATE)
+                                   audio_s=max(seconds, ASR_WINDOW_S), measure=lambda _: seconds, owner=owner)
 
-    async def speak(self, text: str, voice: str | None = None) -> SpokenPhrase:
+    async def speak(self, text: str, voice: str | None = None, owner: Hashable = None) -> SpokenPhrase:
         """One phrase as 24 kHz audio. Each phrase is resampled whole: flite starts and ends every
         phrase in silence, so no filter edge is heard at the joins. Raises ``VoiceBusy``,
         ``VoiceTimeout``; cancelling the caller drops the phrase if it has not started."""
@@ -85,7 +90,8 @@ class VoiceService:
             return SpokenPhrase(text, pcm, marks, time.perf_counter() - started)
 
         estimate = max(len(text.strip()), 1) / SPOKEN_CHARS_PER_S
-        return await self.pool.run("tts", job, audio_s=estimate, measure=lambda p: len(p.pcm) / REALTIME_RATE)
+        return await self.pool.run("tts", job, audio_s=estimate, measure=lambda p: len(p.pcm) / REALTIME_RATE,
+                                   owner=owner)
 
     def close(self) -> None:
         self.pool.close()

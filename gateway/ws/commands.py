@@ -56,6 +56,13 @@ class Transcribe:
 
 
 @dataclass(frozen=True)
+class CancelTranscription:
+    """Command: the item was deleted: drop its transcription job (queued, it never runs)."""
+
+    item_id: str
+
+
+@dataclass(frozen=True)
 class Synthesize:
     """Command: speak phrase ``index`` of ``response_id`` and hand its audio (PCM16, 24 kHz) to
     ``RealtimeSession.speech_ready`` (or ``speech_failed``). Phrases may come back in any order."""
@@ -73,4 +80,5 @@ class CancelSpeech:
     response_id: str
 
 
-Command = StartGeneration | AbortGeneration | AdmitResponse | Transcribe | Synthesize | CancelSpeech
+Command = (StartGeneration | AbortGeneration | AdmitResponse | Transcribe | CancelTranscription | Synthesize
+           | CancelSpeech)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from gateway.ws.commands import CancelTranscription
 from gateway.ws.conversation import ROOT, AnyItem, FunctionCall, FunctionCallOutput, Item
 from gateway.ws.events import (
     ItemCreate,
@@ -50,7 +51,10 @@ class SessionItems:
         if self._active is not None and self._is_active_item(event.item_id):
             self._cancel(self._active, "client_cancelled")
         self._conversation.delete(event.item_id)
-        self._transcribing.pop(event.item_id, None)  # its transcript, when it comes, has nowhere to go
+        transcribing = self._transcribing.pop(event.item_id, None) is not None
+        if transcribing or (self._eager is not None and self._eager[0] == event.item_id):
+            self._eager = None
+            self._commands.append(CancelTranscription(event.item_id))  # its job's work is moot: freed now
         self._emit("conversation.item.deleted", item_id=event.item_id)
         self._release_held()
 

@@ -13,11 +13,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
 from gateway.metrics import GatewayMetrics
-from gateway.ws.commands import CancelSpeech, Synthesize, Transcribe
+from gateway.ws.commands import CancelSpeech, CancelTranscription, Synthesize, Transcribe
 from gateway.ws.server_events import AudioDelta, OtherEvent, ServerEvent
 from gateway.ws.session import RealtimeSession
 from gateway.ws.session_voice import VoiceHooks
@@ -36,11 +36,12 @@ class VoiceService(Protocol):
 
     hooks: VoiceHooks
 
-    async def transcribe(self, audio: bytes) -> tuple[str, float]:
-        """PCM16 mono at 24 kHz -> (transcript, seconds of audio). Raises ``VoiceUnavailable``."""
+    async def transcribe(self, audio: bytes, owner: Hashable = None) -> tuple[str, float]:
+        """PCM16 mono at 24 kHz -> (transcript, seconds of audio), in ``owner``'s (the session's)
+        turn of the shared workers. Raises ``VoiceUnavailable``."""
         ...
 
-    async def synthesize(self, text: str, voice: str) -> tuple[bytes, tuple[Mark, ...]]:
+    async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:
         """Speech for ``text`` as PCM16 mono at 24 kHz, with timing marks (character offset, sample
         offset at 24 kHz; may be empty). Raises ``VoiceUnavailable``."""
         ...
@@ -58,8 +59,12 @@ class VoiceLink:
         self._speech: dict[str, set[asyncio.Task[None]]] = {}  # response id -> its phrases being made
         self._transcripts: dict[str, asyncio.Task[None]] = {}  # item id -> its latest transcription
 
-    def run(self, command: Transcribe | Synthesize | CancelSpeech) -> None:
-        if isinstance(command, Transcribe):
+    def run(self, command: Transcribe | CancelTranscription | Synthesize | CancelSpeech) -> None:
+        if isinstance(command, CancelTranscription):
+            job = self._transcripts.pop(command.item_id, None)
+            if job is not None:
+                job.cancel()  # a queued job leaves the pool's queue at once
+        elif isinstance(command, Transcribe):
             older = self._transcripts.get(command.item_id)
             if older is not None:
                 older.cancel()  # the user went on speaking: that cut of the speech is moot
@@ -106,7 +111,7 @@ class VoiceLink:
 
     async def _transcribe(self, command: Transcribe) -> None:
         try:
-            text, seconds = await self._service.transcribe(command.audio)
+            text, seconds = await self._service.transcribe(command.audio, owner=self)
         except VoiceUnavailable as e:
             self._session.transcription_failed(command.item_id, str(e), command.tag)
         except Exception:
@@ -118,7 +123,7 @@ class VoiceLink:
 
     async def _synthesize(self, command: Synthesize) -> None:
         try:
-            audio, marks = await self._service.synthesize(command.text, command.voice)
+            audio, marks = await self._service.synthesize(command.text, command.voice, owner=self)
         except VoiceUnavailable as e:
             self._session.speech_failed(command.response_id, str(e))
         except Exception:

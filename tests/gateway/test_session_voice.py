@@ -15,7 +15,15 @@ from session_helpers import drain
 
 from gateway.ws.audio_events import PCM_BYTES_PER_MS, ServerVad
 from gateway.ws.audio_input import SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
-from gateway.ws.commands import AbortGeneration, AdmitResponse, CancelSpeech, StartGeneration, Synthesize, Transcribe
+from gateway.ws.commands import (
+    AbortGeneration,
+    AdmitResponse,
+    CancelSpeech,
+    CancelTranscription,
+    StartGeneration,
+    Synthesize,
+    Transcribe,
+)
 from gateway.ws.session import RealtimeSession, SessionLimits
 from gateway.ws.session_voice import VoiceHooks
 from llm_shared.contract import FinishEvent, TokenEvent
@@ -399,3 +407,20 @@ def test_a_failed_transcription_report_never_raises_at_the_adapter() -> None:
     session._transcribing[transcribe.item_id] = ("not an item", 0)  # type: ignore[assignment]  # a bug
     session.transcription_failed(transcribe.item_id, "boom")  # must not raise
     assert types(drain(session)) == ["error"]
+
+
+def test_deleting_an_item_cancels_its_transcription() -> None:
+    """A deleted item's recognition job is dropped (queued, it never runs) (issue 39, item 2)."""
+    session = make()
+    session.receive({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    drain(session)
+    append(session, tone(600, LOUD))
+    session.receive({"type": "input_audio_buffer.commit"})
+    item_id = next(e for e in drain(session) if e["type"] == "input_audio_buffer.committed")["item_id"]
+    (transcribe,) = session.commands()
+    assert isinstance(transcribe, Transcribe)
+    session.receive({"type": "conversation.item.delete", "item_id": item_id})
+    assert types(drain(session)) == ["conversation.item.deleted"]
+    assert session.commands() == [CancelTranscription(item_id)]
+    session.transcribed(item_id, "too late", 0.6)  # the job had already run: its transcript is dropped
+    assert drain(session) == []

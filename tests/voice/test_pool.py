@@ -193,3 +193,50 @@ async def test_transcribe_copies_the_samples_before_queueing(pool: VoicePool) ->
     busy.release.set()
     await first
     assert (await job).text == "1.0"
+
+
+# --- fairness between sessions (issue 39, item 2) ------------------------------------------------
+
+async def test_one_sessions_backlog_delays_anothers_next_job_by_one_job_at_most() -> None:
+    """The workers take the sessions' queues in turn: a session that queued several jobs does
+    not make another session's job wait behind all of them."""
+    pool = VoicePool(threads=1, max_outstanding_audio_s=100.0, max_outstanding_jobs=16, max_jobs_per_owner=8,
+                     job_timeout_s=WAIT)
+    order: list[str] = []
+    first = Gate()
+
+    def job(name: str, gate: Gate | None = None) -> Callable[[], object]:
+        def run() -> object:
+            order.append(name)
+            return gate() if gate is not None else name
+        return run
+
+    try:
+        hog = [asyncio.ensure_future(pool.run("asr", job("hog0", first), audio_s=1.0, owner="hog"))]
+        await started(first)  # the hog's first job holds the only worker
+        hog += [asyncio.ensure_future(pool.run("asr", job(f"hog{i}"), audio_s=1.0, owner="hog")) for i in (1, 2, 3)]
+        other = asyncio.ensure_future(pool.run("asr", job("other"), audio_s=1.0, owner="other"))
+        first.release.set()
+        await asyncio.wait_for(asyncio.gather(*hog, other), WAIT)
+        assert order == ["hog0", "hog1", "other", "hog2", "hog3"]
+    finally:
+        first.release.set()
+        pool.close()
+
+
+async def test_a_session_past_its_job_bound_is_refused_and_others_are_not() -> None:
+    pool = VoicePool(threads=1, max_outstanding_audio_s=100.0, max_outstanding_jobs=16, max_jobs_per_owner=2,
+                     job_timeout_s=WAIT)
+    gate = Gate()
+    try:
+        held = [asyncio.ensure_future(pool.run("asr", gate, audio_s=1.0, owner="a")) for _ in range(2)]
+        await started(gate)
+        with pytest.raises(VoiceBusy, match="this session has 2 voice jobs outstanding"):
+            await pool.run("asr", gate, audio_s=1.0, owner="a")
+        other = asyncio.ensure_future(pool.run("asr", lambda: "b", audio_s=1.0, owner="b"))
+        gate.release.set()
+        assert await asyncio.wait_for(other, WAIT) == "b"
+        await asyncio.wait_for(asyncio.gather(*held), WAIT)
+    finally:
+        gate.release.set()
+        pool.close()
