@@ -10,6 +10,7 @@ its pool reconnects on the next call after a connection broke.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
@@ -68,6 +69,7 @@ class RedisStore(LimitsStore):
         self._lua_count = self._redis.register_script(redis_lua.COUNT)
         self._book = LeaseBook(lease_ttl_s, self._renew_many, auto_renew=auto_renew)
         self._seen: dict[str, Snapshot] = {}  # key -> its buckets at this process's last call (``peek``)
+        self._taking_back: set[asyncio.Task[None]] = set()  # removals of members whose acquire's answer was lost
 
     def _key(self, key_id: str, part: str) -> str:
         return f"{self._prefix}{{{key_id}}}:{part}"
@@ -143,9 +145,15 @@ class RedisStore(LimitsStore):
         if cap is not None and self._book.count(kind) >= cap:
             raise process_full()
         lease = Lease(kind, key_id, self._book.new_member(holder), self.backend)
-        ok, count = await self._call("acquire", self._lua_acquire(
-            keys=[self._lease_set(kind, key_id)],
-            args=[self.limits.per_key_cap(kind), lease.member, self.lease_ttl_s]))
+        try:
+            ok, count = await self._call("acquire", self._lua_acquire(
+                keys=[self._lease_set(kind, key_id)],
+                args=[self.limits.per_key_cap(kind), lease.member, self.lease_ttl_s]))
+        except LimitsUnavailableError:
+            # The script may have run and only its answer been lost (late, past the timeout): take
+            # the member back, in the background, so the key is not a slot short for the TTL.
+            self._take_back(lease)
+            raise
         if not ok:
             raise lease_refused(self.limits, kind, int(count))
         self._book.add(lease)
@@ -185,7 +193,18 @@ class RedisStore(LimitsStore):
         """One round trip (readiness probes, start-up checks); ``LimitsUnavailableError`` if none."""
         await self._call("ping", self._redis.ping())
 
+    def _take_back(self, lease: Lease) -> None:
+        async def remove() -> None:
+            with contextlib.suppress(LimitsUnavailableError):
+                await self._call("release", self._redis.zrem(self._lease_set(lease.kind, lease.key_id), lease.member))
+
+        task = asyncio.ensure_future(remove())
+        self._taking_back.add(task)
+        task.add_done_callback(self._taking_back.discard)
+
     async def aclose(self) -> None:
+        for task in list(self._taking_back):
+            task.cancel()
         await super().aclose()
         await self._book.stop()
         await self._redis.aclose(close_connection_pool=True)

@@ -272,3 +272,34 @@ async def test_an_outage_under_load_stalls_nothing_and_heals(own_redis: RedisSer
     await eventually(recovered(store))
     assert flips[:2] == [True, False]
     await store.aclose()
+
+
+async def test_a_lease_whose_answer_was_lost_is_taken_back_not_left_for_its_ttl(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An acquire whose script ran in Redis but whose answer came too late (a timeout: a loaded
+    event loop reads it after ``timeout_ms``) leaves a member nobody holds; the store takes it
+    back at once instead of leaving the key a slot short for the lease's TTL (issue 39, item 6)."""
+    limits = Limits(max_sessions_per_key=1)
+    store = gateway(redis_server, limits, prefix(), timeout_s=10.0, lease_ttl_s=30.0, auto_renew=False)
+    call = store._call
+
+    async def answer_lost(what: str, op: Awaitable[T]) -> T:
+        result = await call(what, op)  # it ran in Redis...
+        if what == "acquire":
+            raise store._unavailable(what, "no answer within 100 ms")  # ...and its answer was lost
+        return result
+
+    try:
+        monkeypatch.setattr(store, "_call", answer_lost)
+        with pytest.raises(LimitsUnavailableError):
+            await store.acquire_lease("session", "k", "s1")
+        monkeypatch.setattr(store, "_call", call)
+        await eventually(lambda: _count_is(store, "k", 0), within_s=10.0)
+        lease = await bounded(store.acquire_lease("session", "k", "s2"))  # the key's one slot is free
+        await bounded(store.release(lease))
+    finally:
+        await store.aclose()
+
+
+async def _count_is(store: RedisStore, key: str, n: int) -> bool:
+    return await bounded(store.lease_count("session", key)) == n
