@@ -81,8 +81,10 @@ class _Response:
 
 
 class VoiceSession:
-    def __init__(self, url: str, model: str, *, silence_ms: int, max_output_tokens: int) -> None:
+    def __init__(self, url: str, model: str, *, silence_ms: int, max_output_tokens: int,
+                 api_key: str | None = None) -> None:
         self._url = f"{url.replace('http', 'ws', 1)}/v1/realtime?model={model}"
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._silence_ms = silence_ms
         self._max_output_tokens = max_output_tokens
         self._ws: websockets.ClientConnection | None = None
@@ -99,7 +101,8 @@ class VoiceSession:
         self._transcribed_at: float | None = None  # the latest transcript
 
     async def __aenter__(self) -> VoiceSession:
-        self._ws = await websockets.connect(self._url, max_size=None, open_timeout=60)
+        self._ws = await websockets.connect(self._url, max_size=None, open_timeout=60,
+                                            additional_headers=self._headers)
         await self._send({"type": "session.update", "session": {
             "type": "realtime", "output_modalities": ["audio"],
             "instructions": "You are a voice assistant. Answer in one short sentence.",

@@ -8,7 +8,7 @@ The API adapters parse the request's fields into ``OutputConstraints`` and its h
 - ``Grammars``: the gateway's compilers, one per tokenizer (llguidance's tokenizer view built off
   the event loop, once), so a schema that cannot be enforced is refused with the field named
   before any generation, and the grammar text travels to the tier in ``SamplingParams.grammar``.
-  Compiles run on threads of their own (``COMPILE_THREADS``), never on the event loop: a client
+  Compiles run on threads of their own (``COMPILE_THREADS``, a quarter of the cores), never on the event loop: a client
   sending a new, hard schema per request (128 tools, a failed compile that names each one) costs
   those threads, not every session's streams, Redis calls and timers; a compile (with its wait for
   a thread) past ``compile_timeout_s`` is refused (``grammar_too_complex``);
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,9 @@ from llm_shared.structured import (
 )
 from llm_shared.tokenizer import Tokenizer
 
-COMPILE_THREADS = 2  # grammar compiles at once per process; more wait for one (within the time cap)
+# Grammar compiles at once per process, more wait for one (within the time cap): a quarter of the
+# cores, at least one, so a flood of hard schemas cannot take the cores that stream tokens.
+COMPILE_THREADS = max(1, (os.cpu_count() or 1) // 4)
 COMPILE_TIMEOUT_S = 5.0  # a turn's compile, its wait for a thread included (llguidance's fuel bounds the rest)
 
 
