@@ -109,6 +109,7 @@ bench: $(STAMP) web-deps
 	$(BIN)/python bench/faults.py
 	$(BIN)/python bench/soak.py
 	$(BIN)/python bench/browser_offline.py
+	$(BIN)/python bench/hostile.py
 	$(MAKE) $(CLUSTER_STAMP)
 	$(BIN)/python bench/cluster.py
 
