@@ -12,7 +12,8 @@ What it measures, in one run:
   same thread count;
 - `first_device_token_ms_after_drop`: the gateway killed (SIGKILL) between two turns of a
   conversation, the next turn sent at once; from the kill to its first token on the device;
-  `first_device_token_ms_mid_answer` the same with the kill in the middle of an answer;
+  `first_device_token_ms_mid_answer` the same with the kill in the middle of an answer (its first
+  words shown; the device reads the question while the gateway answers it);
 - `switch_back_turns`: once the gateway is back, the turns until one is served online again;
 - `offsite_requests`: requests the page made to anywhere but the gateway (must be 0).
 
@@ -134,6 +135,9 @@ def drop_between_turns(page: Any, gateway: GatewayProcess, tokens: int) -> tuple
 
 
 def drop_mid_answer(page: Any, gateway: GatewayProcess, tokens: int) -> float:
+    """Kill the gateway once the answer shows its first words (the device has read the conversation
+    before the question, as a user who read the previous answer gives it time to)."""
+    page.wait_for_function("() => window.rtgwDemo.device()._busy === false")
     answer = ask(page, "Describe a walk through the old town, street by street.", max(tokens, 96))
     wait_text(page, 12)
     t0 = page_clock(page)

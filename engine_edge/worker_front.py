@@ -90,6 +90,7 @@ class WorkerFront(EdgeBackend):
         self.config = config
         self._tokenizer = tokenizer
         self._grammars: GrammarCompiler | None = None  # built with the first request that has a grammar
+        self._grammars_lock = threading.Lock()
         # Grammars compile on a thread of their own: never on the event loop (every stream of the
         # process waits on it) nor in the worker's decode loop (every sequence of the batch would).
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-grammar")
@@ -204,9 +205,15 @@ class WorkerFront(EdgeBackend):
         """A fresh matcher of ``grammar`` that ends its answer within ``max_tokens`` (compiled once
         per text; SchemaError names ``grammar``), on the compile thread.
         The compiler is built with the first grammar (~0.1 s, once)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self._tokenizer, family=None)
-        return self._grammars.text_matcher(grammar, max_tokens)
+        return self.grammar_compiler().text_matcher(grammar, max_tokens)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """This tier's compiler and its cache (built once, ~0.1 s; blocking): the gateway in the
+        same process compiles with it too, so a grammar it checked is a cache hit here."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self._tokenizer, family=None)
+            return self._grammars
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self._open or not self.ready:

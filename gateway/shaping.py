@@ -64,8 +64,11 @@ class Grammars:
         self._building: dict[int, asyncio.Future[GrammarCompiler]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
 
-    async def compiler(self, tokenizer: Tokenizer) -> GrammarCompiler:
-        """The compiler for ``tokenizer``; the first call builds it in a thread (~0.1 s)."""
+    async def compiler(self, tokenizer: Tokenizer, provider: object = None) -> GrammarCompiler:
+        """The compiler for ``tokenizer``; the first call builds it in a thread (~0.1 s), or takes
+        the one ``provider`` (the engine) offers as ``grammar_compiler()`` for the same tokenizer:
+        the in-process edge tier's, so the process keeps one cache and the tier finds each grammar
+        the gateway checked already compiled."""
         key = id(tokenizer)
         known = self._compilers.get(key)
         if known is not None and known[0] is tokenizer:
@@ -73,7 +76,7 @@ class Grammars:
         building = self._building.get(key)
         if building is None:
             building = self._building[key] = asyncio.ensure_future(
-                asyncio.to_thread(GrammarCompiler, tokenizer, family=self.family))
+                asyncio.to_thread(self._build, tokenizer, provider))
         try:
             compiler = await asyncio.shield(building)
         finally:
@@ -82,13 +85,23 @@ class Grammars:
         self._compilers[key] = (tokenizer, compiler)
         return compiler
 
-    async def compile(self, tokenizer: Tokenizer, constraints: OutputConstraints) -> CompiledGrammar | None:
+    def _build(self, tokenizer: Tokenizer, provider: object) -> GrammarCompiler:
+        offered = getattr(provider, "grammar_compiler", None)
+        if callable(offered):
+            shared = offered()
+            if shared.tokenizer is tokenizer:  # compile_source takes the family's grammar text: any family
+                return shared
+        return GrammarCompiler(tokenizer, family=self.family)
+
+    async def compile(self, tokenizer: Tokenizer, constraints: OutputConstraints,
+                      provider: object = None) -> CompiledGrammar | None:
         """The turn's compiled grammar (None: nothing constrains it); raises SchemaError naming the
-        field that cannot be enforced, or InvalidRequestError when the model cannot call tools."""
+        field that cannot be enforced, or InvalidRequestError when the model cannot call tools.
+        ``provider``: the turn's engine, whose compiler the gateway shares where it has one."""
         source = grammar_source(constraints, self.family)
         if source is None:  # nothing constrains the output: no compiler needed
             return None
-        compiler = await self.compiler(tokenizer)
+        compiler = await self.compiler(tokenizer, provider)
         work = asyncio.get_running_loop().run_in_executor(self._pool, compiler.compile_source, source)
         try:
             return await asyncio.wait_for(work, self.compile_timeout_s)

@@ -135,7 +135,7 @@ class Turn:
         engine = self.choose()
         if self._constraints is not None and self._grammars is not None:
             # A schema that cannot be enforced is refused here, naming its field, before any work.
-            self.grammar = await self._grammars.compile(engine.tokenizer, self._constraints)
+            self.grammar = await self._grammars.compile(engine.tokenizer, self._constraints, engine)
             if self.grammar is not None:
                 self._params = replace(self._params, grammar=self.grammar.text)
         self._prompt_ids = await encode_chat(engine, self._messages,

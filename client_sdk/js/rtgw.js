@@ -919,9 +919,7 @@ export class RealtimeClient extends Emitter {
       reason: details.reason, error: details.error });
     this.emit("turn", turn);
     // the device reads the conversation while the app waits for the user: a later drop costs less
-    if (!turn.device && this.device?.available) {
-      this.device.warm?.({ conversation: [...this.conversation], instructions: this.sessionSettings.instructions ?? "" });
-    }
+    if (!turn.device) this._warmDevice();
   }
 
   _serverError(error) {
@@ -1049,6 +1047,9 @@ export class RealtimeClient extends Emitter {
       // The socket is closing: its close decides (a drain starts the turn on the next session;
       // any other close fails it with connection_lost).
     }
+    // While the gateway answers, the device reads the conversation up to this answer: if the
+    // socket drops mid-answer, it has only the text shown so far left to read.
+    this._warmDevice(response.instructions);
     return turn;
   }
 
@@ -1116,6 +1117,13 @@ export class RealtimeClient extends Emitter {
   }
 
   // --- on the device ---
+
+  /** A ready device reads the conversation so far (its KV then holds it); see DeviceFallback.warm. */
+  _warmDevice(instructions) {
+    if (!this.device?.available) return;
+    this.device.warm?.({ conversation: [...this.conversation],
+      instructions: instructions ?? this.sessionSettings.instructions ?? "" });
+  }
 
   /** Whether the device can answer now: its model stored and loaded (loading it if need be). */
   async _deviceReady() {

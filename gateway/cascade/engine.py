@@ -26,6 +26,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine_gpu.client import kv_use
 from gateway.cascade.confidence import ConfidenceScorer
@@ -46,6 +47,9 @@ from llm_shared.contract import (
 )
 from llm_shared.errors import DuplicateRequestError, EngineError, EngineUnavailableError, OverloadedError
 from llm_shared.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llm_shared.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +232,11 @@ class CascadeEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.edge.tokenizer  # the same vocabulary as the torch tier's (checked at start-up)
+
+    @property
+    def grammar_compiler(self) -> Callable[[], GrammarCompiler] | None:
+        """The edge tier's compiler, which the gateway shares (``gateway.shaping``), if it has one."""
+        return getattr(self.edge, "grammar_compiler", None)
 
     @property
     def ready(self) -> bool:

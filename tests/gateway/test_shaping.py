@@ -85,3 +85,27 @@ async def test_a_compile_past_its_cap_is_refused_and_the_loop_goes_on(tokenizer:
     monkeypatch.setattr(GrammarCompiler, "compile_source", compile_source)
     grammars.compile_timeout_s = 60
     assert await grammars.compile(tokenizer, constraints(weather("later"))) is not None
+
+
+async def test_the_gateway_shares_the_in_process_edge_tiers_compiler(tokenizer: Tokenizer) -> None:
+    """One grammar cache per process (issue 39, item 3): the gateway compiles with the compiler its
+    engine offers, so the edge tier finds each grammar the gateway checked already compiled."""
+
+    class Edge:
+        def __init__(self) -> None:
+            self.compiler = GrammarCompiler(tokenizer, family=None)
+
+        def grammar_compiler(self) -> GrammarCompiler:
+            return self.compiler
+
+    edge = Edge()
+    grammars = Grammars("smollm2")
+    compiled = await grammars.compile(tokenizer, constraints(weather()), edge)
+    assert compiled is not None
+    assert await grammars.compiler(tokenizer) is edge.compiler
+    before = edge.compiler.cache_stats()
+    edge.compiler.text_matcher(compiled.text, 64)  # what the edge tier does with the request's grammar
+    after = edge.compiler.cache_stats()
+    assert (after.hits - before.hits, after.misses - before.misses) == (1, 0)
+    other = Grammars("smollm2")  # an engine without a compiler (the torch tier's client): the gateway's own
+    assert await other.compiler(tokenizer, object()) is not edge.compiler

@@ -258,7 +258,12 @@ test("the socket lost mid-answer: the device goes on from the text shown, in the
   assert.equal(result.tier, "device");
   assert.equal(result.text, "Once upon and done.");
   assert.equal(result.responseId, responseId);
-  assert.equal(engine.requests[0].prompt.endsWith("<|im_start|>user\nTell me<|im_end|>\n<|im_start|>assistant\nOnce upon"), true);
+  // while the gateway answered, the device read the conversation up to the answer...
+  const [warm, answer] = engine.requests;
+  assert.equal(warm.maxTokens, 1);
+  assert.ok(warm.prompt.endsWith("<|im_start|>user\nTell me<|im_end|>\n<|im_start|>assistant\n"));
+  // ...so the continuation's prompt is that prefix and the text shown: all it must still read
+  assert.equal(answer.prompt, warm.prompt + "Once upon");
   assert.equal(c.conversation.at(-1).text, "Once upon and done.");
   c.close();
 });
@@ -294,8 +299,9 @@ test("after an online turn a ready device reads the conversation, so a later dev
   const { c, device } = deviceClient(server, engine);
   await device.prepare({ download: false });
   await onlineTurn(c, server, "Remember 42.", ["Noted: 42."]);
-  assert.equal(engine.requests.length, 1);
-  const warm = engine.requests[0];
+  await device.warming;
+  assert.equal(engine.requests.length, 2); // at the request, and once the answer was in
+  const warm = engine.requests[1];
   assert.equal(warm.maxTokens, 1);
   assert.match(warm.prompt, /Remember 42\.<\|im_end\|>\n<\|im_start\|>assistant\nNoted: 42\.<\|im_end\|>\n<\|im_start\|>assistant\n$/);
   server.drop(server.last, 1006, "");
@@ -303,7 +309,7 @@ test("after an online turn a ready device reads the conversation, so a later dev
   server.refuse = 100;
   const result = await (await c.send("Which number?")).result;
   assert.equal(result.tier, "device");
-  const answer = engine.requests[1].prompt;
+  const answer = engine.requests[2].prompt;
   // the answer's prompt extends what was read, up to the last message's end
   const shared = warm.prompt.slice(0, warm.prompt.lastIndexOf("<|im_start|>assistant\n"));
   assert.ok(answer.startsWith(shared));
