@@ -6,6 +6,8 @@ leaves the gateway's origin."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -38,6 +40,16 @@ WATCH = """() => {
   hook();
   setInterval(hook, 50);
 }"""
+
+
+@contextmanager
+def chromium(playwright: Any) -> Iterator[Any]:
+    """Debian's Chromium, headless with ``ARGS``, under a started (sync) Playwright; closed after."""
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+    try:
+        yield browser
+    finally:
+        browser.close()
 
 
 class RequestLog:

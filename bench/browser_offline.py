@@ -42,11 +42,10 @@ from typing import Any  # noqa: E402
 from gateway_process import GatewayProcess, write_config  # noqa: E402
 
 from bench._browser import (  # noqa: E402
-    ARGS,
-    CHROMIUM,
     WATCH,
     RequestLog,
     ask,
+    chromium,
     enable_device,
     wait_device_ready,
     wait_done,
@@ -165,8 +164,7 @@ def run(smoke: bool) -> dict[str, Any]:
         progress(f"starting the gateway ({routing} route)")
         gateway.start()
         try:
-            with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+            with sync_playwright() as p, chromium(p) as browser:
                 context = browser.new_context(viewport={"width": 1280, "height": 800})
                 log = RequestLog(context)
                 page = context.new_page()
@@ -204,7 +202,6 @@ def run(smoke: bool) -> dict[str, Any]:
                 progress("a drop in the middle of an answer")
                 mid_ms = drop_mid_answer(page, gateway, tokens)
                 progress(f"first device token {mid_ms:.0f} ms after the kill, mid-answer")
-                browser.close()
         finally:
             gateway.stop()
         offsite = log.offsite(gateway.url)

@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gateway_process import GatewayProcess, write_config
 
 from bench._browser import (
-    ARGS,
     CHROMIUM,
     WAIT_MS,
     WATCH,
     RequestLog,
     ask,
+    chromium,
     enable_device,
     last_answer,
     wait_device_ready,
@@ -168,21 +168,17 @@ def test_demo_page_answers_on_the_device_when_the_gateway_dies(tmp_path: Path) -
     plain = write_config(tmp_path, server={"cross_origin_isolation": False}, name="plain.toml")
     gateway.start()
     try:
-        with playwright_sync.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-            try:
-                context = browser.new_context(viewport={"width": 1280, "height": 800})
-                log = RequestLog(context)
-                page = context.new_page()
-                page.set_default_timeout(WAIT_MS)
-                online_then_device(page, gateway, log)
-                markdown_is_rendered_and_html_is_text(page)
-                reload_without_isolation(page, gateway, plain, log)
-                context_overflow_is_an_error(page)
-                assert log.offsite(gateway.url) == []
-                assert log.count("/vendor/wllama.wasm") >= 1
-            finally:
-                browser.close()
+        with playwright_sync.sync_playwright() as p, chromium(p) as browser:
+            context = browser.new_context(viewport={"width": 1280, "height": 800})
+            log = RequestLog(context)
+            page = context.new_page()
+            page.set_default_timeout(WAIT_MS)
+            online_then_device(page, gateway, log)
+            markdown_is_rendered_and_html_is_text(page)
+            reload_without_isolation(page, gateway, plain, log)
+            context_overflow_is_an_error(page)
+            assert log.offsite(gateway.url) == []
+            assert log.count("/vendor/wllama.wasm") >= 1
     except Exception:
         print(gateway.log_tail())
         raise

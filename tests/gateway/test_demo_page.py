@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client_sdk"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gateway_process import REPO_ROOT, GatewayProcess, write_config
 
-from bench._browser import ARGS, CHROMIUM, WAIT_MS, ask, last_answer, wait_done, wait_text
+from bench._browser import CHROMIUM, WAIT_MS, ask, chromium, last_answer, wait_done, wait_text
 
 IMG = REPO_ROOT / "docs" / "img"
 STORY = "Tell me a long story about a dragon who learns to bake bread, with many details."
@@ -149,21 +149,17 @@ def test_demo_page_in_chromium(tmp_path: Path) -> None:
     shots = tmp_path / "shots"
     shots.mkdir()
     try:
-        with playwright_sync.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-            try:
-                desktop = browser.new_page(viewport={"width": 1280, "height": 800})
-                desktop.set_default_timeout(WAIT_MS)
-                desktop_flow(desktop, f"{gateway.url}/", shots)
-                tool_flow(desktop)
-                phone_context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2,
-                                                    is_mobile=True, has_touch=True)
-                phone = phone_context.new_page()
-                phone.set_default_timeout(WAIT_MS)
-                phone_flow(phone, f"{gateway.url}/", shots)
-                unreachable_flow(desktop, gateway)
-            finally:
-                browser.close()
+        with playwright_sync.sync_playwright() as p, chromium(p) as browser:
+            desktop = browser.new_page(viewport={"width": 1280, "height": 800})
+            desktop.set_default_timeout(WAIT_MS)
+            desktop_flow(desktop, f"{gateway.url}/", shots)
+            tool_flow(desktop)
+            phone_context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2,
+                                                is_mobile=True, has_touch=True)
+            phone = phone_context.new_page()
+            phone.set_default_timeout(WAIT_MS)
+            phone_flow(phone, f"{gateway.url}/", shots)
+            unreachable_flow(desktop, gateway)
     except Exception:
         print(gateway.log_tail())
         raise
