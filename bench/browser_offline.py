@@ -34,6 +34,7 @@ sys.path.insert(0, str(_HERE.parent / "tests" / "client_sdk"))  # the tests' gat
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -152,7 +153,7 @@ def run(smoke: bool) -> dict[str, Any]:
 
     tokens = 24 if smoke else 128
     drops = 1 if smoke else 5
-    cores = len(__import__("os").sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0))
     progress(f"native llama.cpp: {tokens} tokens at 1 and {cores} threads")
     native = {1: native_tok_s(1, tokens), cores: native_tok_s(cores, tokens)}
     progress(f"native tok/s: {({k: round(v, 1) for k, v in native.items()})}")

@@ -248,16 +248,18 @@ class VoicePool:
         queue.remove(queued)
         if not queue:
             del self._queues[queued.job.owner]
-        never = Future()
-        never.cancel()
-        self._finish(queued.job, never)
+        self._finish_unstarted(queued.job)
 
     def _fail_queued(self, queued: _Queued, error: BaseException) -> None:
         if not queued.result.done():
             queued.result.set_exception(error)
-        never = Future()
+        self._finish_unstarted(queued.job)
+
+    def _finish_unstarted(self, job: _Job) -> None:
+        """Account for a job no worker ran: it ends as cancelled."""
+        never: Future[object] = Future()
         never.cancel()
-        self._finish(queued.job, never)
+        self._finish(job, never)
 
     def _finish(self, job: _Job, future: Future[T]) -> None:
         """On the event loop, once the job really ended (ran, failed, or was cancelled unstarted)."""

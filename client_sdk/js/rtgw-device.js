@@ -392,8 +392,7 @@ export class DeviceFallback extends Emitter {
     const response = await this._fetch(this.baseUrl + path, { headers: this._headers(), cache: "no-store" });
     if (!response.ok) throw new DeviceModelError(`the gateway answered HTTP ${response.status} for ${path}`, "card_refused");
     const body = await response.json();
-    const card = this.model ? body : (body.data ?? [])[0] ?? {};
-    return card.x_device ?? (this.model ? null : await this._firstCard(body));
+    return this.model ? body.x_device ?? null : this._firstCard(body); // a list names no files: ask each card
   }
 
   async _firstCard(list) {
