@@ -20,7 +20,7 @@ import websockets
 from openai import AsyncOpenAI
 
 from bench._common import BenchError  # re-exported: the benchmarks import it from here
-from gateway.engines import encode_chat
+from gateway.tiers.build import encode_chat
 from llm_shared.contract import Engine, FinishEvent, Priority, SamplingParams, TokenEvent
 
 BENCH_API_KEY = "bench"  # the gateway has no keys configured on loopback; any bearer is accepted

@@ -32,7 +32,7 @@ STOP_TIMEOUT_S = 30.0
 RSS_SETTLE_S = 1.0
 RSS_SAMPLES = 5
 LOG_MARKERS = (" WARNING ", " ERROR ", " CRITICAL ", "Traceback", "too slow")
-_WORKER_LABEL = re.compile(r',?worker="\d+"')  # gateway/worker_metrics.py's label on every series
+_WORKER_LABEL = re.compile(r',?worker="\d+"')  # gateway/process/worker_metrics.py's label on every series
 
 
 def derive_config(base: Path, directory: Path, clients: int, idle_sessions: int) -> Path:

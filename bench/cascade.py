@@ -4,7 +4,7 @@ close the answers come to always escalating, and what escalation costs in time t
 One run, both tiers of the default configuration (the embedded SmolLM2-135M on each):
 
 1. **Calibrate**: every prompt greedily through both tiers in-process (what
-   ``python -m gateway.cascade.calibrate`` does); the threshold that escalates
+   ``python -m gateway.tools.calibrate`` does); the threshold that escalates
    ``--target-escalation`` of them (default 0.3) is the one served next.
 2. **Serve**: fresh engines (so no cache from step 1 helps), a gateway in this process with that
    threshold, and for each prompt, one at a time, greedy streamed chat completions: first with
@@ -56,7 +56,11 @@ from bench._common import (
     result_path,
     write_json,
 )
-from gateway.cascade.calibrate import (
+from gateway.config import DEFAULT_CONFIG, Config, load_config
+from gateway.http.state import STATE
+from gateway.process.server import create_app, start_server
+from gateway.tiers.build import close_engines, load_engines
+from gateway.tools.calibrate import (
     DEFAULT_PROMPTS,
     Prompt,
     calibrate,
@@ -66,11 +70,7 @@ from gateway.cascade.calibrate import (
     load_prompts,
     pick_threshold,
 )
-from gateway.cascade.calibrate import plot as plot_calibration
-from gateway.config import DEFAULT_CONFIG, Config, load_config
-from gateway.engines import close_engines, load_engines
-from gateway.server import create_app, start_server
-from gateway.state import STATE
+from gateway.tools.calibrate import plot as plot_calibration
 
 SMOKE_MAX_TOKENS = 12  # past the hold window (8), so a confident turn also streams after its release
 

@@ -90,7 +90,7 @@ FULL = {"turns": 10_000, "frames": 100_000, "real_frames": 200_000, "streams": 8
 QUICK = {"turns": 300, "frames": 5_000, "real_frames": 20_000, "streams": 8}
 SMOKE = {"turns": 30, "frames": 500, "real_frames": 100, "streams": 2, "sessions": 6, "fuzz_connections": 2}
 # The cancels run on the shipped config as users run it: both tiers on the host's CPU budget
-# (gateway/host.py: one thread each on two cores), speculation as shipped.
+# (gateway/config/host.py: one thread each on two cores), speculation as shipped.
 CANCELS_CHANGES: dict[str, dict[str, Any]] = {}
 HEADLINE_BY_ARM = {"cancels": ("leaked_kv_after_cancels",), "fuzz": ("fuzz_cases", "fuzz_crashes"),
                    "fuzz_real": ("fuzz_real_cases", "fuzz_real_crashes"),

@@ -81,7 +81,7 @@ from bench._gateway_clients import (  # noqa: E402
 from bench._gateway_report import plot, summarize_throughput, summary_lines  # noqa: E402
 from bench._gateway_server import GatewayProcess, derive_config  # noqa: E402
 from gateway.config import DEFAULT_CONFIG, load_config  # noqa: E402
-from gateway.engines import build_edge_engine  # noqa: E402
+from gateway.tiers.build import build_edge_engine  # noqa: E402
 from llm_shared.contract import Engine  # noqa: E402
 
 HOST = "127.0.0.1"

@@ -341,7 +341,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def result_cores() -> int:
-    from gateway.host import usable_cpus
+    from gateway.config.host import usable_cpus
 
     return max(2, usable_cpus())
 

@@ -99,8 +99,8 @@ from engine_gpu.engine import LLMEngine  # noqa: E402
 from engine_gpu.runner import ModelRunner  # noqa: E402
 from engine_gpu.speculative.speculator import Speculator, build_speculator  # noqa: E402
 from gateway.config import DEFAULT_CONFIG, Config, load_config  # noqa: E402
-from gateway.engines import close_engines, host_plan, load_engines  # noqa: E402
-from gateway.server import create_app, start_server  # noqa: E402
+from gateway.process.server import create_app, start_server  # noqa: E402
+from gateway.tiers.build import close_engines, host_plan, load_engines  # noqa: E402
 from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent  # noqa: E402
 from llm_shared.modelfile import default_gguf_path  # noqa: E402
 from llm_shared.models import tokenizer_for  # noqa: E402

@@ -149,7 +149,7 @@ class GatewayMetrics:
         self.tier_up = Gauge("gateway_tier_up", "1 while the tier is up (down: not ready, refusing, or stalled with "
                              "work)", ["tier"], registry=r)
         self.host_threads = Gauge("gateway_host_threads", "Threads of each compute pool on this host, from its CPU "
-                                  "budget (gateway.host)", ["pool"], registry=r)
+                                  "budget (gateway.config.host)", ["pool"], registry=r)
         self.tier_transitions = Counter("gateway_tier_transitions", "Up/down changes of a tier's health", ["tier"],
                                         registry=r)
         self.gc_pause = Histogram(

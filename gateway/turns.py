@@ -22,10 +22,10 @@ from typing import Literal
 
 from gateway.cascade.route import RouteInfo
 from gateway.cascade.router import Router, prompt_token_limit
-from gateway.engines import encode_chat
 from gateway.limits import LimitsStore, Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.shaping import Grammars
+from gateway.tiers.build import encode_chat
 from llm_shared.channel import EventChannel, as_pushing
 from llm_shared.contract import (
     Engine,

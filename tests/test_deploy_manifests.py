@@ -357,7 +357,7 @@ def test_the_ingress_keeps_websockets_and_sse_open(documents: list[tuple[str, Do
     assert int(annotations[NGINX + "proxy-read-timeout"]) >= WEBSOCKET_TIMEOUT_S
     assert int(annotations[NGINX + "proxy-send-timeout"]) >= WEBSOCKET_TIMEOUT_S
     assert annotations[NGINX + "proxy-buffering"] == "off"  # SSE events pass as they come
-    # gateway/server.py's body limit: nginx must not answer 413 to a body the gateway accepts.
+    # gateway/process/server.py's body limit: nginx must not answer 413 to a body the gateway accepts.
     body_limit = max(1 << 20, 6 * config.server.max_conversation_chars + 65536)
     assert nginx_bytes(annotations[NGINX + "proxy-body-size"]) >= max(body_limit, config.server.max_frame_bytes)
     assert NGINX + "affinity" not in annotations  # sessions live on their gateway; reconnects restore by item id

@@ -8,7 +8,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from gateway.demo import SDK_FILES, WEB_ROOT_ENV, WebFiles, web_root
+from gateway.http.demo import SDK_FILES, WEB_ROOT_ENV, WebFiles, web_root
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"

@@ -75,7 +75,7 @@ TORCH_FREE = [
     "llm_shared.textstream", "llm_shared.chat_template", "llm_shared.llamacpp_runtime", "engine_edge",
     "engine_edge.config",
     "engine_gpu.config", "engine_gpu.client", "engine_gpu.scheduler", "gateway.config",
-    "engine_cluster.config", "engine_cluster.policy", "engine_cluster.pool", "gateway.engines",
+    "engine_cluster.config", "engine_cluster.policy", "engine_cluster.pool", "gateway.tiers.build",
     "voice.config", "voice.audio", "voice.vad", "voice.asr", "voice.tts", "voice.pool", "voice.phrases", "voice.alignment",
     "voice.limits", "voice.service", "voice.tts_piper",
 ]

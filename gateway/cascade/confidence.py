@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
-from gateway.cascade.config import CascadeConfig
+from gateway.config.cascade import CascadeConfig
 from llm_shared.errors import ConfigError
 
 

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 from engine_gpu.client import kv_use
 from gateway.cascade.confidence import ConfidenceScorer
-from gateway.cascade.config import CascadeConfig
 from gateway.cascade.health import HealthMonitor
 from gateway.cascade.route import RouteInfo
+from gateway.config.cascade import CascadeConfig
 from gateway.metrics import GatewayMetrics
 from llm_shared.channel import Delivered, EventChannel, Subscriber, as_pushing
 from llm_shared.contract import (

@@ -13,10 +13,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from gateway.cascade.config import RouteKind
 from gateway.cascade.engine import CascadeEngine
 from gateway.cascade.health import HealthMonitor
 from gateway.cascade.route import Route, RouteInfo
+from gateway.config.cascade import RouteKind
 from llm_shared.contract import Engine, SamplingParams
 from llm_shared.errors import EngineUnavailableError, UnknownModelError
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gateway.limits.config import FailurePolicy, LeaseKind, Limits, LimitsConfig
+from gateway.config.limits import FailurePolicy, LeaseKind, Limits, LimitsConfig
 
 if TYPE_CHECKING:
     from gateway.limits.base import BucketView, Lease, LimitsStore, LimitsUnavailableError, Reservation, Snapshot

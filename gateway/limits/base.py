@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from gateway.auth import AuthError, RateLimitedError
-from gateway.limits.config import LeaseKind, Limits
+from gateway.config.limits import LeaseKind, Limits
 from llm_shared.errors import EngineError
 
 log = logging.getLogger("gateway.limits")

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from gateway.auth import AuthError, Clock, RateLimitedError
+from gateway.config.limits import FailurePolicy, LeaseKind
 from gateway.limits.base import (
     Lease,
     LimitsStore,
@@ -26,7 +27,6 @@ from gateway.limits.base import (
     Snapshot,
     process_full,
 )
-from gateway.limits.config import FailurePolicy, LeaseKind
 from gateway.limits.memory import InProcessStore
 
 log = logging.getLogger("gateway.limits")

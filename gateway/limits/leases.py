@@ -13,8 +13,8 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 
+from gateway.config.limits import LeaseKind
 from gateway.limits.base import Lease, LimitsUnavailableError
-from gateway.limits.config import LeaseKind
 
 log = logging.getLogger("gateway.limits")
 

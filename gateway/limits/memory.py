@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from gateway.auth import Clock, TokenBucket
+from gateway.config.limits import LeaseKind, Limits
 from gateway.limits.base import (
     BucketView,
     Lease,
@@ -25,7 +26,6 @@ from gateway.limits.base import (
     reserved_tokens,
     tokens_refused,
 )
-from gateway.limits.config import LeaseKind, Limits
 from gateway.limits.leases import LeaseBook
 
 

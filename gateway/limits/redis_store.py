@@ -20,6 +20,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from gateway.config.limits import LeaseKind, Limits
 from gateway.limits import redis_lua
 from gateway.limits.base import (
     BucketView,
@@ -36,7 +37,6 @@ from gateway.limits.base import (
     reserved_tokens,
     tokens_refused,
 )
-from gateway.limits.config import LeaseKind, Limits
 from gateway.limits.leases import LeaseBook
 
 T = TypeVar("T")

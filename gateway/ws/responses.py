@@ -26,6 +26,7 @@ from typing import Any
 
 from gateway.shaping import CallStream
 from gateway.ws.audio_events import PCM_BYTES_PER_MS, PCM_RATE, AudioSettings
+from gateway.ws.commands import Synthesize
 from gateway.ws.conversation import AnyItem, Conversation, FunctionCall, Item
 from gateway.ws.server_events import Emitter, TextDelta
 from gateway.ws.speech_out import SpeechOut, audio_ms
@@ -77,14 +78,20 @@ class ResponseStream:
         self.voice = audio.voice if audio is not None else ""
         self.in_conversation = conversation is not None
         self.held = False  # created, not started: its prompt waits for a transcript
-        # Speaking: phrases asked for (index, text) are collected for the session to turn into commands.
-        self.phrases_asked: list[tuple[int, str]] = []
-        self._speech = speech(lambda i, text: self.phrases_asked.append((i, text))) \
+        # Speaking: the phrases it asks for wait for the session to take them (``take_phrases``).
+        self._phrases: list[Synthesize] = []
+        self._speech = speech(lambda i, text: self._phrases.append(
+            Synthesize(response_id=self.id, index=i, text=text, voice=self.voice))) \
             if speech is not None and audio is not None and audio.output_audio else None
         self._speaks = self._speech is not None
         self._waiting: list[ToolCallEvent] = []  # parsed events behind text still being spoken
         self._final: tuple[str, str | None, dict[str, str] | None, tuple[int, int, int]] | None = None
         self.audio_ms = 0  # speech sent
+
+    def take_phrases(self) -> list[Synthesize]:
+        """The phrases asked to be spoken since the last call, as commands."""
+        phrases, self._phrases = self._phrases, []
+        return phrases
 
     @property
     def needs_slot(self) -> bool:

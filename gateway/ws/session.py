@@ -1,35 +1,30 @@
-"""Sans-I/O core of one Realtime session (text subset of the OpenAI Realtime API).
+"""Sans-I/O core of one Realtime session.
 
-No sockets, no asyncio: the adapter feeds decoded client events (``receive``) and engine
-stream events (``engine_event`` / ``engine_failed``), then drains typed server events
-(``events_to_send``, see ``server_events``) and engine commands (``commands``), the way
-websockets' protocol.py turns bytes in into events out. Nothing here raises at the caller:
-bad input becomes an ``error`` event, an unexpected failure a generic ``server_error`` one.
+No sockets, no asyncio: the adapter feeds decoded client events (``receive``), engine stream
+events (``engine_event`` / ``engine_failed``) and voice reports (``transcribed``, ``speech_ready``...),
+then drains typed server events (``events_to_send``, see ``server_events``) and commands
+(``commands``), the way websockets' protocol.py turns bytes in into events out. The session owns
+the responses; its items (``items.ItemStore``), settings (``settings.SessionSettings``) and speech
+in (``voice_input.VoiceInput``) are objects of their own. Nothing here raises at the caller: bad
+input becomes an ``error`` event, an unexpected failure a generic ``server_error`` one.
 
-Guarantees the adapter can rely on:
-- at most one response is active; a second ``response.create`` is refused;
-- after ``response.done`` no event of that response is emitted, whatever the engine sends late;
-- every cancel of a started generation queues exactly one ``AbortGeneration``.
+Guarantees the adapter can rely on: at most one response is active (a second ``response.create``
+is refused); after ``response.done`` no event of that response is emitted, whatever the engine
+sends late; every cancel of a started generation queues exactly one ``AbortGeneration``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.shaping import CallStream
-from gateway.ws.audio_events import AudioSettings
-from gateway.ws.audio_input import InputAudio
-from gateway.ws.commands import AbortGeneration, Command, StartGeneration
-from gateway.ws.conversation import (
-    Conversation,
-    Item,
-    to_history,
-)
+from gateway.ws.commands import AbortGeneration, CancelSpeech, CancelTranscription, Command, StartGeneration
+from gateway.ws.conversation import Conversation, to_history
 from gateway.ws.events import (
+    AudioEvent,
     ClientEvent,
     ItemCreate,
     ItemDelete,
@@ -40,36 +35,32 @@ from gateway.ws.events import (
     ResponseCreate,
     SessionLimits,
     SessionUpdate,
-    ToolsPatch,
     parse_client_event,
 )
 from gateway.ws.ids import SessionIds
+from gateway.ws.items import ItemStore
 from gateway.ws.responses import ResponseStream
 from gateway.ws.server_events import Emitter, ServerEvent, TextDelta
-from gateway.ws.session_items import SessionItems
-from gateway.ws.session_voice import SessionVoice, VoiceHooks
+from gateway.ws.settings import SessionSettings
 from gateway.ws.speech_out import SpeechOut
-from gateway.ws.wire import SessionView, item_wire, session_wire
+from gateway.ws.voice_input import VoiceHooks, VoiceInput
+from gateway.ws.wire import item_wire, session_wire
 from llm_shared.contract import FinishEvent, SamplingParams, StreamEvent, TokenEvent
-from llm_shared.errors import EngineError, InvalidRequestError
-from llm_shared.structured import (
-    OutputConstraints,
-    SchemaError,
-    ToolCallFamily,
-    parse_realtime_constraints,
-    render_messages,
-)
-from llm_shared.structured.parse import REALTIME_DEFAULT
+from llm_shared.errors import EngineError
+from llm_shared.structured import SchemaError, ToolCallFamily, render_messages
+from voice.alignment import Mark
 
 __all__ = ["AbortGeneration", "Command", "RealtimeSession", "SessionIds", "SessionLimits", "StartGeneration"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TEMPERATURE = 0.8  # the Realtime API's default
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing this event."
 
 
-class RealtimeSession(SessionItems, SessionVoice):
+class RealtimeSession:
+    """One session's state, with its items (``ItemStore``) and speech in (``VoiceInput``) in
+    objects of their own that reach back only through ``_ActiveResponse``'s few calls."""
+
     def __init__(
         self,
         *,
@@ -90,36 +81,24 @@ class RealtimeSession(SessionItems, SessionVoice):
         pipeline's pure parts (VAD, phrase splitting); None where the server has no voice, and then
         audio events and audio output are refused. ``clock``: the audio rate bound's."""
         self._session_id = session_id
-        self._model = model
-        self._models = models | {model}
         self._limits = limits
         self._beta = beta
         self._ids = id_factory or SessionIds()
-        self._instructions = ""
-        self._max_output_tokens: int | str = limits.default_max_output_tokens
-        self._temperature = DEFAULT_TEMPERATURE
-        self._family = family
-        self._constraints: OutputConstraints = REALTIME_DEFAULT  # tools, tool_choice, parallel_tool_calls
+        self._settings = SessionSettings(session_id=session_id, model=model, models=models, limits=limits,
+                                         family=family, voice=voice is not None)
         self._conversation = Conversation(id=self._ids("conv"))
         self._events = Emitter(self._ids, beta)
-        self._commands: list[Command] = []
+        self._commands: list[Command] = []  # shared with the items and speech in: emptied in place
         self._active: ResponseStream | None = None
         self._active_event_id: str | None = None  # the response.create that started it
         self._started = False
         self._voice = voice
-        self._audio = AudioSettings()
-        self._input = InputAudio(limits, voice.segmenters if voice is not None else None, clock=clock)
-        self._input.configure(self._audio.turn_detection)
-        self._speech_item: str | None = None  # the user item the speech in progress will become
-        self._speech_start_ms = 0
-        # User items whose transcript is being made, with the cut of their speech it will be for.
-        self._transcribing: dict[str, tuple[Item, int]] = {}
-        # The job started at the latest pause of the speech in progress (item id, cut), and its
-        # transcript if it came before the speech ended.
-        self._eager: tuple[str, int] | None = None
-        self._early: dict[str, tuple[int, str, float]] = {}
         self._held: Callable[[], None] | None = None  # starts the active response once transcripts are in
-        self._admitting = False  # a response server VAD asked for waits for the key's admission
+        active = _ActiveResponse(self)
+        self._items = ItemStore(self._conversation, limits, self._ids, self._events, beta, writer=active)
+        self._voice_in = VoiceInput(limits, voice, self._items, self._ids, self._events, self._commands, turns=active,
+                                    clock=clock)
+        self._voice_in.configure(self._settings.view.audio.turn_detection)
 
     # ----- public API -------------------------------------------------------------------
 
@@ -146,7 +125,7 @@ class RealtimeSession(SessionItems, SessionVoice):
         if self._started:
             return
         self._started = True
-        self._emit("session.created", session=session_wire(self._view(), self._beta))
+        self._emit("session.created", session=session_wire(self._settings.view, self._beta))
         if self._beta:
             self._emit("conversation.created",
                        conversation={"id": self._conversation.id, "object": "realtime.conversation"})
@@ -242,8 +221,62 @@ class RealtimeSession(SessionItems, SessionVoice):
         return self._events.drain()
 
     def commands(self) -> list[Command]:
-        commands, self._commands = self._commands, []
+        commands = list(self._commands)
+        self._commands.clear()
         return commands
+
+    # ----- voice: the adapter reports -----------------------------------------------------------
+
+    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0) -> None:
+        """The transcript of a user item's speech (``VoiceInput.transcribed``). Never raises."""
+        try:
+            self._voice_in.transcribed(item_id, transcript, seconds, tag)
+        except Exception:
+            logger.exception("internal error handling the transcript of %s", item_id)
+            self._internal_error(None)
+
+    def transcription_failed(self, item_id: str, message: str, tag: int = 0) -> None:
+        """The item's speech could not be transcribed (``VoiceInput.transcription_failed``). Never raises."""
+        try:
+            self._voice_in.transcription_failed(item_id, message, tag)
+        except Exception:
+            logger.exception("internal error handling the failed transcription of %s", item_id)
+            self._internal_error(None)
+
+    def response_admitted(self, ok: bool) -> None:
+        """The adapter's answer to ``AdmitResponse``: charged (the response starts now, unless one
+        started meanwhile) or refused (the adapter has told the client why). Never raises."""
+        self._voice_in.admission_answered()
+        if not ok or self._active is not None:
+            return
+        try:
+            self._response_create(ResponseCreate(event_id=None))
+        except ProtocolError as e:
+            self._error(e)
+        except Exception:
+            logger.exception("internal error starting a response of %s", self._session_id)
+            self._internal_error(None)
+
+    def speech_ready(self, response_id: str, index: int, audio: bytes, marks: Sequence[Mark] = ()) -> None:
+        """The audio (PCM16, 24 kHz) of phrase ``index`` of ``response_id``, with the synthesizer's
+        timing marks (character, sample at 24 kHz); ignored once the response is done."""
+        response = self._active
+        if response is None or response.id != response_id:
+            return
+        try:
+            response.spoken(index, audio, marks)
+        except Exception:
+            logger.exception("internal error sending the speech of %s", response_id)
+            self._abandon(response)
+        self._settle()
+
+    def speech_failed(self, response_id: str, message: str) -> None:
+        response = self._active
+        if response is None or response.id != response_id:
+            return
+        self._commands.append(AbortGeneration(response.id))
+        response.speech_failed(message)
+        self._settle()
 
     # ----- client events ----------------------------------------------------------------
 
@@ -251,13 +284,14 @@ class RealtimeSession(SessionItems, SessionVoice):
         if isinstance(event, SessionUpdate):
             self._session_update(event)
         elif isinstance(event, ItemCreate):
-            self._item_create(event)
+            self._items.create(event)
         elif isinstance(event, ItemDelete):
             self._item_delete(event)
         elif isinstance(event, ItemRetrieve):
-            self._emit("conversation.item.retrieved", item=item_wire(self._item(event.item_id, "item_id"), self._beta))
+            self._emit("conversation.item.retrieved", item=item_wire(self._items.get(event.item_id, "item_id"),
+                                                                     self._beta))
         elif isinstance(event, ItemTruncate):
-            self._item_truncate(event)
+            self._items.truncate(event)
         elif isinstance(event, ResponseCreate):
             self._response_create(event)
         elif isinstance(event, ResponseCancel):
@@ -265,28 +299,21 @@ class RealtimeSession(SessionItems, SessionVoice):
         else:
             self._audio_event(event)
 
+    def _audio_event(self, event: AudioEvent) -> None:
+        if self._voice is None:
+            raise ProtocolError("unsupported_feature", "voice is not enabled on this server", "type")
+        self._voice_in.receive(event)
+
+    def _item_delete(self, event: ItemDelete) -> None:
+        self._items.delete(event.item_id)
+        if self._voice_in.forget(event.item_id):
+            self._commands.append(CancelTranscription(event.item_id))  # its job's work is moot: freed now
+        self._release_held()
+
     def _session_update(self, event: SessionUpdate) -> None:
-        if event.model is not None and event.model not in self._models:
-            raise ProtocolError("invalid_value", f"model {event.model!r} is not served here; available: "
-                                f"{sorted(self._models)}", "session.model")
-        # Everything is checked before anything changes: a refused update leaves the session as it was.
-        audio = self._audio.apply(event.audio)
-        if audio.output_audio and self._voice is None:
-            raise ProtocolError("unsupported_feature", "voice is not enabled on this server: use "
-                                "output_modalities [\"text\"]", "session.output_modalities")
-        if event.tools is not None:
-            self._constraints = self._apply_tools(event.tools, "session", self._constraints)
-        self._audio = audio
-        self._input.configure(audio.turn_detection)
-        if event.model is not None:
-            self._model = event.model  # picks the route of the responses created from now on
-        if event.instructions is not None:
-            self._instructions = event.instructions
-        if event.max_output_tokens is not None:
-            self._max_output_tokens = event.max_output_tokens
-        if event.temperature is not None:
-            self._temperature = event.temperature
-        self._emit("session.updated", session=session_wire(self._view(), self._beta))
+        self._settings.update(event)
+        self._voice_in.configure(self._settings.view.audio.turn_detection)
+        self._emit("session.updated", session=session_wire(self._settings.view, self._beta))
 
     def _response_create(self, event: ResponseCreate) -> None:
         if self._active is not None:
@@ -297,19 +324,17 @@ class RealtimeSession(SessionItems, SessionVoice):
             raise ProtocolError("invalid_value", "conversation must be \"auto\", \"none\" or this session's "
                                 "conversation id", "response.conversation")
         in_conversation = event.conversation != "none"
-        constraints = self._constraints
+        settings = self._settings.view
+        constraints = settings.constraints
         if event.tools is not None:
-            constraints = self._apply_tools(event.tools, "response", constraints)
-        audio = self._audio.apply(event.audio)
-        if audio.output_audio and self._voice is None:
-            raise ProtocolError("unsupported_feature", "voice is not enabled on this server: use "
-                                "output_modalities [\"text\"]", "response.output_modalities")
-        items = list(self._conversation) if event.input is None else self._resolve_input(event.input)
-        instructions = self._instructions if event.instructions is None else event.instructions
+            constraints = self._settings.tools(event.tools, "response", constraints)
+        audio = self._settings.audio(event.audio, "response")
+        items = list(self._conversation) if event.input is None else self._items.resolve_input(event.input)
+        instructions = settings.instructions if event.instructions is None else event.instructions
 
         def render() -> list[dict[str, str]]:
             # The tools are listed in the system prompt only when they may be called (render_messages).
-            messages = render_messages(to_history(instructions, items), constraints, self._family)
+            messages = render_messages(to_history(instructions, items), constraints, self._settings.family)
             prompt_chars = sum(len(m["content"]) for m in messages)
             if prompt_chars > self._limits.max_conversation_chars:
                 raise ProtocolError("conversation_limit_exceeded",
@@ -318,18 +343,18 @@ class RealtimeSession(SessionItems, SessionVoice):
                                     "instructions", "response.input" if event.input is not None else None)
             return messages
 
-        waits = any(item.id in self._transcribing for item in items)
+        waits = any(self._voice_in.waits_for(item.id) for item in items)
         messages = [] if waits else render()
         if in_conversation:
-            self._check_room(extra_items=1, extra_chars=0, param=None)
-        max_output = event.max_output_tokens if event.max_output_tokens is not None else self._max_output_tokens
+            self._items.check_room(extra_items=1, extra_chars=0, param=None)
+        max_output = event.max_output_tokens if event.max_output_tokens is not None else settings.max_output_tokens
         max_tokens = self._limits.max_output_tokens if max_output == "inf" else int(max_output)
-        temperature = self._temperature if event.temperature is None else event.temperature
+        temperature = settings.temperature if event.temperature is None else event.temperature
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=event.ignore_eos)
         # The grammar Turn compiles allows calls exactly when the constraints do (build_grammar), so
         # the output is parsed for calls from the first token, before the grammar exists.
         # (_apply_tools refused callable tools already where the model has no family.)
-        family = self._family if constraints.calls_allowed else None
+        family = self._settings.family if constraints.calls_allowed else None
         response = ResponseStream(
             response_id=self._ids("resp"), conversation=self._conversation if in_conversation else None,
             conversation_id=self._conversation.id, max_output_tokens=max_output, temperature=temperature,
@@ -339,7 +364,7 @@ class RealtimeSession(SessionItems, SessionVoice):
         self._active = response
         self._active_event_id = event.event_id
         response.created()
-        model = self._model
+        model = settings.model
 
         def start(messages: list[dict[str, str]]) -> None:
             self._commands.append(StartGeneration(response_id=response.id, messages=messages, params=params,
@@ -398,10 +423,11 @@ class RealtimeSession(SessionItems, SessionVoice):
         """Forget the active response once it has sent response.done: later engine events for
         it no longer find it, which is the ordering guarantee. Phrases it asked to speak become
         commands first; once it is done, what it asked and was not spoken is cancelled."""
-        self._collect_speech()
+        if self._active is not None:
+            self._commands.extend(self._active.take_phrases())
         if self._active is not None and self._active.done:
             if self._active.speaks:
-                self._stop_speech(self._active.id)
+                self._commands.append(CancelSpeech(self._active.id))
             self._active = None
             self._held = None
 
@@ -410,7 +436,7 @@ class RealtimeSession(SessionItems, SessionVoice):
         held = self._held
         if held is None or self._active is None:
             return
-        if self._transcribing:  # any transcript still being made (the user may have said more)
+        if self._voice_in.transcribing:  # any transcript still being made (the user may have said more)
             return
         self._held = None
         held()
@@ -423,30 +449,6 @@ class RealtimeSession(SessionItems, SessionVoice):
 
     # ----- helpers ----------------------------------------------------------------------
 
-    def _view(self) -> SessionView:
-        return SessionView(id=self._session_id, model=self._model, instructions=self._instructions,
-                           max_output_tokens=self._max_output_tokens, temperature=self._temperature,
-                           constraints=self._constraints, audio=self._audio)
-
-    def _apply_tools(self, patch: ToolsPatch, prefix: str, base: OutputConstraints) -> OutputConstraints:
-        """``base`` with the patch's tools, tool_choice and parallel_tool_calls; a ProtocolError
-        naming the field (``session.tools[0].parameters``, ``response.tool_choice.name``...) when
-        they are malformed, do not fit together, or could be called by a model that cannot call."""
-        try:
-            constraints = parse_realtime_constraints(patch.raw, param_prefix=prefix, base=base)
-        except InvalidRequestError as e:  # SchemaError included: a schema past its bounds
-            raise ProtocolError(e.code, e.message, e.param) from None
-        if patch.parallel_tool_calls is not None:
-            constraints = replace(constraints, parallel_tool_calls=patch.parallel_tool_calls)
-        if constraints.calls_allowed and self._family is None:
-            raise ProtocolError("unsupported_feature", "this model has no known tool-call format, so it cannot "
-                                "call tools; set tool_choice \"none\" or no tools", f"{prefix}.tools")
-        return constraints
-
-    def _is_active_item(self, item_id: str) -> bool:
-        """``item_id`` is an item the active response is writing (its message or one of its calls)."""
-        return self._active is not None and self._active.owns(item_id)
-
     def _emit(self, ga_type: str, **fields: Any) -> None:
         self._events.emit(ga_type, **fields)
 
@@ -456,3 +458,37 @@ class RealtimeSession(SessionItems, SessionVoice):
     def _internal_error(self, event_id: str | None) -> None:
         self._error(ProtocolError("server_error", INTERNAL_ERROR_MESSAGE, type="server_error", event_id=event_id))
 
+
+class _ActiveResponse:
+    """The session's active response as its items (``Writer``) and speech in (``Turns``) see it:
+    the only way they reach back into the session."""
+
+    def __init__(self, session: RealtimeSession) -> None:
+        self._session = session
+
+    def writes(self, item_id: str) -> bool:
+        active = self._session._active
+        return active is not None and active.owns(item_id)
+
+    def reserved_items(self) -> int:
+        active = self._session._active
+        return 1 if active is not None and active.needs_slot else 0
+
+    def stop_writing(self, item_id: str) -> None:
+        active = self._session._active
+        if active is not None and active.owns(item_id):
+            self._session._cancel(active, "client_cancelled")
+
+    def interrupt(self) -> None:
+        active = self._session._active
+        if active is not None and active.in_conversation:
+            self._session._cancel(active, "turn_detected")
+
+    def responding(self) -> bool:
+        return self._session._active is not None
+
+    def transcripts_changed(self) -> None:
+        self._session._release_held()
+
+    def error(self, e: ProtocolError) -> None:
+        self._session._error(e)

@@ -20,7 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.ws.commands import CancelSpeech, CancelTranscription, Synthesize, Transcribe
 from gateway.ws.server_events import AudioDelta, OtherEvent, ServerEvent
 from gateway.ws.session import RealtimeSession
-from gateway.ws.session_voice import VoiceHooks
+from gateway.ws.voice_input import VoiceHooks
 from voice.alignment import Mark
 
 log = logging.getLogger(__name__)

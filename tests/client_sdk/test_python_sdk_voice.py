@@ -32,7 +32,7 @@ from rtgw.voice_events import (
 from voice_serving import QUESTION, serve, spoken, voice_pipeline, words, write_wav
 from voice_waits import until
 
-from gateway.voice_service import GatewayVoice
+from gateway.ws.voice_service import GatewayVoice
 from voice.audio import encode_pcm16
 
 pytestmark = pytest.mark.timeout(300)

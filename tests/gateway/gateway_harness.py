@@ -15,8 +15,8 @@ import websockets
 from fake_engine import FakeEngine
 
 from gateway.config import DEFAULT_CONFIG, Config, load_config
-from gateway.server import RunningServer, create_app, start_server
-from gateway.state import STATE, GatewayState
+from gateway.http.state import STATE, GatewayState
+from gateway.process.server import RunningServer, create_app, start_server
 from llm_shared.models import ModelConfig
 from voice.config import VoiceConfig
 
@@ -67,7 +67,7 @@ def tiny_chat_model(directory: Path) -> ModelConfig:
 async def serving(config: Config) -> AsyncIterator[tuple[RunningServer, GatewayState]]:
     """A gateway on ``config`` with its real engines built as ``serve`` builds them (the server
     answers while they load); stopped, engines closed, afterwards."""
-    from gateway.engines import load_engines
+    from gateway.tiers.build import load_engines
 
     app = create_app(config)
     server = await start_server(app)

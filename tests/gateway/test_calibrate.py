@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from fake_engine import FakeEngine, FakeTokenizer
 
-from gateway.cascade.calibrate import (
+from gateway.cascade.confidence import QuantileScorer
+from gateway.tools.calibrate import (
     DEFAULT_PROMPTS,
     Prompt,
     Sample,
@@ -20,7 +21,6 @@ from gateway.cascade.calibrate import (
     load_prompts,
     pick_threshold,
 )
-from gateway.cascade.confidence import QuantileScorer
 from llm_shared.contract import SamplingParams
 from llm_shared.errors import ConfigError
 

@@ -23,11 +23,11 @@ from fake_engine import FakeEngine, FakeTokenizer, token_id_of
 from gateway_harness import make_config, recv_json, recv_until, send, user_item
 
 from gateway.cascade.confidence import MeanScorer, MinScorer, QuantileScorer, build_scorer
-from gateway.cascade.config import CascadeConfig
 from gateway.cascade.health import HealthMonitor
+from gateway.config.cascade import CascadeConfig
+from gateway.http.state import STATE, GatewayState
 from gateway.limits import InProcessStore, Limits
-from gateway.server import RunningServer, create_app, start_server
-from gateway.state import STATE, GatewayState
+from gateway.process.server import RunningServer, create_app, start_server
 from gateway.turns import Turn
 from llm_shared.contract import FinishEvent, Priority, SamplingParams, TokenEvent
 from llm_shared.errors import ConfigError, EngineUnavailableError, OverloadedError

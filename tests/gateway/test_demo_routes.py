@@ -1,4 +1,4 @@
-"""The demo page and the JS SDK files on a real loopback gateway (gateway/demo.py): served
+"""The demo page and the JS SDK files on a real loopback gateway (gateway/http/demo.py): served
 without a key, with their content types and ``Cache-Control: no-cache``; anything but a plain
 file name of the two folders is refused with 404, however the path is spelled."""
 
@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from gateway_harness import KEY, running_gateway
 
-from gateway.demo import SDK_FILES, WEB_ROOT_ENV, WebFiles, add_demo_routes, web_root
+from gateway.http.demo import SDK_FILES, WEB_ROOT_ENV, WebFiles, add_demo_routes, web_root
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ import pytest
 from fake_engine import FakeEngine
 from voice_serving import QUESTION, serve, spoken, voice_pipeline, words, write_wav
 
-from gateway.voice_service import GatewayVoice
+from gateway.ws.voice_service import GatewayVoice
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",

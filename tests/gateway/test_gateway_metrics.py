@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gateway.metrics import ITL_BUCKETS, GatewayMetrics, GcPauses
-from gateway.server import full_collections
+from gateway.process.server import full_collections
 
 
 def pause_count(metrics: GatewayMetrics, generation: int) -> float:

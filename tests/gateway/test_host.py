@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from engine_edge.config import EdgeConfig
 from engine_gpu.config import EngineConfig, SpeculativeConfig
 from gateway.config import DEFAULT_CONFIG, load_config
-from gateway.engines import host_plan
-from gateway.host import HostConfig, apply_plan, plan_threads, usable_cpus
+from gateway.config.host import HostConfig, apply_plan, plan_threads, usable_cpus
+from gateway.tiers.build import host_plan
 from llm_shared.errors import ConfigError
 
 DRAFTING = EngineConfig(speculative=SpeculativeConfig(method="edge", draft_model="smollm2-135m"))

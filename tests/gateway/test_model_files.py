@@ -13,8 +13,8 @@ import pytest
 from fake_engine import FakeEngine
 from gateway_harness import KEY, make_config, running_gateway
 
-from gateway.demo import VENDOR_FILES
-from gateway.server import create_app, start_server
+from gateway.http.demo import VENDOR_FILES
+from gateway.process.server import create_app, start_server
 from llm_shared.modelfile import default_gguf_path
 
 pytestmark = pytest.mark.model

@@ -165,7 +165,7 @@ async def test_cancel_while_a_long_prompt_is_being_tokenized() -> None:
         tasks_before = set(asyncio.all_tasks())
         async with websockets.connect(gw.ws_url) as ws:
             await recv_json(ws)
-            await send(ws, user_item("x" * 20_000))  # above gateway.engines.INLINE_TOKENIZE_CHARS
+            await send(ws, user_item("x" * 20_000))  # above gateway.tiers.build.INLINE_TOKENIZE_CHARS
             await send(ws, {"type": "response.create"})
             await recv_until(ws, "response.created")  # the generation task is tokenizing now
             await send(ws, {"type": "response.cancel"})

@@ -20,7 +20,7 @@ from gateway_harness import MODEL, make_config, recv_json, recv_until, running_g
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway import server as gateway_server
-from gateway.drain import MAX_CLOSE_REASON_BYTES, jittered_hint, reconnect_hint
+from gateway.process.drain import MAX_CLOSE_REASON_BYTES, jittered_hint, reconnect_hint
 from llm_shared.contract import FinishEvent, StreamEvent
 
 WAIT_S = 15.0  # generous: a busy 2-core machine

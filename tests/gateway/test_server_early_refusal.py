@@ -13,7 +13,7 @@ from gateway_harness import MODEL, make_config, recv_until, send, user_item
 
 from engine_edge import create_backend
 from engine_edge.config import EdgeConfig
-from gateway.server import create_app, start_server
+from gateway.process.server import create_app, start_server
 from llm_shared.modelfile import default_gguf_path
 
 pytestmark = pytest.mark.model

@@ -6,11 +6,11 @@ import pytest
 from fake_engine import FakeEngine
 from gateway_harness import make_config
 
-from gateway.__main__ import main
-from gateway.cascade.config import RoutingConfig
 from gateway.config import DEFAULT_CONFIG
-from gateway.engines import build_router, load_engines, needed_tiers
+from gateway.config.cascade import RoutingConfig
 from gateway.metrics import GatewayMetrics
+from gateway.process.main import main
+from gateway.tiers.build import build_router, load_engines, needed_tiers
 from llm_shared.contract import SamplingParams
 from llm_shared.errors import ConfigError, EngineUnavailableError, ModelFileError, UnknownModelError
 

@@ -10,7 +10,7 @@ from fake_engine import FakeEngine, FakeTokenizer, default_reply
 from gateway_harness import MODEL, make_config, running_gateway
 from openai import AsyncOpenAI
 
-from gateway.server import create_app, start_server
+from gateway.process.server import create_app, start_server
 from llm_shared.contract import Priority, SamplingParams
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]

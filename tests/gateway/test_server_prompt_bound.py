@@ -30,9 +30,9 @@ from gateway_harness import (
 )
 
 from gateway.cascade.router import prompt_token_limit
-from gateway.server import create_app, start_server
-from gateway.state import STATE
-from gateway.supervisor import SupervisedEngine
+from gateway.http.state import STATE
+from gateway.process.server import create_app, start_server
+from gateway.tiers.supervisor import SupervisedEngine
 from llm_shared.modelfile import default_gguf_path
 from llm_shared.models import ModelConfig
 from llm_shared.tokenizer import Tokenizer

@@ -10,9 +10,9 @@ import websockets
 from gateway_harness import KEY, MODEL, make_config, recv_json, recv_until, running_gateway, send, user_item
 from openai import AsyncOpenAI
 
-from gateway.__main__ import main
 from gateway.config import DEFAULT_CONFIG
-from gateway.server import create_app, start_server
+from gateway.process.main import main
+from gateway.process.server import create_app, start_server
 from llm_shared.errors import ConfigError
 
 

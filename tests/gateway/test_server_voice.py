@@ -19,7 +19,7 @@ from gateway_harness import MODEL, recv_json, send
 from voice_serving import QUESTION, chunks, serve, voice_pipeline, words
 from voice_serving import question_pcm as make_question_pcm
 
-from gateway.voice_service import GatewayVoice
+from gateway.ws.voice_service import GatewayVoice
 from llm_shared.contract import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
@@ -193,7 +193,7 @@ def test_a_missing_synthesizer_turns_voice_off_and_leaves_text_served(caplog: py
 
     from gateway_harness import make_config
 
-    from gateway.state import GatewayState
+    from gateway.http.state import GatewayState
     from voice.config import VoiceConfig
 
     config = make_config()
@@ -208,13 +208,13 @@ def test_an_install_without_the_voice_packages_serves_text(monkeypatch: pytest.M
 
     from gateway_harness import make_config
 
-    from gateway.state import GatewayState
+    from gateway.http.state import GatewayState
     from voice.config import VoiceConfig
 
     real_import = builtins.__import__
 
     def without_onnxruntime(name: str, *args: Any, **kwargs: Any) -> Any:
-        if name == "gateway.voice_service":
+        if name == "gateway.ws.voice_service":
             raise ModuleNotFoundError("No module named 'onnxruntime'", name="onnxruntime")
         return real_import(name, *args, **kwargs)
 

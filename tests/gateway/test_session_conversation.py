@@ -260,7 +260,7 @@ def test_internal_failures_become_a_generic_server_error(monkeypatch: pytest.Mon
     def broken(*args: object) -> None:
         raise RuntimeError("secret detail /srv/internal.py")
 
-    monkeypatch.setattr(session, "_item_create", broken)
+    monkeypatch.setattr(session._items, "create", broken)
     say(session, "user", "hi", event_id="ev")
     error = error_of(drain(session))
     assert (error["type"], error["code"], error["event_id"]) == ("server_error", "server_error", "ev")

@@ -25,7 +25,7 @@ from gateway.ws.commands import (
     Transcribe,
 )
 from gateway.ws.session import RealtimeSession, SessionLimits
-from gateway.ws.session_voice import VoiceHooks
+from gateway.ws.voice_input import VoiceHooks
 from llm_shared.contract import FinishEvent, TokenEvent
 from llm_shared.structured import get_family
 
@@ -404,7 +404,7 @@ def test_a_failed_transcription_report_never_raises_at_the_adapter() -> None:
     session = make()
     _, commands = speak_turn(session)
     transcribe, _ = commands
-    session._transcribing[transcribe.item_id] = ("not an item", 0)  # type: ignore[assignment]  # a bug
+    session._voice_in._transcribing[transcribe.item_id] = ("not an item", 0)  # type: ignore[assignment]  # a bug
     session.transcription_failed(transcribe.item_id, "boom")  # must not raise
     assert types(drain(session)) == ["error"]
 

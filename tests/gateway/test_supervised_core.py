@@ -13,7 +13,7 @@ import pytest
 import websockets
 from gateway_harness import gpu_tier_config, recv_json, recv_until, send, serving, user_item
 
-from gateway.supervisor import SupervisedEngine
+from gateway.tiers.supervisor import SupervisedEngine
 
 pytestmark = pytest.mark.model
 

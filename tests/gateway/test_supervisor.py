@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from fake_engine import FakeEngine
 
-from gateway.supervisor import SupervisedEngine
+from gateway.tiers.supervisor import SupervisedEngine
 from llm_shared.contract import FinishEvent, SamplingParams
 from llm_shared.errors import EngineUnavailableError
 

@@ -13,8 +13,8 @@ import pytest
 import websockets
 from gateway_harness import make_config, recv_json, recv_until, send, user_item
 
-from gateway.engines import close_engines, load_engines
-from gateway.server import STATE, create_app, start_server
+from gateway.process.server import STATE, create_app, start_server
+from gateway.tiers.build import close_engines, load_engines
 
 pytestmark = pytest.mark.model
 

@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import load_config, parse_config
-from gateway.host import HostConfig
+from gateway.config.host import HostConfig
 from gateway.limits import LimitsConfig
-from gateway.worker_metrics import merge_expositions
-from gateway.workers import RestartPolicy, reserve_port, shares_core, worker_config
+from gateway.process.worker_metrics import merge_expositions
+from gateway.process.workers import RestartPolicy, reserve_port, shares_core, worker_config
 from llm_shared.errors import ConfigError
 
 BASE = {

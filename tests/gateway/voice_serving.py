@@ -21,8 +21,8 @@ import numpy as np
 from fake_engine import FakeEngine
 from gateway_harness import make_config
 
-from gateway.server import create_app, start_server
-from gateway.voice_service import GatewayVoice
+from gateway.process.server import create_app, start_server
+from gateway.ws.voice_service import GatewayVoice
 from voice.audio import REALTIME_RATE, encode_pcm16, resample, to_int16
 from voice.config import VoiceConfig
 from voice.tts import FliteSynthesizer

@@ -11,8 +11,8 @@ import pytest
 from limits_harness import FakeClock
 
 from gateway.auth import AuthError, RateLimitedError
+from gateway.config.limits import FailurePolicy, LeaseKind
 from gateway.limits import FailoverStore, InProcessStore, Lease, Limits, LimitsUnavailableError, Snapshot
-from gateway.limits.config import FailurePolicy, LeaseKind
 
 LIMITS = Limits(requests_per_minute=100, max_sessions=3)
 INTERVAL = 1.0

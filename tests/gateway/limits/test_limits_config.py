@@ -64,9 +64,9 @@ def test_gateway_config_can_import_the_table_without_a_cycle() -> None:
     """``gateway.config`` will hold ``[limits]``; the stores import ``gateway.auth``, which imports
     ``gateway.config``: so the config module must come without them."""
     code = ("import sys\n"
-            "import gateway.limits.config\n"
+            "import gateway.config.limits\n"
             "loaded = sorted(m for m in sys.modules if m.startswith('gateway.'))\n"
-            "assert loaded == ['gateway.limits', 'gateway.limits.config'], loaded\n")
+            "assert loaded == ['gateway.limits', 'gateway.config.limits'], loaded\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
 
 

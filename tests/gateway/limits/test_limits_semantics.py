@@ -12,8 +12,8 @@ from conftest import Env
 from limits_harness import eventually
 
 from gateway.auth import AuthError, RateLimitedError
+from gateway.config.limits import Limits
 from gateway.limits import LimitsStore
-from gateway.limits.config import Limits
 
 SLOW = Limits(requests_per_minute=3, tokens_per_minute=60, max_running_per_key=2, max_sessions_per_key=2,
               max_sessions=3)

@@ -17,6 +17,7 @@ from limits_harness import FakeClock, RedisServer, eventually
 from redis.asyncio import Redis
 
 from gateway.auth import AuthError, Clock, RateLimitedError
+from gateway.config.limits import FailurePolicy
 from gateway.limits import (
     FailoverStore,
     InProcessStore,
@@ -25,7 +26,6 @@ from gateway.limits import (
     LimitsUnavailableError,
     RedisStore,
 )
-from gateway.limits.config import FailurePolicy
 
 T = TypeVar("T")
 BOUND_S = 15.0  # no call may take this long; the stores' own timeouts are far below it

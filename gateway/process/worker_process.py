@@ -1,5 +1,5 @@
-"""One worker of ``server.workers`` (started by gateway/workers.py as ``python -m
-gateway.worker_process``): a whole gateway on the shared port, told what to serve by its parent.
+"""One worker of ``server.workers`` (started by gateway/process/workers.py as ``python -m
+gateway.process.worker_process``): a whole gateway on the shared port, told what to serve by its parent.
 
 It reads its ``WorkerSpec`` pickled from stdin (a pipe only its parent holds), then keeps
 watching that pipe: EOF means the parent died, and the worker drains and exits as on SIGTERM.
@@ -20,16 +20,16 @@ from functools import partial
 import uvloop
 
 from gateway import worker_metrics
-from gateway.__main__ import LOG_FORMAT, setup_logging
 from gateway.config import Config
-from gateway.engines import close_engines, load_engines
-from gateway.server import create_app, serve
-from gateway.state import STATE
-from gateway.workers import EXIT_START_FAILED, MAX_BACKOFF_S, SPEC_LENGTH, WorkerSpec
+from gateway.http.state import STATE
+from gateway.process.main import LOG_FORMAT, setup_logging
+from gateway.process.server import create_app, serve
+from gateway.process.workers import EXIT_START_FAILED, MAX_BACKOFF_S, SPEC_LENGTH, WorkerSpec
+from gateway.tiers.build import close_engines, load_engines
 from llm_shared.contract import Engine
 from llm_shared.errors import ConfigError, EngineError, EngineUnavailableError
 
-log = logging.getLogger("gateway.workers")
+log = logging.getLogger("gateway.process.workers")
 
 CORE_START_TIMEOUT_S = 600.0  # how long a worker waits for the parent's engine core (EngineClient.start's bound)
 CORE_RETRY_S = 0.5
@@ -39,7 +39,7 @@ async def connect_shared_core(config: Config) -> Engine:
     """The torch tier of a worker: a client of the parent's engine core, waited for while it
     loads, reconnected (by ``SupervisedEngine``) when the parent has started it again."""
     from engine_gpu.client import EngineClient
-    from gateway.supervisor import SupervisedEngine
+    from gateway.tiers.supervisor import SupervisedEngine
     from llm_shared.models import tokenizer_for
 
     address, secret = config.engine.listen, os.environ.get(config.engine.secret_env)

@@ -19,7 +19,7 @@ import numpy as np
 
 from gateway.ws.audio_events import ServerVad
 from gateway.ws.audio_input import SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
-from gateway.ws.session_voice import VoiceHooks
+from gateway.ws.voice_input import VoiceHooks
 from gateway.ws.voice_link import VoiceUnavailable
 from llm_shared.errors import EngineError
 from voice.alignment import Mark

@@ -1,6 +1,6 @@
 """Calibrating the cascade's threshold on a prompt set, as RouteLLM calibrates its routers.
 
-    python -m gateway.cascade.calibrate --prompts configs/cascade_prompts.jsonl --target-escalation 0.3
+    python -m gateway.tools.calibrate --prompts configs/cascade_prompts.jsonl --target-escalation 0.3
 
 Every prompt runs greedily through both tiers of the configuration, in this process: the edge's
 first ``hold_tokens`` token probabilities give the turn's confidence (the configured scorer),
@@ -208,7 +208,7 @@ def cascade_config(config: Config) -> Config:
 
 
 async def calibrate(config: Config, prompts: Sequence[Prompt], max_tokens: int) -> list[Sample]:
-    from gateway.engines import close_engines, load_engines
+    from gateway.tiers.build import close_engines, load_engines
 
     scorer = build_scorer(config.cascade)
     print(f"calibrate: loading both tiers ({config.edge.model} on the edge, {config.engine.model} on the torch tier)",
@@ -226,7 +226,7 @@ async def calibrate(config: Config, prompts: Sequence[Prompt], max_tokens: int) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.cascade.calibrate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m gateway.tools.calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="gateway config (both tiers are built)")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSON lines with a 'prompt' each")
     parser.add_argument("--target-escalation", type=float, required=True,
@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     threshold = pick_threshold([s.confidence for s in samples], args.target_escalation)
     chosen = evaluate(samples, threshold)
-    command = "python -m gateway.cascade.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m gateway.tools.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
     text = snippet(threshold, command, chosen)
     print(text, end="")
     print(f"calibrate: {len(samples)} prompts; threshold {threshold:.4f} escalates {chosen['escalation_rate']:.0%}; "

@@ -59,7 +59,7 @@ ISOLATION_HEADERS = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-
 def web_root(environ: Mapping[str, str] = os.environ) -> Path:
     """``GATEWAY_WEB_ROOT`` when set, else the repository this package was loaded from."""
     configured = environ.get(WEB_ROOT_ENV, "").strip()
-    return Path(configured) if configured else Path(__file__).resolve().parents[1]
+    return Path(configured) if configured else Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 ``start_server`` binds it; ``serve`` runs it until SIGINT/SIGTERM, loading the engines after
 the port is open so that ``/readyz`` can say 503 meanwhile; ``run`` does that on uvloop.
 
-On SIGINT/SIGTERM the replica first drains (gateway/drain.py: no new work, each session closed
+On SIGINT/SIGTERM the replica first drains (gateway/process/drain.py: no new work, each session closed
 with 1001 and a reconnect hint once its response is done, whatever runs past
 ``drain_timeout_s`` cancelled; a second signal cuts the wait short). Then shutdown: the
 listening socket closes, any session left ends its active response with ``server_shutdown``
@@ -27,12 +27,12 @@ from aiohttp import web
 
 from gateway.auth import AuthError, host_allowed, origin_allowed, parse_subprotocols
 from gateway.config import Config
-from gateway.drain import RETRY_AFTER_S, drain_gate, drain_replica, jittered_hint
-from gateway.engines import close_engines, load_engines
-from gateway.http_api import add_routes
+from gateway.http.api import add_routes
+from gateway.http.state import STATE, GatewayState
 from gateway.limits import LimitsUnavailableError
 from gateway.metrics import GcPauses
-from gateway.state import STATE, GatewayState
+from gateway.process.drain import RETRY_AFTER_S, drain_gate, drain_replica, jittered_hint
+from gateway.tiers.build import close_engines, load_engines
 from gateway.ws.codec import MSGPACK_SUBPROTOCOL, FrameCodec
 from gateway.ws.connection import WS_CLOSE_GOING_AWAY, RealtimeConnection
 from gateway.ws.session import RealtimeSession, SessionLimits
@@ -40,7 +40,7 @@ from llm_shared.contract import Engine
 from llm_shared.errors import ConfigError
 
 if TYPE_CHECKING:
-    from gateway.voice_service import GatewayVoice
+    from gateway.ws.voice_service import GatewayVoice
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class RunningServer:
         return f"http://{self.host}:{self.port}"
 
     async def drain(self, hurry: asyncio.Event | None = None) -> None:
-        """Drain (gateway/drain.py): returns once every session and chat completion has ended, or
+        """Drain (gateway/process/drain.py): returns once every session and chat completion has ended, or
         those left after ``drain_timeout_s`` (or once ``hurry`` is set) have been cancelled."""
         await drain_replica(self.app[STATE], hurry=hurry)
 
@@ -257,7 +257,7 @@ async def start_server(app: web.Application, **runner_kwargs: Any) -> RunningSer
         **runner_kwargs,
     )
     await runner.setup()
-    # Several workers (gateway/workers.py) each bind the port; the kernel spreads connections over them.
+    # Several workers (gateway/process/workers.py) each bind the port; the kernel spreads connections over them.
     site = web.TCPSite(runner, config.server.host, config.server.port, reuse_port=config.server.workers > 1)
     try:
         await site.start()
@@ -335,12 +335,12 @@ def _on_signal(stop: asyncio.Event, hurry: asyncio.Event) -> None:
 
 def run(config: Config) -> None:
     """Serve on a uvloop event loop (blocking); with ``server.workers`` > 1, start that many
-    worker processes on the port and supervise them (gateway/workers.py)."""
+    worker processes on the port and supervise them (gateway/process/workers.py)."""
     import uvloop
 
     check_bind_safety(config)
     if config.server.workers > 1:
-        from gateway.workers import run_workers
+        from gateway.process.workers import run_workers
 
         run_workers(config)
         return

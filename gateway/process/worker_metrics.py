@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.http.state import STATE
 from gateway.metrics import CONTENT_TYPE
-from gateway.state import STATE
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.chat_schema import HttpError
-from gateway.http_api import authorize, json_error
-from gateway.state import STATE, GatewayState
+from gateway.http.api import authorize, json_error
+from gateway.http.chat_schema import HttpError
+from gateway.http.state import STATE, GatewayState
 from gateway.ws.connection import WS_CLOSE_GOING_AWAY
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ async def drain_replica(state: GatewayState, *, hurry: asyncio.Event | None = No
 async def drain_gate(request: web.Request, handler: Any) -> web.StreamResponse:
     """While draining, ``/readyz`` says so and new chat completions are refused; chat completions
     are counted, so that the drain can wait for them. (The WebSocket handshake checks
-    ``state.draining`` itself, in gateway/server.py.)"""
+    ``state.draining`` itself, in gateway/process/server.py.)"""
     state = request.app[STATE]
     if request.path == CHAT_PATH and request.method == "POST":
         if state.draining:

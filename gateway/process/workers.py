@@ -15,7 +15,7 @@ keeps them running and stops them; each worker is a whole gateway on its own eve
   machine, for ~350 MiB more a worker (docs/architecture.md, "Worker processes"). Its threads
   are the edge's share of the host budget divided among the workers.
 - **Signals.** SIGTERM or SIGINT to the parent is forwarded to every worker as SIGTERM: each
-  drains (gateway/drain.py) and exits; a second signal is forwarded too and cuts the drains
+  drains (gateway/process/drain.py) and exits; a second signal is forwarded too and cuts the drains
   short. The parent waits for them (bounded; stragglers are killed), then stops the engine core.
 - **A worker that dies** is restarted on the same index after a backoff; a worker that exits
   with status 2 (it could not start: a bad config, a model file, the port) stops the gateway
@@ -25,9 +25,9 @@ keeps them running and stops them; each worker is a whole gateway on its own eve
 - **The parent's death** closes every worker's stdin pipe: the worker drains and exits as on
   SIGTERM (and the engine core, whose stdin is the parent's pipe too, exits).
 
-A worker (gateway/worker_process.py) reads what it is (``WorkerSpec``: the parent's config, its
+A worker (gateway/process/worker_process.py) reads what it is (``WorkerSpec``: the parent's config, its
 index...) pickled from its stdin, then keeps watching that pipe. ``/metrics``:
-gateway/worker_metrics.py.
+gateway/process/worker_metrics.py.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gateway.config import Config
-from gateway.engines import build_gpu_engine, host_plan, needed_tiers, with_host_plan
+from gateway.tiers.build import build_gpu_engine, host_plan, needed_tiers, with_host_plan
 from llm_shared.contract import Engine
 from llm_shared.errors import ConfigError, EngineError
 
-log = logging.getLogger("gateway.workers")
+log = logging.getLogger("gateway.process.workers")
 
 EXIT_START_FAILED = 2  # what `python -m gateway` returns for a start-up error: restarting will not help
 MAX_RESTARTS = 5  # worker deaths tolerated within RESTART_WINDOW_S, all workers together
@@ -193,7 +193,7 @@ class WorkerParent:
         spec = WorkerSpec(self.config, index, self.count, self._run_dir, shares_core(self.config), self._log_level)
         payload = pickle.dumps(spec)
         # Its own session: a terminal's Ctrl-C reaches the parent alone, which forwards one signal.
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway.worker_process",
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway.process.worker_process",
                                                     stdin=asyncio.subprocess.PIPE, start_new_session=True)
         assert proc.stdin is not None
         proc.stdin.write(SPEC_LENGTH.pack(len(payload)) + payload)  # the pipe stays open: its EOF is our death

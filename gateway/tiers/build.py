@@ -20,9 +20,9 @@ from gateway.cascade.engine import CascadeEngine
 from gateway.cascade.health import HealthMonitor
 from gateway.cascade.router import Router
 from gateway.config import Config
-from gateway.host import ThreadPlan, apply_plan, plan_threads
+from gateway.config.host import ThreadPlan, apply_plan, plan_threads
 from gateway.metrics import GatewayMetrics
-from gateway.supervisor import SupervisedEngine
+from gateway.tiers.supervisor import SupervisedEngine
 from llm_shared.contract import Engine
 from llm_shared.errors import ConfigError, PromptTooLongError
 from llm_shared.modelfile import check_gguf, resolve_source
@@ -39,7 +39,7 @@ def needed_tiers(config: Config) -> tuple[str, ...]:
 
 
 def host_plan(config: Config) -> ThreadPlan:
-    """The threads of each compute pool this host runs for ``config`` (``gateway.host``)."""
+    """The threads of each compute pool this host runs for ``config`` (``gateway.config.host``)."""
     tiers = needed_tiers(config)
     return plan_threads(config.host, config.edge if "edge" in tiers else None,
                         config.engine if "gpu" in tiers and not config.cluster.enabled else None)
@@ -126,7 +126,7 @@ async def load_engines(config: Config, *,
                        build_gpu: Callable[[Config], Awaitable[Engine]] | None = None) -> dict[str, Engine]:
     """Build every needed tier off the event loop, each with its share of the host's CPU budget;
     on failure close the ones already built. ``build_gpu`` replaces ``build_gpu_engine`` (a
-    worker process connects to the torch engine core its parent started: gateway/workers.py)."""
+    worker process connects to the torch engine core its parent started: gateway/process/workers.py)."""
     config = with_host_plan(config)
     engines: dict[str, Engine] = {}
     try:

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from gateway import json_wire
 from gateway.auth import AuthError, RateLimitedError, origin_allowed
-from gateway.chat_schema import (
+from gateway.http.chat_schema import (
     ChatRequest,
     CompletionIds,
     HttpError,
@@ -31,12 +31,12 @@ from gateway.chat_schema import (
     parse_chat_request,
     usage_chunk,
 )
-from gateway.demo import add_demo_routes
+from gateway.http.demo import add_demo_routes
+from gateway.http.model_files import device_card, file_response, model_file_error, not_downloadable
+from gateway.http.state import STATE, GatewayState
 from gateway.limits import LimitsUnavailableError
 from gateway.metrics import CONTENT_TYPE
-from gateway.model_files import device_card, file_response, model_file_error, not_downloadable
 from gateway.shaping import CallStream, call_stream
-from gateway.state import STATE, GatewayState
 from gateway.turns import Turn
 from gateway.ws.fields import is_unicode
 from llm_shared.contract import FinishEvent, StreamEvent
@@ -159,7 +159,7 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def get_model_file(request: web.Request) -> web.StreamResponse:
-    """The GGUF file of a downloadable ``[models]`` entry (``gateway.model_files``)."""
+    """The GGUF file of a downloadable ``[models]`` entry (``gateway.http.model_files``)."""
     state = request.app[STATE]
     model_id = request.match_info["model"]
     try:
@@ -411,4 +411,4 @@ def add_routes(app: web.Application, *, isolate_page: bool = True) -> None:
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/v1/models/{model}/file", get_model_file)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    add_demo_routes(app, isolate=isolate_page)  # the demo page and the JS SDK (gateway/demo.py)
+    add_demo_routes(app, isolate=isolate_page)  # the demo page and the JS SDK (gateway/http/demo.py)

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 from llm_shared.configtools import require
 
 if TYPE_CHECKING:
-    from gateway.config import ServerConfig
+    from gateway.config.server import ServerConfig
 
 Backend = Literal["memory", "redis"]
 FailurePolicy = Literal["fail_open", "fail_closed"]

@@ -19,16 +19,16 @@ from prometheus_client import Gauge
 from gateway.auth import Authenticator, Clock
 from gateway.cascade.router import Router
 from gateway.config import Config
-from gateway.engines import build_router, host_plan
+from gateway.http.model_files import DeviceModels
 from gateway.limits import Limits, LimitsStore, store_from_config
 from gateway.metrics import GatewayMetrics
-from gateway.model_files import DeviceModels
 from gateway.shaping import Grammars
+from gateway.tiers.build import build_router, host_plan
 from llm_shared.contract import Engine
 
 if TYPE_CHECKING:
-    from gateway.voice_service import GatewayVoice
     from gateway.ws.connection import RealtimeConnection
+    from gateway.ws.voice_service import GatewayVoice
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class GatewayState:
     connections: set[RealtimeConnection] = field(default_factory=set)  # live WebSocket sessions
     http_requests: dict[str, Engine] = field(default_factory=dict)  # in-flight chat completions
     shutting_down: bool = False
-    # Draining (gateway/drain.py): no new sessions or completions; live ones finish, then close.
+    # Draining (gateway/process/drain.py): no new sessions or completions; live ones finish, then close.
     draining: bool = False
     chats_in_flight: int = 0  # chat completion handlers running, counted from the request (the drain waits)
     work_ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when a session or a completion ends
@@ -73,7 +73,7 @@ class GatewayState:
 
         metrics = self.metrics
         try:
-            from gateway.voice_service import GatewayVoice  # lazy: onnxruntime, CTranslate2
+            from gateway.ws.voice_service import GatewayVoice  # lazy: onnxruntime, CTranslate2
 
             return GatewayVoice(self.config.voice, lambda job: metrics.voice_job(job.kind, job.outcome, job.audio_s,
                                                                                  job.compute_s, job.wait_s))

@@ -1,0 +1,1 @@
+"""The engine tiers this gateway serves: building them from the config, keeping them alive."""

@@ -1,0 +1,1 @@
+"""Operator tools run from the command line (``python -m gateway.tools.<name>``)."""

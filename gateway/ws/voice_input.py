@@ -1,0 +1,204 @@
+"""Speech in, for one Realtime session: appended audio, turn detection, and the transcripts of
+the user's speech. Sans-I/O like the session that holds it (never raises at the caller on a
+report; a client event it refuses is a ``ProtocolError``).
+
+Appended audio goes to ``InputAudio``; with server VAD, speech that starts interrupts the active
+response (``interrupt_response``), speech that pauses starts its transcript early (the turn may
+end there), and speech that stops is committed as a user item whose transcript the adapter makes
+(``Transcribe``), then answered (``create_response``, once the key is charged: ``AdmitResponse``).
+A response whose prompt holds a transcript not made yet waits for it: ``transcribing`` tells the
+session, and ``Turns.transcripts_changed`` tells it when to look again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.ws.audio_events import AudioAppend, AudioClear, AudioCommit, AudioEvent, ServerVad
+from gateway.ws.audio_input import InputAudio, SegmenterFactory, SpeechPaused, SpeechStarted
+from gateway.ws.commands import AdmitResponse, Command, Transcribe
+from gateway.ws.conversation import Item
+from gateway.ws.events import ProtocolError, SessionLimits
+from gateway.ws.items import ItemStore
+from gateway.ws.server_events import Emitter
+from gateway.ws.speech_out import PhraseSplitter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VoiceHooks:
+    """What a session needs of the voice pipeline without doing I/O: a server VAD per session and
+    a phrase splitter per audio response. None where the server has no voice."""
+
+    segmenters: SegmenterFactory
+    phrases: Callable[[], PhraseSplitter]
+
+
+class Turns(Protocol):
+    """The session's responses, as speech in sees them."""
+
+    def interrupt(self) -> None:
+        """The user started speaking: cancel the active response if it is in the conversation."""
+
+    def responding(self) -> bool:
+        """A response is active."""
+
+    def transcripts_changed(self) -> None:
+        """A transcript came, failed or was dropped: a response waiting for them may start."""
+
+    def error(self, e: ProtocolError) -> None:
+        """Tell the client (an ``error`` event), the session going on."""
+
+
+class VoiceInput:
+    def __init__(self, limits: SessionLimits, hooks: VoiceHooks | None, items: ItemStore, ids: Callable[[str], str],
+                 events: Emitter, commands: list[Command], turns: Turns, clock: Callable[[], float]) -> None:
+        self._input = InputAudio(limits, hooks.segmenters if hooks is not None else None, clock=clock)
+        self._items = items
+        self._ids = ids
+        self._events = events
+        self._commands = commands
+        self._turns = turns
+        self._vad: ServerVad | None = None
+        self._speech_item: str | None = None  # the user item the speech in progress will become
+        self._speech_start_ms = 0
+        # User items whose transcript is being made, with the cut of their speech it will be for.
+        self._transcribing: dict[str, tuple[Item, int]] = {}
+        # The job started at the latest pause of the speech in progress (item id, cut), and its
+        # transcript if it came before the speech ended.
+        self._eager: tuple[str, int] | None = None
+        self._early: dict[str, tuple[int, str, float]] = {}
+        self._admitting = False  # a response server VAD asked for waits for the key's admission
+
+    def configure(self, vad: ServerVad | None) -> None:
+        self._vad = vad
+        self._input.configure(vad)
+
+    @property
+    def transcribing(self) -> bool:
+        """Some user item's transcript is still being made."""
+        return bool(self._transcribing)
+
+    def waits_for(self, item_id: str) -> bool:
+        """``item_id``'s transcript is still being made."""
+        return item_id in self._transcribing
+
+    # ----- client events ----------------------------------------------------------------------
+
+    def receive(self, event: AudioEvent) -> None:
+        if isinstance(event, AudioAppend):
+            self._append(event.audio)
+        elif isinstance(event, AudioCommit):
+            previous_speech = self._speech_item
+            audio = self._input.commit()
+            self._speech_item = None
+            self._commit(previous_speech or self._ids("item"), audio, respond=False)
+        elif isinstance(event, AudioClear):
+            self._input.clear()
+            self._speech_item = None
+            self._eager, self._early = None, {}  # a job started at a pause is moot: its result is dropped
+            self._events.emit("input_audio_buffer.cleared")
+
+    def forget(self, item_id: str) -> bool:
+        """``item_id`` was deleted: its transcript is moot. True when a job for it may be running
+        (the adapter frees it)."""
+        transcribing = self._transcribing.pop(item_id, None) is not None
+        if transcribing or (self._eager is not None and self._eager[0] == item_id):
+            self._eager = None
+            return True
+        return False
+
+    def _append(self, pcm: bytes) -> None:
+        vad = self._vad
+        for speech in self._input.append(pcm):
+            if isinstance(speech, SpeechStarted):
+                self._speech_item = self._ids("item")
+                self._speech_start_ms = speech.audio_start_ms
+                self._events.emit("input_audio_buffer.speech_started", audio_start_ms=speech.audio_start_ms,
+                                  item_id=self._speech_item)
+                if vad is not None and vad.interrupt_response:
+                    self._turns.interrupt()  # barge-in: the engine frees the work now
+                continue
+            if isinstance(speech, SpeechPaused):
+                if self._speech_item is not None:  # transcribe now: the turn may end here
+                    self._eager = (self._speech_item, speech.speech_end_ms)
+                    self._early = {}
+                    self._commands.append(Transcribe(item_id=self._speech_item, tag=speech.speech_end_ms,
+                                                     audio=self._input.peek(self._speech_start_ms,
+                                                                            speech.speech_end_ms)))
+                continue
+            item_id = self._speech_item or self._ids("item")
+            start = self._speech_start_ms
+            self._speech_item = None
+            self._events.emit("input_audio_buffer.speech_stopped", audio_end_ms=speech.audio_end_ms, item_id=item_id)
+            audio = self._input.take(start, speech.audio_end_ms)
+            try:
+                self._commit(item_id, audio, respond=vad is not None and vad.create_response, cut=speech.speech_end_ms)
+            except ProtocolError as e:  # no room for the item: said, and the chunk's later speech still counts
+                self._eager, self._early = None, {}
+                self._turns.error(e)
+
+    def _commit(self, item_id: str, audio: bytes, *, respond: bool, cut: int | None = None) -> None:
+        """The user's speech becomes an item (its transcript to come), and maybe a response. When
+        the speech ended where a job started at its pause cut it (``cut``: the silence's start),
+        that job's transcript is the item's (already here, or on its way)."""
+        item = Item(id=item_id, role="user", parts=[""], audio=True, transcribing=True)
+        self._items.add_speech(item, lambda previous_id: self._events.emit(
+            "input_audio_buffer.committed", previous_item_id=previous_id, item_id=item_id))
+        eager, early = self._eager, self._early.pop(item_id, None)
+        self._eager, self._early = None, {}
+        if cut is not None and eager == (item_id, cut):
+            self._transcribing[item_id] = (item, cut)
+            if early is not None:
+                self.transcribed(item_id, early[1], early[2], cut)
+        else:
+            self._transcribing[item_id] = (item, 0)
+            self._commands.append(Transcribe(item_id=item_id, audio=audio))
+        if respond and not self._turns.responding() and not self._admitting:
+            self._admitting = True  # the response starts once the key is charged for it
+            self._commands.append(AdmitResponse(item_id))
+
+    def admission_answered(self) -> None:
+        """The adapter answered ``AdmitResponse``: another may be asked for."""
+        self._admitting = False
+
+    # ----- the adapter reports ----------------------------------------------------------------
+
+    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0) -> None:
+        """The transcript of a user item's speech (``seconds`` of audio) cut at ``tag`` (its
+        ``Transcribe``'s): applied if the item waits for that cut, kept if the speech it was started
+        for at a pause has not ended yet, dropped if the user went on."""
+        entry = self._transcribing.get(item_id)
+        if entry is None:
+            if self._eager == (item_id, tag):
+                self._early = {item_id: (tag, transcript, seconds)}  # the turn may end at this pause
+            return
+        item, expected = entry
+        if tag != expected:
+            return
+        del self._transcribing[item_id]
+        item.parts[0] = transcript
+        item.transcribing = False
+        self._events.emit("conversation.item.input_audio_transcription.completed", item_id=item_id, content_index=0,
+                          transcript=transcript, usage={"type": "duration", "seconds": round(seconds, 3)})
+        self._turns.transcripts_changed()
+
+    def transcription_failed(self, item_id: str, message: str, tag: int = 0) -> None:
+        """The item's speech could not be transcribed: it stays in the conversation without a
+        transcript (the model does not hear it). A job started at a pause that fails is forgotten:
+        the end of the turn starts a new one."""
+        entry = self._transcribing.get(item_id)
+        if entry is None or entry[1] != tag:
+            if self._eager == (item_id, tag):
+                self._eager = None
+            return
+        item = self._transcribing.pop(item_id)[0]
+        item.transcribing = False
+        self._events.emit("conversation.item.input_audio_transcription.failed", item_id=item_id, content_index=0,
+                          error={"type": "server_error", "code": "transcription_failed", "message": message,
+                                 "param": None})
+        self._turns.transcripts_changed()
