@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine_gpu.client import kv_use
 from gateway.cascade.confidence import ConfidenceScorer
+from gateway.cascade.flight import Ask, CascadeEvent, CascadeStream, Flight, Forward
 from gateway.cascade.health import HealthMonitor
 from gateway.cascade.route import RouteInfo
 from gateway.config.cascade import CascadeConfig
 from gateway.metrics import GatewayMetrics
-from llm_shared.channel import Delivered, EventChannel, Subscriber, as_pushing
+from llm_shared.channel import EventChannel
 from llm_shared.contract import (
     Engine,
     FinishEvent,
@@ -45,47 +44,13 @@ from llm_shared.contract import (
     engine_backlog,
     engine_saturated,
 )
-from llm_shared.errors import DuplicateRequestError, EngineError, EngineUnavailableError, OverloadedError
+from llm_shared.errors import DuplicateRequestError, EngineUnavailableError, OverloadedError
 from llm_shared.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from llm_shared.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
-
-CascadeEvent = StreamEvent | RouteInfo
-
-
-@dataclass(frozen=True)
-class _Ask:
-    """What every stage of a turn passes on to the tier it runs on, as the caller gave it."""
-
-    priority: Priority
-    session_id: str
-    cache_salt: str  # the caller's tenant: each tier reuses cached prefixes only within it
-
-
-@dataclass
-class _Flight:
-    """One request while the cascade runs it."""
-
-    aborted: bool = False
-    engine: Engine | None = None  # the tier holding the request now
-    stage_id: str = ""  # the request id in that tier (a second stage on one tier gets a fresh one)
-    stream: AsyncIterator[StreamEvent] | None = None
-    finished: bool = True  # the current stage's stream sent its FinishEvent (or never started)
-
-
-@dataclass
-class _Forward:
-    """The rest of a turn once the cascade has decided: ``prefix`` (the released held tokens, an
-    escalated stage's first event), then every event of ``stream`` (None: the prefix ends the turn)."""
-
-    stream: AsyncIterator[StreamEvent] | None
-    prefix: list[StreamEvent]
-    on_event: Callable[[StreamEvent], None] | None = None  # sees each event given on
-    at_end: Callable[[], None] | None = None  # once, when the turn is over or left
-
 
 class _DraftAgreement:
     """How many of the held edge tokens an escalated torch stage produced too (its leading run)."""
@@ -106,112 +71,6 @@ class _DraftAgreement:
         self._metrics.cascade_held_tokens.labels("rejected").inc(len(self._drafts) - self.accepted)
 
 
-class _CascadeStream:
-    """What ``CascadeEngine.generate`` returns: the decision's events (iterated), then the serving
-    stage's. Once decided, a consumer may ``subscribe`` (``Turn.run``) when that stage's stream
-    can push: the rest of the prefix is delivered at once, then the tier's events by call from its
-    step, so a cascade turn costs per token what a direct one does. Closing it (or reading past
-    the end, or an error) stops the current stage and forgets the flight, once."""
-
-    def __init__(self, cascade: CascadeEngine, request_id: str, flight: _Flight,
-                 decide: AsyncIterator[CascadeEvent | _Forward]) -> None:
-        self._cascade = cascade
-        self._request_id = request_id
-        self._flight = flight
-        self._decide = decide
-        self._forward: _Forward | None = None
-        self._prefix: deque[StreamEvent] = deque()
-        self._done = False  # the turn's FinishEvent was given on
-        self._ended = False
-        self._subscriber: Subscriber | None = None
-
-    def __aiter__(self) -> _CascadeStream:
-        return self
-
-    async def __anext__(self) -> CascadeEvent:
-        try:
-            if self._forward is None:
-                item = await anext(self._decide)
-                if not isinstance(item, _Forward):
-                    return item
-                self._forward = item
-                self._prefix.extend(item.prefix)
-            if self._prefix:
-                return self._seen(self._prefix.popleft())
-            if self._done or self._forward.stream is None:
-                raise StopAsyncIteration
-            return self._seen(await self._cascade._next(self._flight, self._forward.stream))
-        except BaseException:
-            await self._end()  # refused, broken, cancelled or over: nothing more will be read
-            raise
-
-    def _seen(self, event: StreamEvent) -> StreamEvent:
-        forward = self._forward
-        if forward is not None and forward.on_event is not None:
-            forward.on_event(event)
-        if isinstance(event, FinishEvent):
-            self._done = True
-            self._over()  # a consumer that stops reading at the finish leaves nothing behind
-        return event
-
-    def _over(self) -> None:
-        """The turn is over for the cascade (finished, or left): its metrics, and the flight goes."""
-        forward = self._forward
-        if forward is not None and forward.at_end is not None:
-            at_end, forward.at_end = forward.at_end, None  # once
-            at_end()
-        if self._cascade._flights.get(self._request_id) is self._flight:
-            del self._cascade._flights[self._request_id]
-
-    def can_subscribe(self) -> bool:
-        forward = self._forward
-        if forward is None or self._done or self._subscriber is not None:
-            return False
-        if forward.stream is None:
-            return True
-        stream = as_pushing(forward.stream)
-        return stream is not None and stream.can_subscribe()
-
-    def subscribe(self, callback: Subscriber) -> None:
-        if not self.can_subscribe():
-            raise RuntimeError("this cascade stream cannot push now; iterate it")
-        assert self._forward is not None
-        self._subscriber = callback
-        while self._prefix and self._subscriber is callback:
-            callback(self._seen(self._prefix.popleft()))
-        stream = as_pushing(self._forward.stream)
-        if self._done or stream is None or self._subscriber is not callback:
-            return
-        flight = self._flight
-
-        def delivered(item: Delivered) -> None:
-            if isinstance(item, (FinishEvent, EngineError)):
-                flight.finished = True  # as ``_next`` marks it: nothing left to abort
-            callback(self._seen(item) if not isinstance(item, EngineError) else item)
-
-        stream.subscribe(delivered)
-
-    def unsubscribe(self) -> None:
-        self._subscriber = None
-        stream = as_pushing(self._forward.stream) if self._forward is not None else None
-        if stream is not None:
-            stream.unsubscribe()
-
-    async def aclose(self) -> None:
-        await self._end()
-
-    async def _end(self) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        self.unsubscribe()
-        try:
-            await self._decide.aclose()
-        finally:
-            await asyncio.shield(self._cascade._stop(self._flight))
-            self._over()
-
-
 class CascadeEngine:
     tier = "cascade"
 
@@ -223,7 +82,7 @@ class CascadeEngine:
         self.scorer = scorer
         self.health = health
         self._metrics = metrics
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[str, Flight] = {}
         # Recent waits, smoothed: from a turn's start on the edge to the cascade's decision (its
         # held tokens scored), and from a torch-tier stage's start to its first event.
         self.edge_decide_s: float | None = None
@@ -272,9 +131,9 @@ class CascadeEngine:
         if request_id in self._flights:
             return EventChannel.refused(DuplicateRequestError(f"request {request_id!r} is already running",
                                                               param="request_id"))
-        flight = self._flights[request_id] = _Flight()
-        decide = self._serve(flight, request_id, list(prompt_ids), params, _Ask(priority, session_id, cache_salt))
-        return _CascadeStream(self, request_id, flight, decide)
+        flight = self._flights[request_id] = Flight()
+        decide = self._serve(flight, request_id, list(prompt_ids), params, Ask(priority, session_id, cache_salt))
+        return CascadeStream(flight, decide, lambda: self._forget(request_id, flight))
 
     async def abort(self, request_id: str) -> None:
         """Free the request in whichever tier holds it; a stage not started yet never starts."""
@@ -297,15 +156,19 @@ class CascadeEngine:
     def stats(self) -> dict[str, float]:
         return {"threshold": self.threshold(), "requests": float(len(self._flights))}
 
+    def _forget(self, request_id: str, flight: Flight) -> None:
+        if self._flights.get(request_id) is flight:  # (a new turn may reuse the id once this one is over)
+            del self._flights[request_id]
+
     async def close(self) -> None:
         """The tiers belong to the gateway, which closes them."""
 
     # --- one turn -------------------------------------------------------------------------------
 
-    async def _serve(self, flight: _Flight, rid: str, prompt: list[int], params: SamplingParams,
-                     ask: _Ask) -> AsyncIterator[CascadeEvent | _Forward]:
+    async def _serve(self, flight: Flight, rid: str, prompt: list[int], params: SamplingParams,
+                     ask: Ask) -> AsyncIterator[CascadeEvent | Forward]:
         """The decision: ``RouteInfo`` (and, for a turn cancelled while held, its finish), then a
-        ``_Forward`` naming the stage that serves the rest, as its last item."""
+        ``Forward`` naming the stage that serves the rest, as its last item."""
         edge_up, gpu_up = self.health.up("edge"), self.health.up("gpu")
         rule = self._pre_route(prompt)
         if rule:
@@ -338,12 +201,12 @@ class CascadeEngine:
         loop = asyncio.get_running_loop()
         started = loop.time()
         threshold = self.threshold()
-        edge_stream = self._start(flight, self.edge, rid, prompt, params, ask)
+        edge_stream = flight.start(self.edge, rid, prompt, params, ask)
         held: list[TokenEvent] = []
         finish: FinishEvent | None = None
         try:
             while len(held) < self.config.hold_tokens:
-                event = await self._next(flight, edge_stream)
+                event = await flight.next(edge_stream)
                 if isinstance(event, FinishEvent):
                     finish = event
                     break
@@ -374,22 +237,22 @@ class CascadeEngine:
         if keep is not None:
             yield keep
             if finish is not None:
-                yield _Forward(None, [*held, finish])
+                yield Forward(None, [*held, finish])
             else:
-                yield _Forward(edge_stream, held)
+                yield Forward(edge_stream, held)
             return
 
         # Escalate: the edge lets go before the torch tier starts, so the two never both hold it.
-        await self._stop(flight)
+        await flight.stop()
         self._metrics.cascade_escalation_seconds.observe(loop.time() - started)
         if flight.aborted:
             yield FinishEvent("abort", len(prompt), 0, tier="edge")
             return
         drafts = [t.token_id for t in held]
-        gpu_stream = self._start(flight, self.gpu, rid, prompt, params, ask, drafts)
+        gpu_stream = flight.start(self.gpu, rid, prompt, params, ask, drafts)
         gpu_started = loop.time()
         try:
-            first = await self._next(flight, gpu_stream)
+            first = await flight.next(gpu_stream)
             self.gpu_first_s = _smoothed(self.gpu_first_s, loop.time() - gpu_started)
         except (EngineUnavailableError, OverloadedError) as e:
             if isinstance(e, EngineUnavailableError):
@@ -401,7 +264,7 @@ class CascadeEngine:
             return
         yield RouteInfo("gpu", "escalated", confidence, threshold)
         agreement = _DraftAgreement(drafts, self._metrics)
-        yield _Forward(gpu_stream, [first], on_event=agreement.seen, at_end=agreement.record)
+        yield Forward(gpu_stream, [first], on_event=agreement.seen, at_end=agreement.record)
 
     def _edge_busy(self) -> bool:
         """Spill to the torch tier: the edge cannot start the turn now and the torch tier is less
@@ -455,50 +318,12 @@ class CascadeEngine:
 
     # --- stages ---------------------------------------------------------------------------------
 
-    def _start(self, flight: _Flight, engine: Engine, rid: str, prompt: list[int], params: SamplingParams,
-               ask: _Ask, drafts: Sequence[int] = ()) -> AsyncIterator[StreamEvent]:
-        stream = engine.generate(rid, prompt, params, ask.priority, session_id=ask.session_id, draft_ids=drafts,
-                                 cache_salt=ask.cache_salt)
-        flight.engine, flight.stream, flight.finished, flight.stage_id = engine, stream, False, rid
-        return stream
-
-    async def _next(self, flight: _Flight, stream: AsyncIterator[StreamEvent]) -> StreamEvent:
-        try:
-            event = await anext(stream)
-        except EngineError:
-            flight.finished = True  # refused before its first event, or broken: nothing to abort
-            raise
-        except StopAsyncIteration:
-            flight.finished = True
-            raise EngineError("the engine's stream ended without finishing") from None
-        if isinstance(event, FinishEvent):
-            flight.finished = True
-        return event
-
-    def _stage(self, flight: _Flight, engine: Engine, rid: str, prompt: list[int], params: SamplingParams,
-               ask: _Ask) -> _Forward:
+    def _stage(self, flight: Flight, engine: Engine, rid: str, prompt: list[int], params: SamplingParams,
+               ask: Ask) -> Forward:
         """One tier serves the whole turn."""
         if flight.aborted:
-            return _Forward(None, [FinishEvent("abort", len(prompt), 0, tier=engine.tier)])
-        return _Forward(self._start(flight, engine, rid, prompt, params, ask), [])
-
-    async def _stop(self, flight: _Flight) -> None:
-        """Abort the current stage unless it finished (its KV is free on return), close its stream."""
-        engine, stream, rid = flight.engine, flight.stream, flight.stage_id
-        flight.engine, flight.stream = None, None
-        if engine is not None and not flight.finished:
-            try:
-                await engine.abort(rid)
-            except EngineError as e:
-                log.warning("aborting %s on the %s tier failed: %s", rid, engine.tier, e.message)
-        flight.finished = True
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            try:
-                await aclose()
-            except (EngineError, RuntimeError) as e:  # a broken stream has nothing left to free
-                log.debug("closing the %s stream of %s: %s", engine.tier if engine else "?", rid, e)
-
+            return Forward(None, [FinishEvent("abort", len(prompt), 0, tier=engine.tier)])
+        return Forward(flight.start(engine, rid, prompt, params, ask), [])
 
 WAIT_EMA = 0.2  # weight of the newest wait in a smoothed one
 
