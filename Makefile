@@ -97,7 +97,7 @@ test-cluster: $(CLUSTER_STAMP)
 bench: $(STAMP) web-deps
 	$(BIN)/python bench/edge.py
 	$(BIN)/python bench/engine.py
-	$(BIN)/python bench/gateway.py
+	$(BIN)/python bench/gateway_overhead.py
 	$(BIN)/python bench/conversation.py
 	$(BIN)/python bench/spec.py
 	$(BIN)/python bench/cascade.py
@@ -134,7 +134,7 @@ gpu-check:
 	$(GPU_PY) -c 'import websockets, orjson' 2>/dev/null || $(GPU_PY) -m pip install -q --no-index --no-deps \
 	  --target .gpu-site --find-links $(GPU_WHEELS) websockets orjson
 	PYTHONPATH=$(CURDIR)/.gpu-site $(GPU_PY) -m pytest -q -p no:cacheprovider -m cuda tests/engine_gpu/test_cuda.py
-	PYTHONPATH=$(CURDIR)/.gpu-site $(GPU_PY) bench/gpu.py --all
+	PYTHONPATH=$(CURDIR):$(CURDIR)/.gpu-site $(GPU_PY) bench/gpu.py --all
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

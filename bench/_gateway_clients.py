@@ -1,4 +1,4 @@
-"""Clients for bench/gateway.py: one Realtime turn driven over a WebSocket (the openai SDK or
+"""Clients for bench/gateway_overhead.py: one Realtime turn driven over a WebSocket (the openai SDK or
 raw ``websockets``) or straight through the engine in-process, timed the same way.
 
 Both sides record when each piece of text arrives: a ``response.output_text.delta`` on the
@@ -40,7 +40,7 @@ TOPICS = (
 
 
 def prompts(n: int) -> list[str]:
-    """``n`` distinct prompts asking for long answers (bench/gateway.py's responses also ignore the
+    """``n`` distinct prompts asking for long answers (bench/gateway_overhead.py's responses also ignore the
     end-of-sequence token, so they end by their token limit whatever the model would answer)."""
     return [f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}." + (f" Part {i // len(TOPICS) + 1}."
             if i >= len(TOPICS) else "") for i in range(n)]

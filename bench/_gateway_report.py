@@ -1,4 +1,4 @@
-"""Summary table and figure for bench/gateway.py, from its result dict (bench/out/gateway.json)."""
+"""Summary table and figure for bench/gateway_overhead.py, from its result dict (bench/out/gateway.json)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gateway under test for bench/gateway.py: a ``python -m gateway serve`` subprocess with a
+"""The gateway under test for bench/gateway_overhead.py: a ``python -m gateway serve`` subprocess with a
 config derived from a base one, observed from outside (RSS and CPU with psutil, /metrics).
 
 A separate process, so that its memory is measured alone and the benchmark's clients do not

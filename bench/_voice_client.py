@@ -1,4 +1,4 @@
-"""A voice client for bench/voice.py: a real-time microphone and a simulated speaker on one
+"""A voice client for bench/voice_sessions.py: a real-time microphone and a simulated speaker on one
 Realtime WebSocket (JSON frames, base64 audio, as the official SDKs send it).
 
 The microphone task sends ``CHUNK_MS`` of PCM16 at 24 kHz every ``CHUNK_MS`` of wall time, on

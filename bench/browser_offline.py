@@ -23,26 +23,16 @@ What it measures, in one run:
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-sys.path.insert(0, str(_HERE.parent / "tests" / "client_sdk"))  # the tests' gateway process (kill, restart)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-from gateway_process import GatewayProcess, write_config  # noqa: E402
-
-from bench._browser import (  # noqa: E402
+from bench._browser import (
     WATCH,
     RequestLog,
     ask,
@@ -52,7 +42,8 @@ from bench._browser import (  # noqa: E402
     wait_done,
     wait_text,
 )
-from bench._common import SMOKE_HELP, cpu_facts, figure_path, progress, result_path, write_json  # noqa: E402
+from bench._common import SMOKE_HELP, cpu_facts, figure_path, progress, result_path, write_json
+from tests.client_sdk.gateway_process import GatewayProcess, write_config
 
 PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
           "<|im_start|>user\nWrite a short story about a lighthouse keeper and a storm.<|im_end|>\n"

@@ -30,17 +30,13 @@ the 8-token hold window), results and figures in bench/out/smoke/.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# Run as a script, bench/ leads sys.path and the repository root is not on it.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import argparse
 import asyncio
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp

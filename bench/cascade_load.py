@@ -32,28 +32,21 @@ and a plot in docs/img/cascade_load.png; the last stdout line is one JSON object
 
 from __future__ import annotations
 
-import sys
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+import tomllib
+from collections import Counter
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+from openai import AsyncOpenAI
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import tomllib  # noqa: E402
-from collections import Counter  # noqa: E402
-from contextlib import AsyncExitStack  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
-
-from openai import AsyncOpenAI  # noqa: E402
-
-from bench._common import (  # noqa: E402
+from bench._common import (
     SMOKE_HELP,
     cpu_facts,
     dump_toml,
@@ -65,9 +58,9 @@ from bench._common import (  # noqa: E402
     result_path,
     write_json,
 )
-from bench._gateway_clients import BenchError  # noqa: E402
-from bench._gateway_server import GatewayProcess  # noqa: E402
-from gateway.config import DEFAULT_CONFIG, load_config  # noqa: E402
+from bench._gateway_clients import BenchError
+from bench._gateway_server import GatewayProcess
+from gateway.config import DEFAULT_CONFIG, load_config
 
 TEMPERATURE = 0.7
 TURN_TIMEOUT_S = 600.0  # a turn that takes longer has failed (a busy 2-core host answers far sooner)

@@ -37,18 +37,15 @@ the replicas' start-up still take most of a minute or more.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import argparse
 import asyncio
 import json
 import os
+import sys
 import time
 import tomllib
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from bench._common import (

@@ -36,22 +36,18 @@ one arm by hand: ``.venv/bin/python bench/conversation.py --turns 2 --max-tokens
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# Run as a script, bench/ leads sys.path and the repository root is not on it.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import argparse
 import asyncio
 import copy
 import json
 import math
+import sys
 import tempfile
 import time
 import tomllib
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import uvloop

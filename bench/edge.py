@@ -15,27 +15,21 @@ weight bytes and cpu. Streams ignore the end-of-sequence token, so each is exact
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
 import sys
+import threading
+import time
 from pathlib import Path
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import numpy as np
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-from bench._common import SMOKE_HELP, cpu_facts  # noqa: E402
-from engine_edge.config import EdgeConfig  # noqa: E402
-from engine_edge.llama_cpp_backend import LlamaCppBackend  # noqa: E402
-from llm_shared.contract import SamplingParams, TokenEvent  # noqa: E402
-from llm_shared.modelfile import default_gguf_path  # noqa: E402
+from bench._common import SMOKE_HELP, cpu_facts
+from engine_edge.config import EdgeConfig
+from engine_edge.llama_cpp_backend import LlamaCppBackend
+from llm_shared.contract import SamplingParams, TokenEvent
+from llm_shared.modelfile import default_gguf_path
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper.",

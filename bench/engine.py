@@ -17,23 +17,16 @@ meaningless), results and plot in bench/out/smoke/.
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass, replace  # noqa: E402
-
-import torch  # noqa: E402
-
-from bench._common import (  # noqa: E402
+from bench._common import (
     SMOKE_HELP,
     cpu_dtype,
     cpu_facts,
@@ -45,7 +38,7 @@ from bench._common import (  # noqa: E402
     result_path,
     write_json,
 )
-from bench._engine_drive import (  # noqa: E402
+from bench._engine_drive import (
     KVPeak,
     Req,
     make_requests,
@@ -54,12 +47,14 @@ from bench._engine_drive import (  # noqa: E402
     run_closed,
     run_open,
 )
-from engine_gpu.config import EngineConfig  # noqa: E402
-from engine_gpu.engine import LLMEngine  # noqa: E402
-from engine_gpu.kv_cache import PagedKVCache  # noqa: E402
-from engine_gpu.runner import ModelRunner  # noqa: E402
-from gateway.config import DEFAULT_CONFIG, load_config  # noqa: E402
-from llm_shared.models import tokenizer_for  # noqa: E402
+from engine_gpu.config import EngineConfig
+from engine_gpu.engine import LLMEngine
+from engine_gpu.kv_cache import PagedKVCache
+from engine_gpu.runner import ModelRunner
+from gateway.config import DEFAULT_CONFIG, load_config
+from llm_shared.models import tokenizer_for
+
+_HERE = Path(__file__).resolve().parent
 
 NUM_REQUESTS = 32
 

@@ -53,19 +53,15 @@ prints its keys: ``--smoke`` (results in bench/out/smoke/); one arm: ``--arms fu
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# Run as a script, bench/ leads sys.path and the repository root is not on it.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import argparse
 import json
 import math
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import uvloop

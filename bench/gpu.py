@@ -36,36 +36,32 @@ default suite does, seconds); on CUDA the full run takes a few minutes, set-up i
 
 from __future__ import annotations
 
+import argparse
+import gzip
+import json
+import shutil
+import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
+import torch
+
+from bench._common import cpu_facts, progress, result_path, write_json
+from engine_gpu.config import EngineConfig, resolve_dtype
+from engine_gpu.engine import LLMEngine
+from engine_gpu.kv_cache import bytes_per_block
+from engine_gpu.runner import DTYPES, ModelRunner
+from engine_gpu.sched_output import ScheduledSeq
+from llm_shared.contract import SamplingParams
+from llm_shared.llama.loader import load_model
+from llm_shared.llama.model import LlamaModel
+from llm_shared.models import ModelConfig, tokenizer_for
+
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-import argparse  # noqa: E402
-import gzip  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-
-from bench._common import cpu_facts, progress, result_path, write_json  # noqa: E402
-from engine_gpu.config import EngineConfig, resolve_dtype  # noqa: E402
-from engine_gpu.engine import LLMEngine  # noqa: E402
-from engine_gpu.kv_cache import bytes_per_block  # noqa: E402
-from engine_gpu.runner import DTYPES, ModelRunner  # noqa: E402
-from engine_gpu.sched_output import ScheduledSeq  # noqa: E402
-from llm_shared.contract import SamplingParams  # noqa: E402
-from llm_shared.llama.loader import load_model  # noqa: E402
-from llm_shared.llama.model import LlamaModel  # noqa: E402
-from llm_shared.models import ModelConfig, tokenizer_for  # noqa: E402
 
 ASSETS = _HERE / "assets" / "smollm2"
 RESULTS = _HERE / "results" / "gpu.json"

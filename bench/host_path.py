@@ -43,25 +43,22 @@ outputs made during the next and steady decode steps planned ahead), alternating
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import secrets  # noqa: E402
-import shutil  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tarfile  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
 
 REPO_ROOT = _HERE.parent
 BEFORE_REV = "6ba6651"  # the commit before the host path was worked on (issue 28)
@@ -325,7 +322,6 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    sys.path.insert(0, str(REPO_ROOT))
     from bench._common import cpu_facts, progress, result_path, write_json
 
     if args.smoke:

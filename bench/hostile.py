@@ -26,32 +26,25 @@ clients got: recognitions answered and refused, compiles refused.
 
 from __future__ import annotations
 
-import sys
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import secrets
+import struct
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import aiohttp
+import websockets
+from openai import AsyncOpenAI
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import base64  # noqa: E402
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import secrets  # noqa: E402
-import struct  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import tomllib  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
-
-import aiohttp  # noqa: E402
-import websockets  # noqa: E402
-from openai import AsyncOpenAI  # noqa: E402
-
-from bench._common import (  # noqa: E402
+from bench._common import (
     SMOKE_HELP,
     BenchError,
     cpu_facts,
@@ -61,10 +54,10 @@ from bench._common import (  # noqa: E402
     result_path,
     write_json,
 )
-from bench._gateway_server import GatewayProcess  # noqa: E402
-from bench._redis import Redis  # noqa: E402
-from bench._voice_client import VoiceSession, speech_clips  # noqa: E402
-from gateway.config import DEFAULT_CONFIG  # noqa: E402
+from bench._gateway_server import GatewayProcess
+from bench._redis import Redis
+from bench._voice_client import VoiceSession, speech_clips
+from gateway.config import DEFAULT_CONFIG
 
 MODEL = "smollm2-135m-edge"
 KEYS = {"voice": "sk-healthy-voice", "text": "sk-healthy-text", "ptt": "sk-hostile-ptt", "schema": "sk-hostile-schema"}

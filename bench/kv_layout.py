@@ -15,23 +15,16 @@ decodes exactly ``--tokens``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
+import asyncio
+import json
+import time
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-
-from bench._common import SMOKE_HELP, cpu_facts, median, progress  # noqa: E402
-from engine_edge.config import EdgeConfig  # noqa: E402
-from engine_edge.llama_cpp_backend import LlamaCppBackend  # noqa: E402
-from llm_shared.contract import SamplingParams, TokenEvent  # noqa: E402
-from llm_shared.modelfile import default_gguf_path  # noqa: E402
+from bench._common import SMOKE_HELP, cpu_facts, median, progress
+from engine_edge.config import EdgeConfig
+from engine_edge.llama_cpp_backend import LlamaCppBackend
+from llm_shared.contract import SamplingParams, TokenEvent
+from llm_shared.modelfile import default_gguf_path
 
 CELL_BYTES = 23040  # SmolLM2-135M in llama.cpp: 30 layers x (K, V) x 3 heads x 64 x f16
 SMOKE = {"seqs": 2, "context": 64, "tokens": 8, "repeats": 1}

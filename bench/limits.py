@@ -40,35 +40,29 @@ meaningless, results in bench/out/smoke/).
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import bisect
+import collections
+import json
+import secrets
 import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import aiohttp
+import uvloop
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import bisect  # noqa: E402
-import collections  # noqa: E402
-import json  # noqa: E402
-import secrets  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-import aiohttp  # noqa: E402
-import uvloop  # noqa: E402
-
-from bench import load  # noqa: E402
-from bench._common import SMOKE_HELP, cpu_facts, percentile, progress, raise_nofile_limit, result_path, write_json  # noqa: E402
-from bench._gateway_server import GatewayProcess  # noqa: E402
-from bench._limits_edge import arm_edge  # noqa: E402
-from bench._redis import Redis  # noqa: E402
-from bench._ws_lean import LeanSession  # noqa: E402
-from gateway.limits import Limits, LimitsConfig, LimitsStore, store_from_config  # noqa: E402
+from bench import load
+from bench._common import SMOKE_HELP, cpu_facts, percentile, progress, raise_nofile_limit, result_path, write_json
+from bench._gateway_server import GatewayProcess
+from bench._limits_edge import arm_edge
+from bench._redis import Redis
+from bench._ws_lean import LeanSession
+from gateway.limits import Limits, LimitsConfig, LimitsStore, store_from_config
 
 HANG_S = 5.0  # a request unanswered this long hangs (the store's own bound is 100 ms)
 FAILOVER_PHASES = ("up", "paused", "resumed", "stopped", "restarted")

@@ -64,33 +64,27 @@ streams, overload against a capacity of 10), under a minute; the figures mean no
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import collections
+import itertools
+import json
+import random
+import socket
 import sys
+import tempfile
+import time
+import tomllib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import psutil
+import uvloop
+import websockets
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import collections  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import socket  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import tomllib  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-import psutil  # noqa: E402
-import uvloop  # noqa: E402
-import websockets  # noqa: E402
-
-from bench._common import (  # noqa: E402
+from bench._common import (
     REPO_ROOT,
     SMOKE_HELP,
     cpu_facts,
@@ -102,9 +96,9 @@ from bench._common import (  # noqa: E402
     result_path,
     write_json,
 )
-from bench._gateway_clients import BenchError  # noqa: E402
-from bench._gateway_server import GatewayProcess  # noqa: E402
-from bench._ws_lean import LeanSession, Stream  # noqa: E402
+from bench._gateway_clients import BenchError
+from bench._gateway_server import GatewayProcess
+from bench._ws_lean import LeanSession, Stream
 
 STEPS = (100, 200, 300, 400, 500, 600, 800, 1000, 1200, 1500, 2000)
 CASCADE_STEPS = (200, 400, 600, 800, 1000, 1200, 1500)

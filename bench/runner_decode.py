@@ -11,28 +11,20 @@ batch size), ``prefill_tok_s`` (by batch size), ``dtype``, ``threads``, ``contex
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
+import json
+import statistics
+import time
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-
-from bench._common import SMOKE_HELP, cpu_facts  # noqa: E402
-from engine_gpu.kv_cache import PagedKVCache  # noqa: E402
-from engine_gpu.runner import DTYPES, ModelRunner  # noqa: E402
-from engine_gpu.sched_output import ScheduledSeq  # noqa: E402
-from llm_shared.contract import SamplingParams  # noqa: E402
-from llm_shared.llama.loader import load_gguf  # noqa: E402
-from llm_shared.modelfile import default_gguf_path  # noqa: E402
+from bench._common import SMOKE_HELP, cpu_facts
+from engine_gpu.kv_cache import PagedKVCache
+from engine_gpu.runner import DTYPES, ModelRunner
+from engine_gpu.sched_output import ScheduledSeq
+from llm_shared.contract import SamplingParams
+from llm_shared.llama.loader import load_gguf
+from llm_shared.modelfile import default_gguf_path
 
 SMOKE = {"context": 16, "steps": 2, "batch": [1, 2]}
 

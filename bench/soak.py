@@ -35,31 +35,25 @@ bench/out/smoke/).
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import random
 import sys
+import tempfile
+import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import uvloop
+import websockets
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from typing import Any  # noqa: E402
-
-import uvloop  # noqa: E402
-import websockets  # noqa: E402
-
-from bench._common import SMOKE_HELP, cpu_facts, progress, raise_nofile_limit, result_path, write_json  # noqa: E402
-from bench._faults_ws import derive_config  # noqa: E402
-from bench._gateway_server import GatewayProcess  # noqa: E402
-from bench.load import synthetic_config  # noqa: E402
-from gateway.config import DEFAULT_CONFIG  # noqa: E402
+from bench._common import SMOKE_HELP, cpu_facts, progress, raise_nofile_limit, result_path, write_json
+from bench._faults_ws import derive_config
+from bench._gateway_server import GatewayProcess
+from bench.load import synthetic_config
+from gateway.config import DEFAULT_CONFIG
 
 EVENT_TIMEOUT_S = 60.0
 REAL_EVENT_TIMEOUT_S = 300.0  # real models on a busy 2-core host: a turn may wait behind others

@@ -40,22 +40,15 @@ runs. Where speculation is priced out, both arms run the same steps: the quads' 
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, replace  # noqa: E402
-
-from bench._common import (  # noqa: E402
+from bench._common import (
     OUT_DIR,
     SMOKE_HELP,
     cpu_dtype,
@@ -67,7 +60,7 @@ from bench._common import (  # noqa: E402
     result_path,
     write_json,
 )
-from bench._spec_drive import (  # noqa: E402
+from bench._spec_drive import (
     Run,
     TimedDrafter,
     chat_prompts,
@@ -76,13 +69,15 @@ from bench._spec_drive import (  # noqa: E402
     plot,
     verify_step_times,
 )
-from bench.engine import OtherLoad  # noqa: E402
-from engine_gpu.config import SpeculativeConfig  # noqa: E402
-from engine_gpu.engine import LLMEngine  # noqa: E402
-from engine_gpu.runner import ModelRunner  # noqa: E402
-from engine_gpu.speculative.speculator import Speculator, build_speculator  # noqa: E402
-from gateway.config import DEFAULT_CONFIG, load_config  # noqa: E402
-from llm_shared.models import tokenizer_for  # noqa: E402
+from bench.engine import OtherLoad
+from engine_gpu.config import SpeculativeConfig
+from engine_gpu.engine import LLMEngine
+from engine_gpu.runner import ModelRunner
+from engine_gpu.speculative.speculator import Speculator, build_speculator
+from gateway.config import DEFAULT_CONFIG, load_config
+from llm_shared.models import tokenizer_for
+
+_HERE = Path(__file__).resolve().parent
 
 DRAFT_MODEL = "smollm2-135m"
 OFF = SpeculativeConfig()

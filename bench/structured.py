@@ -55,31 +55,24 @@ format at tiny sizes in about a minute, results in bench/out/smoke/.
 
 from __future__ import annotations
 
-import sys
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import aiohttp
+import jsonschema
+from openai import AsyncOpenAI
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from dataclasses import dataclass, field, replace  # noqa: E402
-from datetime import datetime  # noqa: E402
-from typing import Any  # noqa: E402
-
-import aiohttp  # noqa: E402
-import jsonschema  # noqa: E402
-from openai import AsyncOpenAI  # noqa: E402
-
-from bench._common import (  # noqa: E402
+from bench._common import (
     REPO_ROOT,
     SMOKE_HELP,
     cpu_dtype,
@@ -90,21 +83,21 @@ from bench._common import (  # noqa: E402
     result_path,
     write_json,
 )
-from bench._spec_drive import TimedDrafter  # noqa: E402
-from bench.engine import OtherLoad  # noqa: E402
-from engine_edge import create_backend  # noqa: E402
-from engine_edge.config import EdgeConfig  # noqa: E402
-from engine_gpu.config import SpeculativeConfig  # noqa: E402
-from engine_gpu.engine import LLMEngine  # noqa: E402
-from engine_gpu.runner import ModelRunner  # noqa: E402
-from engine_gpu.speculative.speculator import Speculator, build_speculator  # noqa: E402
-from gateway.config import DEFAULT_CONFIG, Config, load_config  # noqa: E402
-from gateway.process.server import create_app, start_server  # noqa: E402
-from gateway.tiers.build import close_engines, host_plan, load_engines  # noqa: E402
-from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent  # noqa: E402
-from llm_shared.modelfile import default_gguf_path  # noqa: E402
-from llm_shared.models import tokenizer_for  # noqa: E402
-from llm_shared.structured import (  # noqa: E402
+from bench._spec_drive import TimedDrafter
+from bench.engine import OtherLoad
+from engine_edge import create_backend
+from engine_edge.config import EdgeConfig
+from engine_gpu.config import SpeculativeConfig
+from engine_gpu.engine import LLMEngine
+from engine_gpu.runner import ModelRunner
+from engine_gpu.speculative.speculator import Speculator, build_speculator
+from gateway.config import DEFAULT_CONFIG, Config, load_config
+from gateway.process.server import create_app, start_server
+from gateway.tiers.build import close_engines, host_plan, load_engines
+from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent
+from llm_shared.modelfile import default_gguf_path
+from llm_shared.models import tokenizer_for
+from llm_shared.structured import (
     CallDone,
     GrammarCompiler,
     Message,
@@ -114,8 +107,8 @@ from llm_shared.structured import (  # noqa: E402
     parse_chat_constraints,
     render_messages,
 )
-from llm_shared.structured.matcher import CLOSE_MARGIN  # noqa: E402
-from llm_shared.tokenizer import Tokenizer  # noqa: E402
+from llm_shared.structured.matcher import CLOSE_MARGIN
+from llm_shared.tokenizer import Tokenizer
 
 SCHEMAS = REPO_ROOT / "configs" / "structured_schemas.json"
 FAMILY = get_family("smollm2")

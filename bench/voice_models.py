@@ -25,27 +25,19 @@ The last line is one JSON object with those keys and ``cpu``; details in bench/o
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
+import json
+import re
+import time
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import numpy as np
+import psutil
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-
-from bench._common import SMOKE_HELP, cpu_facts, median, progress, result_path, write_json  # noqa: E402
-from voice.asr import WhisperRecognizer  # noqa: E402
-from voice.audio import REALTIME_RATE, SPEECH_RATE, StreamResampler, resample  # noqa: E402
-from voice.tts import FliteSynthesizer  # noqa: E402
-from voice.vad import WINDOW, SileroVad, SpeechSegmenter  # noqa: E402
+from bench._common import SMOKE_HELP, cpu_facts, median, progress, result_path, write_json
+from voice.asr import WhisperRecognizer
+from voice.audio import REALTIME_RATE, SPEECH_RATE, StreamResampler, resample
+from voice.tts import FliteSynthesizer
+from voice.vad import WINDOW, SileroVad, SpeechSegmenter
 
 SENTENCES = [
     ("alloy", "The quick brown fox jumps over the lazy dog near the river bank."),

@@ -94,3 +94,165 @@ def test_importing_the_torch_free_parts_loads_no_torch_or_ray() -> None:
             "        sys.exit(f'importing {name} loaded ray')\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# ----- between modules: no import circles, and a gateway in floors -------------------------------
+
+# Where each import root lives: the packages at the top of the repository, and the Python SDK.
+SOURCE_ROOTS = (REPO, REPO / "client_sdk" / "python")
+MODULE_PACKAGES = (*sorted(OURS - {"client_sdk"}), "rtgw")
+
+# The gateway's rooms, bottom first: a module may import its own room and the floors below,
+# never one above or a room beside it on the same floor. The config is at the bottom, so
+# nothing points up to it; the process side (start, workers, drain) is at the top.
+GATEWAY_FLOORS: tuple[tuple[str, ...], ...] = (
+    ("config",),  # every [table] of the gateway's config
+    ("metrics", "json_wire", "shaping"),  # leaves: Prometheus series, JSON on the wire, grammars for turns
+    ("auth",),  # API keys and origins
+    ("limits", "cascade"),  # per-key limits; routing and the cascade
+    ("tiers",),  # building and supervising the engine tiers
+    ("turns",),  # one generation, from admission to its last token, for either API
+    ("ws",),  # the Realtime session and its connection
+    ("http",),  # the aiohttp app: state, OpenAI HTTP routes, demo page, model files
+    ("process",),  # start, serve, workers on one port, drain
+    ("tools", "__main__"),  # command-line entry points
+)
+
+
+def module_files(root: Path, top: str) -> dict[str, Path]:
+    """Module name -> file for the package ``top`` under ``root``."""
+    found = {}
+    for path in sorted((root / top).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def import_graph(roots: tuple[Path, ...], packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports: every import (top level, in functions, under
+    TYPE_CHECKING). ``from a.b import c`` counts as importing ``a.b.c`` when that is a module, else
+    ``a.b``; a parent package whose ``__init__`` Python runs on the way is not counted."""
+    files: dict[str, Path] = {}
+    for root in roots:
+        for top in packages:
+            if (root / top / "__init__.py").exists():
+                files.update(module_files(root, top))
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, *([node.module] if node.module else [])])
+                for alias in node.names:
+                    targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base)
+        resolved = set()
+        for target in targets:
+            while target and target not in files:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                resolved.add(target)
+        graph[name] = resolved
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of two or more modules (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def gateway_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "gateway" and len(parts) > 1 else None
+
+
+def floor_violations(graph: dict[str, set[str]]) -> list[str]:
+    floor = {room: level for level, rooms in enumerate(GATEWAY_FLOORS) for room in rooms}
+    out = []
+    for module, imported in sorted(graph.items()):
+        room = gateway_room(module)
+        if room is None:
+            continue
+        if room not in floor:
+            out.append(f"{module} is in no floor of GATEWAY_FLOORS")
+            continue
+        for target in sorted(imported):
+            other = gateway_room(target)
+            if other is None or other == room:
+                continue
+            if other not in floor or floor[other] >= floor[room]:
+                out.append(f"{module} ({room}) imports {target} ({other}), which is not below it")
+    return out
+
+
+def test_no_import_circles_between_modules() -> None:
+    assert circles(import_graph(SOURCE_ROOTS, MODULE_PACKAGES)) == []
+
+
+def test_gateway_rooms_import_only_floors_below() -> None:
+    assert floor_violations(import_graph(SOURCE_ROOTS, MODULE_PACKAGES)) == []
+
+
+def test_the_checks_catch_a_planted_circle_and_an_upward_import(tmp_path: Path) -> None:
+    """A circle hidden behind TYPE_CHECKING and a relative import, and a gateway module that
+    reaches up a floor, are each found."""
+    for package in ("llm_shared", "gateway", "gateway/config", "gateway/ws"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "llm_shared" / "a.py").write_text("from llm_shared import b\n")
+    (tmp_path / "llm_shared" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n")
+    (tmp_path / "llm_shared" / "c.py").write_text("def f():\n    import llm_shared.a\n")
+    (tmp_path / "gateway" / "config" / "server.py").write_text("from gateway.ws.session import Session\n")
+    (tmp_path / "gateway" / "ws" / "session.py").write_text("from gateway.config.server import X\n")
+    graph = import_graph((tmp_path,), ("llm_shared", "gateway"))
+    assert circles(graph) == [["gateway.config.server", "gateway.ws.session"],
+                              ["llm_shared.a", "llm_shared.b", "llm_shared.c"]]
+    assert floor_violations(graph) == [
+        "gateway.config.server (config) imports gateway.ws.session (ws), which is not below it"]
+    (tmp_path / "gateway" / "config" / "server.py").write_text("X = 1\n")
+    graph = import_graph((tmp_path,), ("llm_shared", "gateway"))
+    assert floor_violations(graph) == [] and circles(graph) == [["llm_shared.a", "llm_shared.b", "llm_shared.c"]]

@@ -1,9 +1,8 @@
 """Per-key limits behind one interface: in this process's memory (the default) or in a Redis every
 gateway process shares, with a failure policy for when it is away.
 
-``store_from_config`` builds the store ``[limits]`` names. Only the config is imported with the
-package (``gateway.config`` can import ``LimitsConfig`` without a cycle through ``gateway.auth``);
-the stores load on first use, and ``redis`` only for the Redis backend.
+``store_from_config`` builds the store ``[limits]`` names; ``redis`` is imported only for the
+Redis backend (``RedisStore`` loads on first use).
 """
 
 from __future__ import annotations
@@ -14,18 +13,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.config.limits import FailurePolicy, LeaseKind, Limits, LimitsConfig
+from gateway.limits.base import BucketView, Lease, LimitsStore, LimitsUnavailableError, Reservation, Snapshot
+from gateway.limits.failover import FailoverStore
+from gateway.limits.memory import InProcessStore
 
 if TYPE_CHECKING:
-    from gateway.limits.base import BucketView, Lease, LimitsStore, LimitsUnavailableError, Reservation, Snapshot
-    from gateway.limits.failover import FailoverStore
-    from gateway.limits.memory import InProcessStore
     from gateway.limits.redis_store import RedisStore
-
-_LAZY = {
-    "BucketView": "base", "Lease": "base", "LimitsStore": "base", "LimitsUnavailableError": "base",
-    "Reservation": "base", "Snapshot": "base", "FailoverStore": "failover", "InProcessStore": "memory",
-    "RedisStore": "redis_store",
-}
 
 __all__ = [
     "BucketView", "FailoverStore", "FailurePolicy", "InProcessStore", "Lease", "LeaseKind", "Limits", "LimitsConfig",
@@ -39,13 +32,10 @@ def store_from_config(config: LimitsConfig, limits: Limits, *, clock: Callable[[
     ``FailoverStore`` whose local limits are an ``InProcessStore`` of the same numbers.
     ``on_degraded(True/False)`` is called as Redis goes away and comes back. Connects to nothing
     yet: a gateway starts while its Redis is still coming up."""
-    from gateway.limits.memory import InProcessStore
-
     local = InProcessStore(limits, clock=clock, lease_ttl_s=config.lease_ttl_s)
     if config.backend == "memory":
         return local
-    from gateway.limits.failover import FailoverStore
-    from gateway.limits.redis_store import RedisStore
+    from gateway.limits.redis_store import RedisStore  # (imports redis)
 
     shared = RedisStore(limits, url=config.url, key_prefix=config.key_prefix, timeout_s=config.timeout_s,
                         lease_ttl_s=config.lease_ttl_s, retry_after_s=config.retry_interval_s)
@@ -54,7 +44,6 @@ def store_from_config(config: LimitsConfig, limits: Limits, *, clock: Callable[[
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    if name != "RedisStore":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"gateway.limits.{module}"), name)
+    return importlib.import_module("gateway.limits.redis_store").RedisStore

@@ -87,7 +87,7 @@ class FrameCodec:
     max_frame_bytes: int
     # msgpack's module-level packb builds a Packer per call; one per msgpack connection is reused.
     # JSON connections make none, and a Packer's buffer starts small: its default is 256 KiB, a
-    # dozen times what an idle session costs otherwise (bench/gateway.py's idle_sessions_per_gib).
+    # dozen times what an idle session costs otherwise (bench/gateway_overhead.py's idle_sessions_per_gib).
     _packer: msgpack.Packer | None = field(default=None, init=False, repr=False, compare=False)
     # A text delta's JSON but for its event id and text, per content part: the same for every token
     # of a response, so it is escaped once rather than per token. Holds the latest part's only.

@@ -45,7 +45,8 @@ RUN_TIMEOUT_S = 900.0
 
 def test_the_check_runs_with_only_the_gpu_machines_packages(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(BLOCKER, encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # inherited by the gateway and its engine core
+    # inherited by the gateway and its engine core; the repository on the path as `make gpu-check` puts it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tmp_path), str(REPO_ROOT)))}
     done = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--smoke"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]

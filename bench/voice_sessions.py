@@ -1,6 +1,6 @@
 """Voice sessions over the Realtime WebSocket, with the real models: latency, barge-in, capacity.
 
-    .venv/bin/python bench/voice.py [--sessions 1 2 4 8] [--turns 6] [--smoke]
+    .venv/bin/python bench/voice_sessions.py [--sessions 1 2 4 8] [--turns 6] [--smoke]
 
 One ``python -m gateway serve`` subprocess with the shipped config on the edge route (the
 llama.cpp tier alone, the embedded model; voice as shipped: Silero VAD, Whisper tiny.en, flite),
@@ -37,25 +37,18 @@ object with those keys (p50 and p99 of the latencies at one session), ``by_sessi
 
 from __future__ import annotations
 
-import sys
+import argparse
+import asyncio
+import json
+import re
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-# Run as a script, this folder leads sys.path and bench/gateway.py would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import tomllib  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
-
-from bench._common import (  # noqa: E402
+from bench._common import (
     SMOKE_HELP,
     BenchError,
     cpu_facts,
@@ -67,9 +60,9 @@ from bench._common import (  # noqa: E402
     result_path,
     write_json,
 )
-from bench._gateway_server import GatewayProcess  # noqa: E402
-from bench._voice_client import CHUNK_MS, Cut, VoiceSession, speech_clips  # noqa: E402
-from gateway.config import DEFAULT_CONFIG  # noqa: E402
+from bench._gateway_server import GatewayProcess
+from bench._voice_client import CHUNK_MS, Cut, VoiceSession, speech_clips
+from gateway.config import DEFAULT_CONFIG
 
 QUESTIONS = ("What is the capital of France?", "Turn on the kitchen lights.", "How far away is the moon?",
              "Tell me a fun fact about cats.", "What time does the store open?", "Set a timer for ten minutes.")

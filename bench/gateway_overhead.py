@@ -23,33 +23,27 @@ Progress goes to stderr; stdout gets a summary, then as its last line one JSON o
 ``idle_sessions_per_gib`` and ``cpu``. Everything is written to bench/out/gateway.json and a figure
 to docs/img/gateway_overhead.png.
 
-Run: ``.venv/bin/python bench/gateway.py`` (about 5 minutes on a quiet 2-core machine);
+Run: ``.venv/bin/python bench/gateway_overhead.py`` (about 5 minutes on a quiet 2-core machine);
 ``--smoke``: 4 streams, 200 idle sessions, a few cancels (results in bench/out/smoke/).
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import os
+import random
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
-# Run as a script, this folder leads sys.path and this file's name would shadow the `gateway` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import psutil
+import uvloop
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import psutil  # noqa: E402
-import uvloop  # noqa: E402
-
-from bench._common import (  # noqa: E402
+from bench._common import (
     REPO_ROOT,
     SMOKE_HELP,
     cpu_facts,
@@ -62,7 +56,7 @@ from bench._common import (  # noqa: E402
     result_path,
     write_json,
 )
-from bench._gateway_clients import (  # noqa: E402
+from bench._gateway_clients import (
     DELTA,
     DONE,
     BenchError,
@@ -78,11 +72,11 @@ from bench._gateway_clients import (  # noqa: E402
     wait_for,
     ws_turn,
 )
-from bench._gateway_report import plot, summarize_throughput, summary_lines  # noqa: E402
-from bench._gateway_server import GatewayProcess, derive_config  # noqa: E402
-from gateway.config import DEFAULT_CONFIG, load_config  # noqa: E402
-from gateway.tiers.build import build_edge_engine  # noqa: E402
-from llm_shared.contract import Engine  # noqa: E402
+from bench._gateway_report import plot, summarize_throughput, summary_lines
+from bench._gateway_server import GatewayProcess, derive_config
+from gateway.config import DEFAULT_CONFIG, load_config
+from gateway.tiers.build import build_edge_engine
+from llm_shared.contract import Engine
 
 HOST = "127.0.0.1"
 IDLE_CONNECT_CONCURRENCY = 64  # handshakes in flight while opening the idle sessions
@@ -324,7 +318,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "cancel_p99_ms": cancel["p99_ms"],
         "idle_sessions_per_gib": idle["sessions_per_gib"],
         "setup": {
-            "command": "python bench/gateway.py " + " ".join(sys.argv[1:]), "clients": args.clients,
+            "command": "python bench/gateway_overhead.py " + " ".join(sys.argv[1:]), "clients": args.clients,
             "max_output_tokens": args.max_tokens, "rounds": args.rounds, "base_config": str(args.config),
             "model": config.routing.edge_model, "ignore_eos": True, "smoke": args.smoke,
             "edge": {"backend": config.edge.backend, "n_seq_max": config.edge.n_seq_max, "kv_cache_mib": config.edge.kv_cache_mib},
