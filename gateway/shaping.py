@@ -25,6 +25,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from llm_shared.content import ContentPart
 from llm_shared.errors import InvalidRequestError
 from llm_shared.structured import (
     ArgumentsDelta,
@@ -157,7 +158,7 @@ def tool_calls_wire(calls: Sequence[ToolCall]) -> list[dict[str, object]]:
             for c in calls]
 
 
-def message_from_wire(role: str, content: str, raw_calls: object, tool_call_id: str, where: str) -> Message:
+def message_from_wire(role: str, content: tuple[ContentPart, ...] | str, raw_calls: object, tool_call_id: str, where: str) -> Message:
     """A chat ``messages[i]`` (already checked for role and content) with its ``tool_calls``;
     ValueError says what is malformed."""
     calls: list[ToolCall] = []

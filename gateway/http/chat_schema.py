@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.cascade.route import RouteInfo
 from gateway.config import ServerConfig
 from gateway.shaping import Message, ToolCall, message_from_wire, tool_calls_wire
+from llm_shared.content import AudioPart, ContentPart, ImagePart, TextPart, UnsupportedContentError, text_of
 from llm_shared.contract import MAX_TOP_LOGPROBS, FinishEvent, Priority, SamplingParams, TokenEvent
 from llm_shared.errors import APIError, InvalidRequestError, InvalidSamplingError
 from llm_shared.structured import OutputConstraints, parse_chat_constraints
@@ -85,18 +86,29 @@ def _integer(body: Mapping[str, Any], key: str) -> int | None:
     return value
 
 
-def _content(value: Any, where: str) -> str:
+def _content(value: Any, where: str) -> tuple[ContentPart, ...]:
+    """A message's content as typed parts: a string, or text, ``image_url`` and ``input_audio``
+    parts (kept as they are: ``text_of`` refuses what no tier reads, with its own error)."""
     if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for i, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}}; "
-                           "this server is text-only", f"{where}[{i}]")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise _bad(f"'{where}' must be a string or a list of text parts", where, "invalid_type")
+        return (TextPart(value),) if value else ()
+    if not isinstance(value, list):
+        raise _bad(f"'{where}' must be a string or a list of content parts", where, "invalid_type")
+    parts: list[ContentPart] = []
+    for i, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        body = part.get(kind) if isinstance(part, dict) and isinstance(kind, str) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append(TextPart(part["text"]))
+        elif kind == "image_url" and isinstance(body, dict) and isinstance(body.get("url"), str):
+            parts.append(ImagePart(body["url"]))
+        elif (kind == "input_audio" and isinstance(body, dict) and isinstance(body.get("data"), str)
+              and isinstance(body.get("format"), str)):
+            parts.append(AudioPart(body["format"], body["data"]))
+        else:
+            raise _bad(f"{where}[{i}] must be a content part: {{\"type\": \"text\", \"text\": ...}}, "
+                       "{\"type\": \"image_url\", \"image_url\": {\"url\": ...}} or {\"type\": \"input_audio\", "
+                       "\"input_audio\": {\"data\": ..., \"format\": ...}}", f"{where}[{i}]")
+    return tuple(parts)
 
 
 def _messages(value: Any, limits: ServerConfig) -> list[Message]:
@@ -121,7 +133,11 @@ def _messages(value: Any, limits: ServerConfig) -> list[Message]:
             raise _bad(f"'{where}.role' must be one of {sorted(ROLE_MAP)}", f"{where}.role")
         calls = message.get("tool_calls")
         raw = message.get("content")
-        content = "" if raw is None and calls else _content(raw, f"{where}.content")
+        content = () if raw is None and calls else _content(raw, f"{where}.content")
+        try:
+            text = text_of(content, f"{where}.content")  # the models read text only
+        except UnsupportedContentError as e:
+            raise HttpError(400, e.code, e.message, param=e.param) from None
         if role == "tool" and not message.get("tool_call_id"):
             raise _bad(f"'{where}' is a tool message: it needs the 'tool_call_id' of the call it answers",
                        f"{where}.tool_call_id")
@@ -129,7 +145,7 @@ def _messages(value: Any, limits: ServerConfig) -> list[Message]:
             parsed = message_from_wire(ROLE_MAP[role], content, calls, message.get("tool_call_id") or "", where)
         except ValueError as e:
             raise _bad(str(e), f"{where}.tool_calls") from None
-        chars += len(content) + sum(len(c.name) + len(c.arguments) for c in parsed.tool_calls)
+        chars += len(text) + sum(len(c.name) + len(c.arguments) for c in parsed.tool_calls)
         messages.append(parsed)
     if chars > limits.max_conversation_chars:
         raise _bad(f"the messages have {chars} characters, more than this server's limit of "

@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llm_shared.content import ContentPart, TextPart, text_of
 from llm_shared.structured.families.base import ToolCallFamily
 from llm_shared.structured.spec import OutputConstraints
 
@@ -29,9 +30,19 @@ class Message:
     (role "tool", with the id of the call it answers)."""
 
     role: str  # system, user, assistant or tool
-    content: str
+    content: tuple[ContentPart, ...] | str  # typed parts; a str is one text part (stored as parts)
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.content, str):
+            object.__setattr__(self, "content", (TextPart(self.content),) if self.content else ())
+
+    @property
+    def text(self) -> str:
+        """The content as the prompt holds it; ``UnsupportedContentError`` for a part no tier reads."""
+        assert not isinstance(self.content, str)
+        return text_of(self.content)
 
 
 def render_messages(messages: Sequence[Message], constraints: OutputConstraints | None,
@@ -58,15 +69,15 @@ def render_messages(messages: Sequence[Message], constraints: OutputConstraints 
     for message in messages:
         if message.role == "system":
             if out or not system:  # a later system turn, or nothing of ours to join it with
-                out.append({"role": "system", "content": message.content})
+                out.append({"role": "system", "content": message.text})
             else:
-                system.append(message.content)
+                system.append(message.text)
             continue
         if message.role == "tool":
-            content = family.render_tool_result(message.content) if family is not None else message.content
+            content = family.render_tool_result(message.text) if family is not None else message.text
             out.append({"role": "user", "content": content})
             continue
-        content = message.content
+        content = message.text
         if message.tool_calls:
             calls = [(call.name, call.arguments) for call in message.tool_calls]
             rendered = family.render_calls(calls) if family is not None else json.dumps(

@@ -135,6 +135,11 @@ async def test_priorities_batch_and_flex() -> None:
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value", "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "invalid_value",
      "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, {
+        "type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}, 400, "unsupported_content",
+     "messages[0].content[1]"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": "UklGRg==", "format": "wav"}}]}]}, 400, "unsupported_content", "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400, "invalid_value",
      "messages[0].tool_calls"),
     ({"messages": [{"role": "user", "content": "x", "audio": {}}]}, 400, "invalid_value", "messages[0]"),
