@@ -33,24 +33,20 @@ Int16Array = npt.NDArray[np.int16]
 Float32Array = npt.NDArray[np.float32]
 
 
-def decode_pcm16(data: bytes | bytearray | memoryview, *, max_bytes: int) -> Int16Array:
-    """Raw PCM16 LE bytes (the msgpack subprotocol's audio) as int16 samples, a copy the caller owns.
+def bounded(data: bytes | bytearray | memoryview, max_bytes: int) -> bytes:
+    """Raw audio bytes (the msgpack subprotocol's), a copy the caller owns.
 
-    Raises ``AudioError``: ``empty``, ``too_long`` (more than ``max_bytes``), ``odd_length``."""
+    Raises ``AudioError``: ``empty``, ``too_long`` (more than ``max_bytes``)."""
     n = len(data)
     if n == 0:
         raise AudioError("empty", "audio is empty")
     if n > max_bytes:
         raise AudioError("too_long", f"audio is {n} bytes; at most {max_bytes} bytes are accepted at once")
-    if n % BYTES_PER_SAMPLE:
-        raise AudioError("odd_length", f"audio is {n} bytes, not a whole number of 16-bit samples")
-    # frombuffer shares memory with a caller's buffer that may be reused; .astype copies (and
-    # makes the array native-endian on any host).
-    return np.frombuffer(data, dtype="<i2").astype(np.int16)
+    return bytes(data)  # a caller's buffer may be reused
 
 
-def decode_pcm16_base64(text: str, *, max_bytes: int) -> Int16Array:
-    """Base64 PCM16 LE (the JSON wire's ``audio`` field) as int16 samples.
+def decode_base64(text: str, *, max_bytes: int) -> bytes:
+    """Base64 audio (the JSON wire's ``audio`` field) as bytes.
 
     The encoded length is checked against ``max_bytes`` first; whitespace and characters outside
     the standard alphabet are refused (``not_base64``), as is padding in the wrong place."""
@@ -65,7 +61,22 @@ def decode_pcm16_base64(text: str, *, max_bytes: int) -> Int16Array:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):  # ValueError: non-ASCII characters
         raise AudioError("not_base64", "audio is not valid base64") from None
-    return decode_pcm16(raw, max_bytes=max_bytes)
+    return bounded(raw, max_bytes)
+
+
+def decode_pcm16(data: bytes | bytearray | memoryview, *, max_bytes: int) -> Int16Array:
+    """Raw PCM16 LE bytes as int16 samples, a copy the caller owns.
+
+    Raises ``AudioError``: ``empty``, ``too_long`` (more than ``max_bytes``), ``odd_length``."""
+    raw = bounded(data, max_bytes)
+    if len(raw) % BYTES_PER_SAMPLE:
+        raise AudioError("odd_length", f"audio is {len(raw)} bytes, not a whole number of 16-bit samples")
+    return np.frombuffer(raw, dtype="<i2").astype(np.int16)  # native-endian on any host
+
+
+def decode_pcm16_base64(text: str, *, max_bytes: int) -> Int16Array:
+    """Base64 PCM16 LE as int16 samples (``decode_base64``, then ``decode_pcm16``)."""
+    return decode_pcm16(decode_base64(text, max_bytes=max_bytes), max_bytes=max_bytes)
 
 
 def encoded_length(n_bytes: int) -> int:

@@ -7,8 +7,10 @@ the session over the settings in force. Audio itself travels as base64 in JSON a
 on the msgpack subprotocol; both are checked here (PCM16 needs an even byte count) and bounded
 by ``SessionLimits.max_audio_append_bytes``.
 
-Only ``audio/pcm`` at 24 kHz (the API's PCM rate; beta ``pcm16``) is accepted: G.711 and
-semantic VAD are refused with ``unsupported_feature`` rather than silently mishandled.
+Formats are ``voice.formats``' (``audio/pcm`` at 24 kHz, beta ``pcm16``, today): an appended
+chunk is checked against the session's input format when the session takes it, and converted to
+the session's clock there. Formats no codec here speaks (G.711) and semantic VAD are refused with
+``unsupported_feature`` rather than silently mishandled.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 from gateway.ws.fields import Fields, ProtocolError
-from voice.audio import decode_pcm16, decode_pcm16_base64
+from voice.audio import bounded, decode_base64
 from voice.errors import AudioError
+from voice.formats import BETA_FORMATS, FORMATS, NOT_YET, PCM16, SESSION_BYTES_PER_MS, SESSION_RATE, AudioFormat
 
-PCM_RATE = 24_000  # samples a second of audio/pcm, in and out
-PCM_BYTES_PER_MS = PCM_RATE * 2 // 1000  # 16-bit mono
+PCM_RATE = SESSION_RATE  # samples a second of a session's audio, in and out (PCM16 mono)
+PCM_BYTES_PER_MS = SESSION_BYTES_PER_MS
 VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
 MAX_VOICE_CHARS = 64
 MAX_TRANSCRIPTION_PROMPT = 4096
@@ -64,12 +67,13 @@ class AudioSettings:
     voice: str = "alloy"
     transcription: Transcription | None = None
     turn_detection: ServerVad | None = ServerVad()  # None: push to talk (the client commits)
+    input_format: AudioFormat = PCM16  # what appends carry
+    output_format: AudioFormat = PCM16  # what audio deltas carry
 
     def apply(self, patch: AudioPatch | None) -> AudioSettings:
         if patch is None:
             return self
-        changes = {name: value for name in ("output_audio", "voice", "transcription", "turn_detection")
-                   if (value := getattr(patch, name)) is not _UNSET}
+        changes = {name: value for name in PATCH_FIELDS if (value := getattr(patch, name)) is not _UNSET}
         return replace(self, **changes)
 
     def modalities(self) -> list[str]:
@@ -93,18 +97,22 @@ class AudioPatch:
     voice: Any = _UNSET
     transcription: Any = _UNSET
     turn_detection: Any = _UNSET
+    input_format: Any = _UNSET
+    output_format: Any = _UNSET
 
     @property
     def empty(self) -> bool:
-        return all(getattr(self, name) is _UNSET for name in ("output_audio", "voice", "transcription",
-                                                               "turn_detection"))
+        return all(getattr(self, name) is _UNSET for name in PATCH_FIELDS)
+
+
+PATCH_FIELDS = ("output_audio", "voice", "transcription", "turn_detection", "input_format", "output_format")
 
 
 @dataclass(frozen=True)
 class AudioAppend:
     type: ClassVar[str] = "input_audio_buffer.append"
     event_id: str | None
-    audio: bytes  # PCM16 mono at 24 kHz, an even number of bytes
+    audio: bytes  # in the session's input format, as sent (checked and converted by the session)
 
 
 @dataclass(frozen=True)
@@ -141,8 +149,9 @@ def session_audio(s: Fields) -> AudioPatch | None:
         audio.done()
     if "voice" in s.obj and s.has("voice"):
         fields["voice"] = _voice(s, "voice")
-    for key in ("input_audio_format", "output_audio_format"):
-        _beta_format(s, key)
+    for key, name in (("input_audio_format", "input_format"), ("output_audio_format", "output_format")):
+        if s.has(key):
+            fields[name] = _beta_format(s, key)
     if "input_audio_transcription" in s.obj:
         fields["transcription"] = _transcription(s, "input_audio_transcription")
     if "turn_detection" in s.obj:
@@ -164,7 +173,8 @@ def response_audio(r: Fields) -> AudioPatch | None:
         audio.done()
     if r.has("voice"):
         fields["voice"] = _voice(r, "voice")
-    _beta_format(r, "output_audio_format")
+    if r.has("output_audio_format"):
+        fields["output_format"] = _beta_format(r, "output_audio_format")
     return AudioPatch(**fields) if fields else None
 
 
@@ -187,9 +197,10 @@ AUDIO_EVENT_TYPES = frozenset({"input_audio_buffer.append", "input_audio_buffer.
 
 
 def decode_audio(value: object, param: str, max_bytes: int) -> bytes:
-    """PCM16 audio from a base64 string (JSON) or raw bytes (msgpack), checked by ``voice.audio``
-    (its reasons become our codes: ``audio_too_large``, else ``invalid_audio``); an empty append
-    is no audio, not an error."""
+    """Audio bytes from a base64 string (JSON) or raw bytes (msgpack), bounded and checked by
+    ``voice.audio`` (its reasons become our codes: ``audio_too_large``, else ``invalid_audio``);
+    an empty append is no audio, not an error. Whether they are the session's format is the
+    session's check (``format_error``)."""
     if value is None:
         raise ProtocolError("missing_required_parameter", f"missing required parameter '{param}'", param)
     if not isinstance(value, str | bytes | bytearray):
@@ -197,12 +208,14 @@ def decode_audio(value: object, param: str, max_bytes: int) -> bytes:
     if not value:
         return b""
     try:
-        samples = (decode_pcm16_base64(value, max_bytes=max_bytes) if isinstance(value, str)
-                   else decode_pcm16(value, max_bytes=max_bytes))
+        return decode_base64(value, max_bytes=max_bytes) if isinstance(value, str) else bounded(value, max_bytes)
     except AudioError as e:
-        code = "audio_too_large" if e.reason == "too_long" else "invalid_audio"
-        raise ProtocolError(code, f"'{param}': {e.message}", param) from None
-    return samples.astype("<i2", copy=False).tobytes()
+        raise format_error(e, param) from None
+
+
+def format_error(e: AudioError, param: str) -> ProtocolError:
+    code = "audio_too_large" if e.reason == "too_long" else "invalid_audio"
+    return ProtocolError(code, f"'{param}': {e.message}", param)
 
 
 def _modalities(f: Fields, out: dict[str, Any]) -> None:
@@ -223,7 +236,7 @@ def _modalities(f: Fields, out: dict[str, Any]) -> None:
 
 def _input(f: Fields, out: dict[str, Any]) -> None:
     if f.has("format"):
-        _format(Fields(f.raw("format"), f.param("format")))
+        out["input_format"] = _format(Fields(f.raw("format"), f.param("format")))
     if "transcription" in f.obj:
         out["transcription"] = _transcription(f, "transcription")
     if "turn_detection" in f.obj:
@@ -234,33 +247,37 @@ def _input(f: Fields, out: dict[str, Any]) -> None:
 
 def _output(f: Fields, out: dict[str, Any]) -> None:
     if f.has("format"):
-        _format(Fields(f.raw("format"), f.param("format")))
+        out["output_format"] = _format(Fields(f.raw("format"), f.param("format")))
     if f.has("voice"):
         out["voice"] = _voice(f, "voice")
     _speed(f)
     f.done()
 
 
-def _format(f: Fields) -> None:
+def _format(f: Fields) -> AudioFormat:
     kind = f.string("type", 32, required=True)
-    if kind in ("audio/pcmu", "audio/pcma"):
-        raise ProtocolError("unsupported_feature", f"'{kind}' is not supported: use audio/pcm at 24000 Hz",
+    if kind in NOT_YET:
+        raise ProtocolError("unsupported_feature", f"'{kind}' is not supported: use one of {sorted(FORMATS)}",
                             f.param("type"))
-    if kind != "audio/pcm":
-        raise ProtocolError("invalid_value", f"'{f.param('type')}' must be \"audio/pcm\"", f.param("type"))
+    fmt = FORMATS.get(kind)
+    if fmt is None:
+        raise ProtocolError("invalid_value", f"'{f.param('type')}' must be one of {sorted(FORMATS)}", f.param("type"))
     rate = f.integer("rate")
-    if rate not in (None, PCM_RATE):
-        raise ProtocolError("invalid_value", f"'{f.param('rate')}' must be {PCM_RATE}", f.param("rate"))
+    if rate not in (None, fmt.rate):
+        raise ProtocolError("invalid_value", f"'{f.param('rate')}' must be {fmt.rate}", f.param("rate"))
     f.done()
+    return fmt
 
 
-def _beta_format(f: Fields, key: str) -> None:
+def _beta_format(f: Fields, key: str) -> AudioFormat:
     value = f.string(key, 32)
-    if value in (None, "pcm16"):
-        return
-    if value in ("g711_ulaw", "g711_alaw"):
-        raise ProtocolError("unsupported_feature", f"'{value}' is not supported: use pcm16", f.param(key))
-    raise ProtocolError("invalid_value", f"'{f.param(key)}' must be \"pcm16\"", f.param(key))
+    fmt = BETA_FORMATS.get(value) if value is not None else PCM16
+    if fmt is not None:
+        return fmt
+    if value in NOT_YET.values():
+        raise ProtocolError("unsupported_feature", f"'{value}' is not supported: use one of {sorted(BETA_FORMATS)}",
+                            f.param(key))
+    raise ProtocolError("invalid_value", f"'{f.param(key)}' must be one of {sorted(BETA_FORMATS)}", f.param(key))
 
 
 def _voice(f: Fields, key: str) -> str:

@@ -182,8 +182,11 @@ class ResponseStream:
             ids = {"response_id": self.id, "item_id": item.id, "output_index": self._message_index,
                    "content_index": 0}
             self._events.emit("response.output_audio_transcript.delta", **ids, delta=text)
+            assert self._audio is not None  # (it speaks)
+            wire = self._audio.output_format
             for start in range(0, len(pcm), AUDIO_CHUNK_BYTES):
-                self._events.audio_delta(self.id, item.id, self._message_index, 0, pcm[start:start + AUDIO_CHUNK_BYTES])
+                self._events.audio_delta(self.id, item.id, self._message_index, 0,
+                                         wire.from_session(pcm[start:start + AUDIO_CHUNK_BYTES]))
         if not speech.pending and self._waiting:
             waiting, self._waiting = self._waiting, []
             self._dispatch(waiting)

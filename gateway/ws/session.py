@@ -98,7 +98,7 @@ class RealtimeSession:
         self._items = ItemStore(self._conversation, limits, self._ids, self._events, beta, writer=active)
         self._voice_in = VoiceInput(limits, voice, self._items, self._ids, self._events, self._commands, turns=active,
                                     clock=clock)
-        self._voice_in.configure(self._settings.view.audio.turn_detection)
+        self._voice_in.configure(self._settings.view.audio)
 
     # ----- public API -------------------------------------------------------------------
 
@@ -312,7 +312,7 @@ class RealtimeSession:
 
     def _session_update(self, event: SessionUpdate) -> None:
         self._settings.update(event)
-        self._voice_in.configure(self._settings.view.audio.turn_detection)
+        self._voice_in.configure(self._settings.view.audio)
         self._emit("session.updated", session=session_wire(self._settings.view, self._beta))
 
     def _response_create(self, event: ResponseCreate) -> None:

@@ -17,7 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.ws.audio_events import AudioAppend, AudioClear, AudioCommit, AudioEvent, ServerVad
+from gateway.ws.audio_events import (
+    AudioAppend,
+    AudioClear,
+    AudioCommit,
+    AudioEvent,
+    AudioSettings,
+    ServerVad,
+    format_error,
+)
 from gateway.ws.audio_input import InputAudio, SegmenterFactory, SpeechPaused, SpeechStarted
 from gateway.ws.commands import AdmitResponse, Command, Transcribe
 from gateway.ws.conversation import Item
@@ -25,6 +33,8 @@ from gateway.ws.events import ProtocolError, SessionLimits
 from gateway.ws.items import ItemStore
 from gateway.ws.server_events import Emitter
 from gateway.ws.speech_out import PhraseSplitter
+from voice.errors import AudioError
+from voice.formats import PCM16, AudioFormat
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +74,7 @@ class VoiceInput:
         self._commands = commands
         self._turns = turns
         self._vad: ServerVad | None = None
+        self._format: AudioFormat = PCM16
         self._speech_item: str | None = None  # the user item the speech in progress will become
         self._speech_start_ms = 0
         # User items whose transcript is being made, with the cut of their speech it will be for.
@@ -74,9 +85,11 @@ class VoiceInput:
         self._early: dict[str, tuple[int, str, float]] = {}
         self._admitting = False  # a response server VAD asked for waits for the key's admission
 
-    def configure(self, vad: ServerVad | None) -> None:
-        self._vad = vad
-        self._input.configure(vad)
+    def configure(self, audio: AudioSettings) -> None:
+        """The session's audio settings changed: its turn detection, the format appends carry."""
+        self._vad = audio.turn_detection
+        self._format = audio.input_format
+        self._input.configure(audio.turn_detection)
 
     @property
     def transcribing(self) -> bool:
@@ -91,7 +104,11 @@ class VoiceInput:
 
     def receive(self, event: AudioEvent) -> None:
         if isinstance(event, AudioAppend):
-            self._append(event.audio)
+            try:
+                pcm = self._format.to_session(event.audio)
+            except AudioError as e:
+                raise format_error(e, "audio") from None
+            self._append(pcm)
         elif isinstance(event, AudioCommit):
             previous_speech = self._speech_item
             audio = self._input.commit()

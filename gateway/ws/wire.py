@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.ws.audio_events import PCM_RATE, AudioSettings
+from gateway.ws.audio_events import AudioSettings
 from gateway.ws.conversation import AnyItem, FunctionCall, FunctionCallOutput
 from llm_shared.structured import OutputConstraints
 
@@ -103,8 +103,8 @@ def session_wire(s: SessionView, beta: bool) -> dict[str, Any]:
             "tools": tools_wire(s.constraints),
             "tool_choice": tool_choice_wire(s.constraints),
             "voice": s.audio.voice,
-            "input_audio_format": "pcm16",
-            "output_audio_format": "pcm16",
+            "input_audio_format": s.audio.input_format.beta,
+            "output_audio_format": s.audio.output_format.beta,
             "turn_detection": vad.wire() if (vad := s.audio.turn_detection) is not None else None,
             "input_audio_transcription": t.wire() if (t := s.audio.transcription) is not None else None,
         }
@@ -128,12 +128,11 @@ def session_wire(s: SessionView, beta: bool) -> dict[str, Any]:
 
 
 def audio_wire(a: AudioSettings) -> dict[str, Any]:
-    pcm = {"type": "audio/pcm", "rate": PCM_RATE}
     return {
-        "input": {"format": pcm, "transcription": a.transcription.wire() if a.transcription is not None else None,
+        "input": {"format": a.input_format.wire(), "transcription": a.transcription.wire() if a.transcription is not None else None,
                   "noise_reduction": None,
                   "turn_detection": a.turn_detection.wire() if a.turn_detection is not None else None},
-        "output": {"format": pcm, "voice": a.voice, "speed": 1.0},
+        "output": {"format": a.output_format.wire(), "voice": a.voice, "speed": 1.0},
     }
 
 
@@ -186,10 +185,10 @@ def response_wire(
         body["temperature"] = temperature
         if audio is not None:
             body["voice"] = audio.voice
-            body["output_audio_format"] = "pcm16"
+            body["output_audio_format"] = audio.output_format.beta
     else:
         body["output_modalities"] = ["audio"] if speaks else ["text"]
         body["temperature"] = temperature  # extension in GA
         if audio is not None:
-            body["audio"] = {"output": {"format": {"type": "audio/pcm", "rate": PCM_RATE}, "voice": audio.voice}}
+            body["audio"] = {"output": {"format": audio.output_format.wire(), "voice": audio.voice}}
     return body

@@ -24,6 +24,7 @@ from gateway.ws.events import (
     ToolsPatch,
     parse_client_event,
 )
+from voice.formats import PCM16
 
 LIMITS = SessionLimits(max_conversation_items=4, max_conversation_chars=100, default_max_output_tokens=100,
                        max_output_tokens=300, max_audio_append_bytes=1024)
@@ -46,14 +47,16 @@ def test_audio_settings_parse_from_ga_and_beta_shapes() -> None:
     assert ga.audio == AudioPatch(output_audio=True, voice="marin",
                                   transcription=Transcription(model="whisper-1", language="en"),
                                   turn_detection=ServerVad(threshold=0.6, silence_duration_ms=400,
-                                                           create_response=False))
+                                                           create_response=False),
+                                  input_format=PCM16, output_format=PCM16)
     beta = parse_client_event({"type": "session.update", "session": {
         "modalities": ["text", "audio"], "voice": "echo", "input_audio_format": "pcm16",
         "output_audio_format": "pcm16", "input_audio_transcription": None,
         "turn_detection": {"type": "server_vad", "prefix_padding_ms": 100}}}, LIMITS)
     assert isinstance(beta, SessionUpdate)
     assert beta.audio == AudioPatch(output_audio=True, voice="echo", transcription=None,
-                                    turn_detection=ServerVad(prefix_padding_ms=100))
+                                    turn_detection=ServerVad(prefix_padding_ms=100), input_format=PCM16,
+                                    output_format=PCM16)
     response = parse_client_event({"type": "response.create", "response": {
         "output_modalities": ["text"], "audio": {"output": {"voice": "ash"}}}}, LIMITS)
     assert response.audio == AudioPatch(output_audio=False, voice="ash")  # type: ignore[union-attr]
@@ -124,7 +127,6 @@ BAD: list[tuple[str, object, str, str | None]] = [
     ("no type", {"event_id": "x"}, "missing_required_parameter", "type"),
     ("type not a string", {"type": 5}, "invalid_type", "type"),
     ("unknown type", {"type": "session.delete"}, "unknown_event_type", "type"),
-    ("odd audio", {"type": "input_audio_buffer.append", "audio": "AA=="}, "invalid_audio", "audio"),
     ("audio not base64", {"type": "input_audio_buffer.append", "audio": "AA!A"}, "invalid_audio", "audio"),
     ("audio missing", {"type": "input_audio_buffer.append"}, "missing_required_parameter", "audio"),
     ("audio a number", {"type": "input_audio_buffer.append", "audio": 7}, "invalid_type", "audio"),

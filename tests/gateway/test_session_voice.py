@@ -296,7 +296,7 @@ def test_hostile_audio_is_refused_and_the_session_lives() -> None:
     assert fast["error"]["code"] == "audio_rate_exceeded"
     session.receive({"type": "input_audio_buffer.append", "audio": "AA=="})
     (odd,) = drain(session)
-    assert odd["error"]["code"] == "invalid_audio"
+    assert (odd["error"]["code"], odd["error"]["param"]) == ("invalid_audio", "audio")  # not audio/pcm: odd bytes
 
     text_only = make(voice=False)
     (refused,) = append(text_only, tone(100, LOUD))
