@@ -1,4 +1,6 @@
-"""The per-turn confidence cascade over the edge and torch tiers, as one engine.
+"""The per-turn confidence cascade over two tiers, as one engine: a drafter that starts every
+turn and a target that takes the turns it is not confident of (``route.Tier``; in the shipped
+configs the edge tier drafts and the torch tier is the target, as below).
 
 A turn starts on the edge model. Its first ``hold_tokens`` tokens are held back while a scorer
 turns their probabilities into a confidence. At or above the (load-aware) threshold the held
@@ -30,7 +32,7 @@ from engine_gpu.client import kv_use
 from gateway.cascade.confidence import ConfidenceScorer
 from gateway.cascade.flight import Ask, CascadeEvent, CascadeStream, Flight, Forward
 from gateway.cascade.health import HealthMonitor
-from gateway.cascade.route import RouteInfo
+from gateway.cascade.route import RouteInfo, Tier, with_role
 from gateway.config.cascade import CascadeConfig
 from gateway.metrics import GatewayMetrics
 from llm_shared.channel import EventChannel
@@ -74,10 +76,11 @@ class _DraftAgreement:
 class CascadeEngine:
     tier = "cascade"
 
-    def __init__(self, edge: Engine, gpu: Engine, config: CascadeConfig, scorer: ConfidenceScorer,
+    def __init__(self, tiers: Sequence[Tier], config: CascadeConfig, scorer: ConfidenceScorer,
                  health: HealthMonitor, metrics: GatewayMetrics) -> None:
-        self.edge = edge
-        self.gpu = gpu
+        """``tiers``: one drafter and one target (``route.Tier``), by the names health knows them by."""
+        self.drafter = with_role(tiers, "drafter")
+        self.target = with_role(tiers, "target")
         self.config = config
         self.scorer = scorer
         self.health = health
@@ -85,29 +88,29 @@ class CascadeEngine:
         self._flights: dict[str, Flight] = {}
         # Recent waits, smoothed: from a turn's start on the edge to the cascade's decision (its
         # held tokens scored), and from a torch-tier stage's start to its first event.
-        self.edge_decide_s: float | None = None
-        self.gpu_first_s: float | None = None
+        self.drafter_decide_s: float | None = None
+        self.target_first_s: float | None = None
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.edge.tokenizer  # the same vocabulary as the torch tier's (checked at start-up)
+        return self.drafter.engine.tokenizer  # the same vocabulary as the torch tier's (checked at start-up)
 
     @property
     def grammar_compiler(self) -> Callable[[], GrammarCompiler] | None:
         """The edge tier's compiler, which the gateway shares (``gateway.shaping``), if it has one."""
-        return getattr(self.edge, "grammar_compiler", None)
+        return getattr(self.drafter.engine, "grammar_compiler", None)
 
     @property
     def ready(self) -> bool:
-        return self.health.up("edge") or self.health.up("gpu")
+        return self.health.up(self.drafter.name) or self.health.up(self.target.name)
 
     def saturated(self) -> bool:
         """Both tiers would refuse a new turn for overload (one with room takes it)."""
-        return engine_saturated(self.edge) and engine_saturated(self.gpu)
+        return engine_saturated(self.drafter.engine) and engine_saturated(self.target.engine)
 
     @property
-    def edge_max_prompt_tokens(self) -> int:
-        return int(getattr(self.edge, "max_prompt_tokens", 1 << 30))
+    def drafter_max_prompt_tokens(self) -> int:
+        return int(getattr(self.drafter.engine, "max_prompt_tokens", 1 << 30))
 
     def threshold(self) -> float:
         """The threshold now: relaxed toward ``min_threshold`` as the torch tier's waiting queue
@@ -115,7 +118,7 @@ class CascadeEngine:
         cfg = self.config
         if not cfg.load_aware:
             return cfg.threshold
-        stats = self.gpu.stats()
+        stats = self.target.engine.stats()
         queue = min(1.0, stats.get("waiting", 0.0) / cfg.queue_full)
         kv = kv_use(stats)
         kv_load = min(1.0, max(0.0, (kv - cfg.kv_relax_from) / (1.0 - cfg.kv_relax_from)))
@@ -145,7 +148,7 @@ class CascadeEngine:
             await flight.engine.abort(flight.stage_id)
 
     async def end_session(self, session_id: str) -> None:
-        for engine in (self.edge, self.gpu):
+        for engine in (self.drafter.engine, self.target.engine):
             if engine.ready:
                 await engine.end_session(session_id)
 
@@ -169,31 +172,34 @@ class CascadeEngine:
                      ask: Ask) -> AsyncIterator[CascadeEvent | Forward]:
         """The decision: ``RouteInfo`` (and, for a turn cancelled while held, its finish), then a
         ``Forward`` naming the stage that serves the rest, as its last item."""
-        edge_up, gpu_up = self.health.up("edge"), self.health.up("gpu")
+        drafter_up, target_up = self.health.up(self.drafter.name), self.health.up(self.target.name)
         rule = self._pre_route(prompt)
         if rule:
-            if gpu_up:
-                yield RouteInfo("gpu", "pre_routed", reason=rule)
-                yield self._stage(flight, self.gpu, rid, prompt, params, ask)
+            if target_up:
+                yield RouteInfo(self.target.name, "pre_routed", reason=rule)
+                yield self._stage(flight, self.target.engine, rid, prompt, params, ask)
                 return
-            if len(prompt) > self.edge_max_prompt_tokens:
+            if len(prompt) > self.drafter_max_prompt_tokens:
                 raise EngineUnavailableError("this prompt is too long for the edge tier and the torch tier is "
                                              "unavailable; retry shortly")
-        if not edge_up and not gpu_up:
+        if not drafter_up and not target_up:
             raise EngineUnavailableError(self.health.unavailable_message())
-        if not gpu_up or rule:  # the torch tier is wanted but down: the edge answers, degraded
-            info, engine = RouteInfo("edge", "fallback", degraded=True, reason="gpu_unavailable"), self.edge
-        elif not edge_up:
-            info, engine = RouteInfo("gpu", "fallback", reason="edge_unavailable"), self.gpu
+        if not target_up or rule:  # the torch tier is wanted but down: the edge answers, degraded
+            self._may_fall_back(self.drafter)
+            info, engine = RouteInfo(self.drafter.name, "fallback", degraded=True,
+                                     reason=f"{self.target.name}_unavailable"), self.drafter.engine
+        elif not drafter_up:
+            self._may_fall_back(self.target)
+            info, engine = RouteInfo(self.target.name, "fallback", reason=f"{self.drafter.name}_unavailable"), self.target.engine
         else:
             info, engine = None, None
-        if info is None and self.config.spill and self._edge_busy():
-            info, engine = RouteInfo("gpu", "spilled", reason="edge_busy"), self.gpu
-            self._metrics.cascade_spills.labels("edge_busy").inc()
+        if info is None and self.config.spill and self._drafter_busy():
+            info, engine = RouteInfo(self.target.name, "spilled", reason=f"{self.drafter.name}_busy"), self.target.engine
+            self._metrics.cascade_spills.labels(f"{self.drafter.name}_busy").inc()
         if info is not None and engine is not None:
             yield info
             forward = self._stage(flight, engine, rid, prompt, params, ask)
-            if engine is self.gpu and forward.stream is not None:
+            if engine is self.target.engine and forward.stream is not None:
                 forward.on_event = self._first_event_timer(loop_time())
             yield forward
             return
@@ -201,25 +207,27 @@ class CascadeEngine:
         loop = asyncio.get_running_loop()
         started = loop.time()
         threshold = self.threshold()
-        edge_stream = flight.start(self.edge, rid, prompt, params, ask)
+        draft_stream = flight.start(self.drafter.engine, rid, prompt, params, ask)
         held: list[TokenEvent] = []
         finish: FinishEvent | None = None
         try:
             while len(held) < self.config.hold_tokens:
-                event = await flight.next(edge_stream)
+                event = await flight.next(draft_stream)
                 if isinstance(event, FinishEvent):
                     finish = event
                     break
                 held.append(event)
             if finish is None:
-                self.edge_decide_s = _smoothed(self.edge_decide_s, loop.time() - started)
+                self.drafter_decide_s = _smoothed(self.drafter_decide_s, loop.time() - started)
         except (EngineUnavailableError, OverloadedError) as e:
             # The edge could not take the turn (it died, or it is full): the torch tier serves it.
-            if isinstance(e, EngineUnavailableError):
-                self.health.mark_down("edge", e.message)
-            yield RouteInfo("gpu", "fallback", reason="edge_unavailable" if isinstance(e, EngineUnavailableError)
-                            else "edge_overloaded")
-            yield self._stage(flight, self.gpu, rid, prompt, params, ask)
+            down = isinstance(e, EngineUnavailableError)
+            if down:
+                self.health.mark_down(self.drafter.name, e.message)
+            self._may_fall_back(self.target)
+            yield RouteInfo(self.target.name, "fallback",
+                            reason=f"{self.drafter.name}_{'unavailable' if down else 'overloaded'}")
+            yield self._stage(flight, self.target.engine, rid, prompt, params, ask)
             return
         if finish is not None and (finish.reason == "abort" or flight.aborted):
             yield finish  # cancelled while held: nothing was shown, nothing more starts
@@ -230,54 +238,57 @@ class CascadeEngine:
         self._metrics.cascade_confidence.observe(confidence)
         keep: RouteInfo | None = None
         if confidence >= threshold:
-            keep = RouteInfo("edge", "confident", confidence, threshold)
-        elif ok and self.config.spill and (self._backlog(self.gpu) or 0.0) > 1.0 and not self._edge_queued():
-            keep = RouteInfo("edge", "spilled", confidence, threshold, reason="gpu_busy")
-            self._metrics.cascade_spills.labels("gpu_busy").inc()
+            keep = RouteInfo(self.drafter.name, "confident", confidence, threshold)
+        elif ok and self.config.spill and (self._backlog(self.target.engine) or 0.0) > 1.0 and not self._drafter_queued():
+            keep = RouteInfo(self.drafter.name, "spilled", confidence, threshold, reason=f"{self.target.name}_busy")
+            self._metrics.cascade_spills.labels(f"{self.target.name}_busy").inc()
         if keep is not None:
             yield keep
             if finish is not None:
                 yield Forward(None, [*held, finish])
             else:
-                yield Forward(edge_stream, held)
+                yield Forward(draft_stream, held)
             return
 
         # Escalate: the edge lets go before the torch tier starts, so the two never both hold it.
         await flight.stop()
         self._metrics.cascade_escalation_seconds.observe(loop.time() - started)
         if flight.aborted:
-            yield FinishEvent("abort", len(prompt), 0, tier="edge")
+            yield FinishEvent("abort", len(prompt), 0, tier=self.drafter.name)
             return
         drafts = [t.token_id for t in held]
-        gpu_stream = flight.start(self.gpu, rid, prompt, params, ask, drafts)
-        gpu_started = loop.time()
+        target_stream = flight.start(self.target.engine, rid, prompt, params, ask, drafts)
+        target_started = loop.time()
         try:
-            first = await flight.next(gpu_stream)
-            self.gpu_first_s = _smoothed(self.gpu_first_s, loop.time() - gpu_started)
+            first = await flight.next(target_stream)
+            self.target_first_s = _smoothed(self.target_first_s, loop.time() - target_started)
         except (EngineUnavailableError, OverloadedError) as e:
-            if isinstance(e, EngineUnavailableError):
-                self.health.mark_down("gpu", e.message)
-            reason = "gpu_unavailable" if isinstance(e, EngineUnavailableError) else "gpu_overloaded"
-            yield RouteInfo("edge", "fallback", confidence, threshold, degraded=True, reason=reason)
+            down = isinstance(e, EngineUnavailableError)
+            if down:
+                self.health.mark_down(self.target.name, e.message)
+            self._may_fall_back(self.drafter)
+            reason = f"{self.target.name}_{'unavailable' if down else 'overloaded'}"
+            yield RouteInfo(self.drafter.name, "fallback", confidence, threshold, degraded=True, reason=reason)
             # A fresh id: the edge may still be retiring the first request under ``rid``.
-            yield self._stage(flight, self.edge, f"{rid}#edge", prompt, params, ask)
+            yield self._stage(flight, self.drafter.engine, f"{rid}#{self.drafter.name}", prompt, params, ask)
             return
-        yield RouteInfo("gpu", "escalated", confidence, threshold)
+        yield RouteInfo(self.target.name, "escalated", confidence, threshold)
         agreement = _DraftAgreement(drafts, self._metrics)
-        yield Forward(gpu_stream, [first], on_event=agreement.seen, at_end=agreement.record)
+        yield Forward(target_stream, [first], on_event=agreement.seen, at_end=agreement.record)
 
-    def _edge_busy(self) -> bool:
+    def _drafter_busy(self) -> bool:
         """Spill to the torch tier: the edge cannot start the turn now and the torch tier is less
         full; or the edge is serving others and, at its recent pace and queue, would take over
         ``spill_slack`` times as long to decide the turn as the torch tier at its own to start one."""
-        edge, gpu = self._backlog(self.edge), self._backlog(self.gpu)
+        edge, gpu = self._backlog(self.drafter.engine), self._backlog(self.target.engine)
         if edge is None or gpu is None:
             return False
         if edge > 1.0 and gpu < edge:
             return True
-        if self._in_flight(self.edge) == 0 or self.edge_decide_s is None or self.gpu_first_s is None:
+        if self._in_flight(self.drafter.engine) == 0 or self.drafter_decide_s is None or self.target_first_s is None:
             return False  # an idle edge starts at once (and refreshes its pace)
-        return self.edge_decide_s * max(1.0, edge) > self.config.spill_slack * self.gpu_first_s * max(1.0, gpu)
+        return (self.drafter_decide_s * max(1.0, edge)
+                > self.config.spill_slack * self.target_first_s * max(1.0, gpu))
 
     def _in_flight(self, engine: Engine) -> int:
         """This cascade's turns on ``engine`` now: known at once, where a tier's stats lag its queue
@@ -292,9 +303,9 @@ class CascadeEngine:
         limit = engine.stats().get("max_running", 0.0)
         return max(backlog, (self._in_flight(engine) + 1) / limit) if limit > 0 else backlog
 
-    def _edge_queued(self) -> bool:
+    def _drafter_queued(self) -> bool:
         """Turns wait for the edge: keeping another one there for its whole answer would hold them up."""
-        return self.edge.stats().get("waiting", 0.0) > 0
+        return self.drafter.engine.stats().get("waiting", 0.0) > 0
 
     def _first_event_timer(self, started: float) -> Callable[[StreamEvent], None]:
         """An ``on_event`` that records a torch-tier stage's wait for its first event."""
@@ -304,12 +315,17 @@ class CascadeEngine:
             nonlocal seen
             if not seen:
                 seen = True
-                self.gpu_first_s = _smoothed(self.gpu_first_s, loop_time() - started)
+                self.target_first_s = _smoothed(self.target_first_s, loop_time() - started)
 
         return on_event
 
+    def _may_fall_back(self, tier: Tier) -> None:
+        """``tier`` is about to serve a turn meant for the other, which is down: only a fallback may."""
+        if "fallback" not in tier.roles:
+            raise EngineUnavailableError(self.health.unavailable_message())
+
     def _pre_route(self, prompt: list[int]) -> str:
-        if len(prompt) > self.edge_max_prompt_tokens:
+        if len(prompt) > self.drafter_max_prompt_tokens:
             return "prompt_exceeds_edge_context"
         limit = self.config.escalate_prompt_tokens
         if limit and len(prompt) > limit:

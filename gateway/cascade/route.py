@@ -9,6 +9,7 @@ field, both marked as our extensions in docs/protocol.md.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,7 +28,7 @@ RouteName = Literal["model", "confident", "escalated", "pre_routed", "fallback",
 
 @dataclass(frozen=True)
 class RouteInfo:
-    tier: str  # the tier serving the turn: "edge" or "gpu"
+    tier: str  # the name of the tier serving the turn ("edge" or "gpu" in the shipped configs)
     route: RouteName
     confidence: float | None = None  # the edge's score, when the cascade scored it
     threshold: float | None = None  # the effective (load-aware) threshold it was compared with
@@ -70,3 +71,26 @@ class Route:
 
     engine: Engine
     info: RouteInfo
+
+
+Role = Literal["drafter", "target", "fallback"]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A named engine with the parts it plays in the cascade: the ``drafter`` starts every turn
+    (its held tokens are the target's first draft), the ``target`` takes the turns the drafter is
+    not confident of, a ``fallback`` serves when the one wanted is down. The names are the
+    configuration's (``edge``, ``gpu``) and what clients see in ``x_tier``."""
+
+    name: str
+    engine: Engine
+    roles: frozenset[Role]
+
+
+def with_role(tiers: Sequence[Tier], role: Role) -> Tier:
+    """The one tier playing ``role``; ValueError when none or several do."""
+    found = [tier for tier in tiers if role in tier.roles]
+    if len(found) != 1:
+        raise ValueError(f"the cascade needs exactly one {role} tier, got {[t.name for t in found]}")
+    return found[0]

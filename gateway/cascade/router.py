@@ -31,7 +31,7 @@ def prompt_token_limit(engine: Engine, max_tokens: int) -> int | None:
     whatever their health: it sends what the edge cannot hold to the torch tier, and a tier that
     is down now may serve a retry."""
     if isinstance(engine, CascadeEngine):
-        limits = [prompt_token_limit(tier, max_tokens) for tier in (engine.edge, engine.gpu)]
+        limits = [prompt_token_limit(tier, max_tokens) for tier in (engine.drafter.engine, engine.target.engine)]
         return None if None in limits else max(limit for limit in limits if limit is not None)
     max_model_len = getattr(engine, "max_model_len", 0)
     if isinstance(max_model_len, int) and max_model_len > 0:
@@ -112,13 +112,15 @@ class Router:
         cascade = self.cascade
         assert cascade is not None, "a cascade route needs the cascade engine"
         if self._keywords is not None and self._keywords.search(_last_user_text(messages)[:KEYWORD_SCAN_CHARS]):
-            if cascade.health.up("gpu"):
-                return Route(cascade.gpu, RouteInfo("gpu", "pre_routed", reason="keyword"))
-            if cascade.health.up("edge"):
-                return Route(cascade.edge, RouteInfo("edge", "fallback", degraded=True, reason="gpu_unavailable"))
+            target, drafter = cascade.target, cascade.drafter
+            if cascade.health.up(target.name):
+                return Route(target.engine, RouteInfo(target.name, "pre_routed", reason="keyword"))
+            if cascade.health.up(drafter.name) and "fallback" in drafter.roles:
+                return Route(drafter.engine, RouteInfo(drafter.name, "fallback", degraded=True,
+                                                       reason=f"{target.name}_unavailable"))
         if not cascade.ready:
             raise EngineUnavailableError(cascade.health.unavailable_message())
-        return Route(cascade, RouteInfo("edge", "confident"))  # refined by the cascade's own RouteInfo
+        return Route(cascade, RouteInfo(cascade.drafter.name, "confident"))  # refined by the cascade's own RouteInfo
 
 
 def _last_user_text(messages: Sequence[Mapping[str, str]]) -> str:

@@ -38,7 +38,14 @@ class RoutingConfig:
     @property
     def tiers(self) -> tuple[str, ...]:
         """The engine tiers to build: both for the cascade, else the one named."""
-        return ("edge", "gpu") if self.default == "cascade" else (self.default,)
+        return tuple(self.roles())
+
+    def roles(self) -> dict[str, frozenset[str]]:
+        """Each tier to build and the parts it plays (``gateway.cascade.route.Tier``): in the
+        cascade the edge drafts and the torch tier is the target, each the other's fallback."""
+        if self.default == "cascade":
+            return {"edge": frozenset({"drafter", "fallback"}), "gpu": frozenset({"target", "fallback"})}
+        return {self.default: frozenset({"target"})}
 
     def served(self) -> dict[str, RouteKind]:
         """Model id -> route, for every id this configuration serves."""

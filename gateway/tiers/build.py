@@ -18,6 +18,7 @@ from gateway.auth import cache_salts
 from gateway.cascade.confidence import build_scorer
 from gateway.cascade.engine import CascadeEngine
 from gateway.cascade.health import HealthMonitor
+from gateway.cascade.route import Tier, with_role
 from gateway.cascade.router import Router
 from gateway.config import Config
 from gateway.config.host import ThreadPlan, apply_plan, plan_threads
@@ -159,8 +160,10 @@ def build_router(config: Config, engines: Mapping[str, Engine], metrics: Gateway
     salts = cache_salts(config.server)
     if config.routing.default != "cascade":
         return Router(routes, engines, cache_salts=salts)
-    edge, gpu = engines["edge"], engines["gpu"]
-    check_same_tokenizer(gpu.tokenizer, edge.tokenizer, config.edge.model, role="cascade edge model")
+    tiers = [Tier(name, engines[name], roles) for name, roles in config.routing.roles().items()]  # type: ignore[arg-type]
+    drafter, target = with_role(tiers, "drafter"), with_role(tiers, "target")
+    check_same_tokenizer(target.engine.tokenizer, drafter.engine.tokenizer, config.edge.model,
+                         role="cascade edge model")
     cascade_cfg = config.cascade
     def tier_changed(tier: str, up: bool) -> None:
         metrics.tier_up.labels(tier).set(1.0 if up else 0.0)
@@ -170,7 +173,7 @@ def build_router(config: Config, engines: Mapping[str, Engine], metrics: Gateway
                            stall_timeout_s=cascade_cfg.stall_timeout_s, on_change=tier_changed)
     for tier in engines:
         metrics.tier_up.labels(tier).set(1.0)
-    cascade = CascadeEngine(edge, gpu, cascade_cfg, build_scorer(cascade_cfg), health, metrics)
+    cascade = CascadeEngine(tiers, cascade_cfg, build_scorer(cascade_cfg), health, metrics)
     metrics.cascade_threshold.set_function(cascade.threshold)
     return Router(routes, engines, cascade, cascade_cfg.escalate_keywords, cache_salts=salts)
 

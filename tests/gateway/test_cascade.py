@@ -401,14 +401,14 @@ async def test_a_turn_spills_while_the_busy_edge_decides_slower_than_the_torch_t
         first = asyncio.create_task(one_turn(cascade, "keeps the edge busy"))
         async with edge.admitted:
             await edge.admitted.wait_for(lambda: edge.running > 0)
-        engine.edge_decide_s, engine.gpu_first_s = 2.0, 0.1  # as measured on a loaded host
+        engine.drafter_decide_s, engine.target_first_s = 2.0, 0.1  # as measured on a loaded host
         _, response = await one_turn(cascade)
         assert (response["metadata"]["x_route"], response["metadata"]["x_route_reason"]) == ("spilled", "edge_busy")
         await first
         busy = asyncio.create_task(one_turn(cascade, "keeps the edge busy"))
         async with edge.admitted:
             await edge.admitted.wait_for(lambda: edge.running > 0)
-        engine.edge_decide_s, engine.gpu_first_s = 0.05, 0.1  # the edge decides faster: cascade again
+        engine.drafter_decide_s, engine.target_first_s = 0.05, 0.1  # the edge decides faster: cascade again
         _, response = await one_turn(cascade)
         assert response["metadata"]["x_route"] == "confident"
         await busy
@@ -521,3 +521,27 @@ async def test_a_decided_turn_is_pushed_from_the_serving_tiers_step(edge_logprob
         if route == "escalated":
             assert cascade.metric("gateway_cascade_held_tokens_total", outcome="accepted") == 3
             assert cascade.metric("gateway_cascade_held_tokens_total", outcome="rejected") == 5
+
+
+# ---- tiers by the parts they play ----------------------------------------------------------------
+
+async def test_the_cascade_takes_tiers_by_role_and_falls_back_only_to_a_fallback() -> None:
+    from gateway.cascade.engine import CascadeEngine
+    from gateway.cascade.route import Tier, with_role
+    from gateway.metrics import GatewayMetrics
+
+    small, large = tiers()
+    named = {"small": small, "large": large}
+    health = HealthMonitor(named, interval_s=60, stall_timeout_s=60)
+    drafter = Tier("small", small, frozenset({"drafter"}))  # no fallback: never serves the target's turns
+    target = Tier("large", large, frozenset({"target", "fallback"}))
+    with pytest.raises(ValueError, match="exactly one target"):
+        with_role([drafter], "target")
+    cascade = CascadeEngine([drafter, target], CascadeConfig(hold_tokens=2), build_scorer(CascadeConfig()), health,
+                            GatewayMetrics(dict))
+    events = [e async for e in cascade.generate("r1", [1, 2], SamplingParams(max_tokens=4))]
+    assert (events[0].tier, events[0].route) == ("small", "confident")  # the names are the tiers' own
+    health.mark_down("large", "stopped for the test")
+    with pytest.raises(EngineUnavailableError):
+        [e async for e in cascade.generate("r2", [1, 2], SamplingParams(max_tokens=4))]
+    assert [rid for rid, _ in small.started] == ["r1"]  # the drafter was not asked to stand in
