@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from rtgw import Backoff, GatewayError, OfflineConfig, RealtimeClient
 from rtgw.audio import RealTimePlayer
-from rtgw.offline import OfflineModel, OfflineVoiceError
+from rtgw.errors import OfflineVoiceError
+from rtgw.offline import OfflineModel
 from rtgw.protocol import FunctionCall, TranscriptDelta
 from rtgw.voice_events import (
     AudioCommitted,

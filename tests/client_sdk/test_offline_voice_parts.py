@@ -25,7 +25,8 @@ from rtgw.device_voice import (
     turn_detection,
     voice_name,
 )
-from rtgw.offline import DeviceRequest, OfflineVoiceError
+from rtgw.errors import OfflineVoiceError
+from rtgw.offline import DeviceRequest
 from rtgw.protocol import FunctionCall, TranscriptDelta, TurnResult, new_id
 from rtgw.voice import session_fields
 from rtgw.voice_events import (

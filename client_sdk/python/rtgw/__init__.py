@@ -3,18 +3,17 @@ function calling, voice (audio in and out, server VAD, barge-in that truncates t
 played), reconnect with conversation restore, JSON or msgpack frames, and an on-device fallback."""
 
 from rtgw.audio import Player, RealTimePlayer, read_wav, write_wav
-from rtgw.client import (
-    Backoff,
+from rtgw.client import Backoff, RealtimeClient, Turn, realtime_url
+from rtgw.errors import (
     ClientClosed,
     GatewayError,
     GatewayRefused,
     GatewayUnreachable,
-    RealtimeClient,
-    Turn,
+    OfflineModelError,
+    OfflineVoiceError,
     TurnInProgress,
-    realtime_url,
 )
-from rtgw.offline import OfflineConfig, OfflineModelError, OfflineVoiceError
+from rtgw.offline import OfflineConfig
 from rtgw.protocol import (
     ClientProtocol,
     ConversationItem,

@@ -53,8 +53,18 @@ import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from rtgw.audio import Player
-from rtgw.framing import MSGPACK_SUBPROTOCOL, FrameError, Framing, decode, encode
-from rtgw.offline import OfflineConfig, OfflineModel, OfflineModelError, OfflineRequestError
+from rtgw.errors import (
+    ClientClosed,
+    FrameError,
+    GatewayError,
+    GatewayRefused,
+    GatewayUnreachable,
+    OfflineModelError,
+    OfflineRequestError,
+    TurnInProgress,
+)
+from rtgw.framing import MSGPACK_SUBPROTOCOL, Framing, decode, encode
+from rtgw.offline import OfflineConfig, OfflineModel
 from rtgw.offline_voice import OfflineVoiceClient
 from rtgw.protocol import (
     ClientProtocol,
@@ -77,35 +87,6 @@ from rtgw.voice import VoiceClient, merge_session, session_fields
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
-
-
-class GatewayError(Exception):
-    """Base of this SDK's errors."""
-
-
-class GatewayUnreachable(GatewayError, ConnectionError):
-    """The gateway could not be reached (refused, DNS, timeout, TLS, a 5xx at the handshake)."""
-
-
-class GatewayRefused(GatewayError):
-    """The gateway answered and said no: a refused key (401/403), an unknown model (404). Not
-    a network failure: no fallback hides it."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"the gateway refused the session (HTTP {status}): {message}")
-        self.status = status
-
-
-class TurnInProgress(GatewayError):
-    """A turn is still running: cancel it or wait for its result first."""
-
-
-class ClientClosed(GatewayError):
-    """``close()`` was called while this call was opening a session (the JS SDK's ``client_closed``):
-    what it had opened is closed again. A later ``connect()`` or ``send()`` opens the client anew."""
-
-    def __init__(self) -> None:
-        super().__init__("the client was closed while it connected to the gateway")
 
 
 @dataclass(frozen=True)

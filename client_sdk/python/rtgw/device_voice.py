@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rtgw.device_response import DeviceResponse
-from rtgw.offline import OfflineVoiceError
+from rtgw.errors import OfflineVoiceError
 from rtgw.voice_events import BYTES_PER_MS, SAMPLE_RATE
 
 VOICE_INSTALL_HINT = (

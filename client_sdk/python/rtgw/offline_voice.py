@@ -40,7 +40,7 @@ from rtgw.device_voice import (
     turn_detection,
     voice_name,
 )
-from rtgw.offline import OfflineModelError, OfflineVoiceError
+from rtgw.errors import GatewayError, OfflineModelError, OfflineVoiceError, TurnInProgress
 from rtgw.protocol import Event, TranscriptDelta, new_id
 from rtgw.turn import Turn
 from rtgw.voice_events import (
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OfflineVoiceClient", "OfflineVoiceError"]
+__all__ = ["OfflineVoiceClient"]
 
 
 class OfflineVoiceClient:
@@ -126,8 +126,6 @@ class OfflineVoiceClient:
 
     async def _device_commit(self: RealtimeClient) -> str:
         """Push to talk on the device: the buffer becomes a user item, transcribed on the workers."""
-        from rtgw.client import GatewayError
-
         device = await self._device_voice_ready()
         device.configure(turn_detection(self._session.fields))
         try:
@@ -143,8 +141,6 @@ class OfflineVoiceClient:
         self._device_events([{"type": "input_audio_buffer.cleared"}])
 
     async def _device_respond(self: RealtimeClient, response: Mapping[str, Any]) -> Turn:
-        from rtgw.client import TurnInProgress
-
         async with self._lock:
             if self._turn is not None and not self._turn.done:
                 raise TurnInProgress("a turn is still running: cancel() it or await its result() first")

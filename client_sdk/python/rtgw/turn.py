@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
-from rtgw.offline import OfflineModelError
+from rtgw.errors import OfflineModelError
 from rtgw.protocol import FunctionCall, TextDelta, TranscriptDelta, TurnResult
 from rtgw.voice_events import AudioDelta, InputTranscript
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rtgw.audio import CHUNK_MS, AudioSource, Player, check_pcm, pcm_chunks, silence, source_chunks
+from rtgw.errors import GatewayError, GatewayUnreachable
 from rtgw.protocol import Event, ServerError, TranscriptDelta
 from rtgw.turn import Turn
 from rtgw.voice_events import (
@@ -221,8 +222,6 @@ class VoiceClient:
             {"response": response} if response else {}))], response)
 
     async def _voice_request(self: RealtimeClient, event: dict[str, Any], key: tuple[str, str]) -> Any:
-        from rtgw.client import GatewayError, GatewayUnreachable
-
         if self._ws is None:
             async with self._lock:
                 await self._ensure_session(required=True)
@@ -359,8 +358,6 @@ class VoiceClient:
             self._truncate_heard(playing, int(heard + 1e-6), turn if coming else None), name="rtgw-barge-in")
 
     async def _truncate_heard(self: RealtimeClient, playing: _Playing, heard_ms: int, turn: Turn | None) -> None:
-        from rtgw.client import GatewayError
-
         if await self._device_truncate(playing.item_id, heard_ms, turn):  # spoken on the device
             return
         event = self.protocol.event("conversation.item.truncate", item_id=playing.item_id, content_index=0,
