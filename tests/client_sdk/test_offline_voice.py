@@ -23,6 +23,7 @@ from rtgw.audio import RealTimePlayer
 from rtgw.errors import OfflineVoiceError
 from rtgw.offline import OfflineModel
 from rtgw.protocol import FunctionCall, TranscriptDelta
+from rtgw.turn import TurnStarted
 from rtgw.voice_events import (
     AudioCommitted,
     AudioDelta,
@@ -30,7 +31,6 @@ from rtgw.voice_events import (
     Interrupted,
     SpeechStarted,
     SpeechStopped,
-    TurnStarted,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))

@@ -44,7 +44,7 @@ class OfflineConfig:
     # [models.<id>] family). None: "smollm2" for the embedded model; a model_path of another family
     # names its own, or it cannot call tools (a turn that could call one then fails, saying so).
     family: str | None = None
-    # Offline voice (rtgw/offline_voice.py): worker threads for speech recognition and synthesis.
+    # Offline voice (rtgw/device.py): worker threads for speech recognition and synthesis.
     voice_threads: int = 1
 
     @property
