@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 from rtgw import Backoff, GatewayError, OfflineConfig, RealtimeClient
 from rtgw.audio import RealTimePlayer
-from rtgw.offline import OfflineModel, OfflineVoiceError
+from rtgw.errors import OfflineVoiceError
+from rtgw.offline import OfflineModel
 from rtgw.protocol import FunctionCall, TranscriptDelta
+from rtgw.turn import TurnStarted
 from rtgw.voice_events import (
     AudioCommitted,
     AudioDelta,
@@ -29,7 +31,6 @@ from rtgw.voice_events import (
     Interrupted,
     SpeechStarted,
     SpeechStopped,
-    TurnStarted,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))

@@ -25,9 +25,12 @@ from rtgw.device_voice import (
     turn_detection,
     voice_name,
 )
-from rtgw.offline import DeviceRequest, OfflineVoiceError
+from rtgw.errors import OfflineVoiceError
+from rtgw.offline import DeviceRequest
 from rtgw.protocol import FunctionCall, TranscriptDelta, TurnResult, new_id
-from rtgw.voice import session_fields
+from rtgw.settings import session_fields
+from rtgw.turn import TurnStarted
+from rtgw.voice import VoiceEvent
 from rtgw.voice_events import (
     AudioCommitted,
     AudioDelta,
@@ -35,8 +38,6 @@ from rtgw.voice_events import (
     Interrupted,
     SpeechStarted,
     SpeechStopped,
-    TurnStarted,
-    VoiceEvent,
 )
 
 from voice.phrases import PhraseSplitter
@@ -189,8 +190,9 @@ class FakeModel:
 def device_client(model: FakeModel, service: FakeService, **options: Any) -> RealtimeClient:
     client = RealtimeClient("http://127.0.0.1:9", connect_timeout=2, offline=OfflineConfig(), retry_online_s=3600.0,
                             backoff=Backoff(attempts=1), **options)
-    client._offline = model  # type: ignore[assignment]
-    client._device_voice = DeviceVoice(service, new_id)
+    assert client._device is not None
+    client._device.model = model  # type: ignore[assignment]
+    client._device.device_voice = DeviceVoice(service, new_id)
     return client
 
 

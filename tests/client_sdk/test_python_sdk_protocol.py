@@ -6,7 +6,8 @@ import random
 
 import pytest
 from rtgw import Backoff, ClientProtocol, TextDelta, TurnResult, realtime_url
-from rtgw.framing import FrameError, decode, encode
+from rtgw.errors import FrameError
+from rtgw.framing import decode, encode
 from rtgw.protocol import ItemTruncated, ServerError
 
 

@@ -20,6 +20,7 @@ from fake_engine import FakeEngine
 from rtgw import GatewayError, RealtimeClient
 from rtgw.audio import RealTimePlayer
 from rtgw.protocol import TranscriptDelta
+from rtgw.turn import TurnStarted
 from rtgw.voice_events import (
     AudioCommitted,
     AudioDelta,
@@ -27,7 +28,6 @@ from rtgw.voice_events import (
     Interrupted,
     SpeechStarted,
     SpeechStopped,
-    TurnStarted,
 )
 from voice_serving import QUESTION, serve, spoken, voice_pipeline, words, write_wav
 from voice_waits import until

@@ -17,8 +17,8 @@ import pytest
 from rtgw import ClientProtocol, RealtimeClient, TextDelta
 from rtgw.audio import RealTimePlayer, read_wav, resample, silence, write_wav
 from rtgw.protocol import ItemTruncated, TranscriptDelta
+from rtgw.settings import merge_session, session_fields
 from rtgw.sound import SoundDevicePlayer, microphone
-from rtgw.voice import merge_session, session_fields
 from rtgw.voice_events import AudioDelta, InputTranscript, Interrupted, SpeechStarted
 
 
@@ -136,8 +136,8 @@ class HandFed:
         self.client = RealtimeClient("http://127.0.0.1:9", **options)
         self.sent: list[dict[str, Any]] = []
         self.truncated_text = ""
-        self.client._ws = object()
-        self.client._send = self._send  # type: ignore[method-assign]
+        self.client._conn.ws = object()
+        self.client._conn.send = self._send  # type: ignore[method-assign]
 
     async def _send(self, event: dict[str, Any]) -> None:
         self.sent.append(event)

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
-from rtgw.voice_events import VoiceEvent
+from rtgw.voice import VoiceEvent
 
 WAIT_S = 240.0  # for the models on a busy 2-core machine
 E = TypeVar("E")

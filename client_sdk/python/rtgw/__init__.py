@@ -3,18 +3,18 @@ function calling, voice (audio in and out, server VAD, barge-in that truncates t
 played), reconnect with conversation restore, JSON or msgpack frames, and an on-device fallback."""
 
 from rtgw.audio import Player, RealTimePlayer, read_wav, write_wav
-from rtgw.client import (
-    Backoff,
+from rtgw.client import RealtimeClient
+from rtgw.connection import Backoff, realtime_url
+from rtgw.errors import (
     ClientClosed,
     GatewayError,
     GatewayRefused,
     GatewayUnreachable,
-    RealtimeClient,
-    Turn,
+    OfflineModelError,
+    OfflineVoiceError,
     TurnInProgress,
-    realtime_url,
 )
-from rtgw.offline import OfflineConfig, OfflineModelError, OfflineVoiceError
+from rtgw.offline import OfflineConfig
 from rtgw.protocol import (
     ClientProtocol,
     ConversationItem,
@@ -26,6 +26,8 @@ from rtgw.protocol import (
     TranscriptDelta,
     TurnResult,
 )
+from rtgw.turn import Turn, TurnStarted
+from rtgw.voice import VoiceEvent
 from rtgw.voice_events import (
     AudioCleared,
     AudioCommitted,
@@ -36,8 +38,6 @@ from rtgw.voice_events import (
     SpeechStarted,
     SpeechStopped,
     TranscriptionFailed,
-    TurnStarted,
-    VoiceEvent,
 )
 
 __all__ = [

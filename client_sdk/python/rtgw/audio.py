@@ -15,9 +15,10 @@ into memory at the pace of the clock (a speaker nobody hears: tests, headless ap
 
 from __future__ import annotations
 
+import asyncio
 import time
 import wave
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -124,6 +125,28 @@ async def source_chunks(source: AudioSource, chunk_ms: float = CHUNK_MS) -> Asyn
     else:
         for chunk in source:
             yield check_pcm(chunk)
+
+
+async def stream_paced(source: AudioSource, send: Callable[[bytes], Awaitable[None]], *, speed: float | None,
+                       trailing_silence_ms: float, chunk_ms: float) -> float:
+    """``source``'s chunks to ``send``, ``speed`` times real time (None: as fast as they come), then
+    ``trailing_silence_ms`` of silence, as a microphone that goes on; returns the milliseconds sent."""
+    started = time.monotonic()
+    sent_ms = 0.0
+
+    async def paced(chunk: bytes) -> None:
+        nonlocal sent_ms
+        if speed is not None:  # pacing, not waiting for an event: a microphone's clock
+            await asyncio.sleep(max(0.0, started + sent_ms / 1000 / speed - time.monotonic()))
+        await send(chunk)
+        sent_ms += pcm_ms(len(chunk))
+
+    async for chunk in source_chunks(source, chunk_ms):
+        if chunk:
+            await paced(chunk)
+    for chunk in pcm_chunks(silence(trailing_silence_ms), chunk_ms):
+        await paced(chunk)
+    return sent_ms
 
 
 class Player(Protocol):

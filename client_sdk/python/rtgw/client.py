@@ -15,24 +15,25 @@ and starts the next response (``send_tool_outputs`` answers several).
 assistant's message down to what the user heard (our ``x_text_end`` truncate, or delete and
 re-create it on a server without that extension), so the next turn's context holds only that.
 
-Voice (``rtgw/voice.py``, a mixin of this class): audio in (``append_audio``, ``speak``,
-``commit_audio``, ``respond``), spoken answers out (``AudioDelta`` events, a ``player``), the
-answers server VAD starts (``next_turn``), and barge-in that truncates to the audio played.
+Voice (``rtgw/voice.py``): audio in (``append_audio``, ``speak``, ``commit_audio``, ``respond``),
+spoken answers out (``AudioDelta`` events, a ``player``), the answers server VAD starts
+(``next_turn``), and barge-in that truncates to the audio played.
 
 When the connection drops, the active turn ends ``failed`` (reason ``connection_lost``) and the
 next operation reconnects with jittered exponential backoff, then restores the conversation on
-the new session by re-sending its items with their ids. A gateway replica that is going away
-(drained) closes with 1001 and a reconnect hint once no response is in progress: the client
-then reconnects by itself after the time it names, restores the conversation the same way, and
-starts there a turn that the old session had not begun, so the application sees no error.
+the new session by re-sending its items with their ids. A drained gateway replica (1001 with a
+reconnect hint) is left and come back to by the client itself, which then starts a turn the old
+session had not begun, so the application sees no error (``rtgw/connection.py``).
 
-When the gateway cannot be reached at all (refused, DNS, timeout, TLS, a 5xx at the handshake)
-and an ``OfflineConfig`` is given, turns are served by the on-device model from the same
-conversation, marked ``offline`` with ``metadata["x_tier"] == "device"``; every
-``retry_online_s`` a turn first tries the gateway again and, once it answers, carries the
-offline turns over to it. Voice works offline too where the ``voice`` package and its models are
-installed (``rtgw/offline_voice.py``): speech is segmented, transcribed and answered on the device,
-and spoken back when the session asks for audio.
+When the gateway cannot be reached at all and an ``OfflineConfig`` is given, turns (and voice,
+where the ``voice`` package and its models are installed) are served by the device from the same
+conversation, marked ``offline`` with ``metadata["x_tier"] == "device"``; every ``retry_online_s``
+a turn first tries the gateway again and, once it answers, carries the offline turns over to it
+(``rtgw/device.py``).
+
+Each part owns its state: the ``Connection`` (the socket, reconnects, acknowledgements), the
+``SessionSettings``, the protocol core (the conversation), the ``Voice`` and the ``Device``. The
+client owns the turn under way and routes calls to the parts and server events to the turn.
 """
 
 from __future__ import annotations
@@ -41,26 +42,20 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
-import ssl
-import time
-import urllib.parse
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-import websockets
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
-
-from rtgw.audio import Player
-from rtgw.framing import MSGPACK_SUBPROTOCOL, FrameError, Framing, decode, encode
-from rtgw.offline import OfflineConfig, OfflineModel, OfflineModelError, OfflineRequestError
-from rtgw.offline_voice import OfflineVoiceClient
+from rtgw.audio import CHUNK_MS, AudioSource, Player, check_pcm, stream_paced
+from rtgw.connection import DEFAULT_BACKOFF, Backoff, Connection, realtime_url
+from rtgw.device import Device
+from rtgw.errors import GatewayError, GatewayUnreachable, TurnInProgress
+from rtgw.framing import Framing
+from rtgw.items import retrieve, truncate
+from rtgw.offline import OfflineConfig, OfflineModel
 from rtgw.protocol import (
     ClientProtocol,
     ConversationItem,
     FunctionCall,
-    Item,
     ItemRetrieved,
     ItemTruncated,
     ServerError,
@@ -68,72 +63,34 @@ from rtgw.protocol import (
     TextDelta,
     TurnResult,
     new_id,
-    reconnect_hint,
 )
-from rtgw.tools import ToolChoice, normalize_tools, response_fields, tool_fields
+from rtgw.settings import SessionSettings
+from rtgw.tools import ToolChoice, response_fields, tool_fields
 from rtgw.turn import Turn
-from rtgw.voice import VoiceClient, merge_session, session_fields
+from rtgw.voice import Voice, VoiceEvent
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+def _kept(part: str, name: str) -> Any:
+    """A client attribute that one of its parts keeps: read and set on the client, owned there."""
+    return property(lambda client: getattr(getattr(client, part), name),
+                    lambda client, value: setattr(getattr(client, part), name, value))
 
 
-class GatewayError(Exception):
-    """Base of this SDK's errors."""
+class RealtimeClient:
+    ws_url = _kept("_conn", "ws_url")
+    api_key = _kept("_conn", "api_key")
+    framing = _kept("_conn", "framing")
+    connect_timeout = _kept("_conn", "connect_timeout")
+    silence_timeout = _kept("_conn", "silence_timeout")
+    request_timeout = _kept("_conn", "request_timeout")
+    backoff = _kept("_conn", "backoff")
+    retry_online_s = _kept("_conn", "retry_online_s")
+    reconnects = _kept("_conn", "reconnects")  # sessions opened after the first
+    player = _kept("_voice", "player")  # where spoken answers are played; None: the application plays them
+    barge_in = _kept("_voice", "barge_in")  # truncate an answer to what was played when the user talks over it
 
-
-class GatewayUnreachable(GatewayError, ConnectionError):
-    """The gateway could not be reached (refused, DNS, timeout, TLS, a 5xx at the handshake)."""
-
-
-class GatewayRefused(GatewayError):
-    """The gateway answered and said no: a refused key (401/403), an unknown model (404). Not
-    a network failure: no fallback hides it."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"the gateway refused the session (HTTP {status}): {message}")
-        self.status = status
-
-
-class TurnInProgress(GatewayError):
-    """A turn is still running: cancel it or wait for its result first."""
-
-
-class ClientClosed(GatewayError):
-    """``close()`` was called while this call was opening a session (the JS SDK's ``client_closed``):
-    what it had opened is closed again. A later ``connect()`` or ``send()`` opens the client anew."""
-
-    def __init__(self) -> None:
-        super().__init__("the client was closed while it connected to the gateway")
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Reconnect delays: ``initial`` doubling up to ``max_delay``, each drawn uniformly from
-    [(1 - jitter) * d, d] so that many clients dropped at once do not return at once."""
-
-    initial: float = 0.25
-    factor: float = 2.0
-    max_delay: float = 8.0
-    jitter: float = 0.5
-    attempts: int = 5  # connection attempts per operation, the first one immediate
-
-    def delays(self, rng: random.Random) -> Iterator[float]:
-        delay = self.initial
-        for _ in range(self.attempts - 1):
-            yield delay * (1.0 - self.jitter * rng.random())
-            delay = min(self.max_delay, delay * self.factor)
-
-
-@dataclass
-class _Session:
-    """Settings to apply again on every new session."""
-
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-class RealtimeClient(VoiceClient, OfflineVoiceClient):
     def __init__(
         self,
         url: str = "http://127.0.0.1:8000",
@@ -145,7 +102,7 @@ class RealtimeClient(VoiceClient, OfflineVoiceClient):
         connect_timeout: float = 10.0,
         silence_timeout: float = 60.0,
         request_timeout: float = 10.0,
-        backoff: Backoff = Backoff(),  # frozen
+        backoff: Backoff = DEFAULT_BACKOFF,
         offline: OfflineConfig | None = None,
         retry_online_s: float = 5.0,
         seed: int | None = None,
@@ -163,41 +120,29 @@ class RealtimeClient(VoiceClient, OfflineVoiceClient):
         an answer to what was played when the user starts speaking over it (``rtgw/voice.py``)."""
         if framing not in ("json", "msgpack"):
             raise ValueError("framing must be 'json' or 'msgpack'")
-        self.ws_url = realtime_url(url, model)
-        self.api_key = api_key
-        self.framing = framing
-        self.connect_timeout = connect_timeout
-        self.silence_timeout = silence_timeout
-        self.request_timeout = request_timeout
-        self.backoff = backoff
-        self.retry_online_s = retry_online_s
+        self._conn = Connection(realtime_url(url, model), api_key=api_key, framing=framing,
+                                connect_timeout=connect_timeout, silence_timeout=silence_timeout,
+                                request_timeout=request_timeout, backoff=backoff, retry_online_s=retry_online_s,
+                                seed=seed, on_event=self._dispatch, on_open=self._session_opened,
+                                on_drain=self._drained, on_drain_over=self._drain_over, on_lost=self._lost,
+                                busy=self._busy)
         self.protocol = ClientProtocol()
-        self._session = _Session({"instructions": instructions} if instructions is not None else {})
-        self._session.fields.update(tool_fields(tools, tool_choice, parallel_tool_calls))
-        self._offline = OfflineModel(offline) if offline is not None else None
-        self._rng = random.Random(seed)
-        self._ws: Any = None
-        self._reader: asyncio.Task[None] | None = None
+        self._settings = SessionSettings({"instructions": instructions} if instructions is not None else {})
+        self._settings.fields.update(tool_fields(tools, tool_choice, parallel_tool_calls))
         self._turn: Turn | None = None
-        self._waiters: dict[tuple[str, str], asyncio.Future[Any]] = {}
-        self._last_online_try = -float("inf")
-        self._lock = asyncio.Lock()  # one connect / send at a time
-        self.reconnects = 0  # sessions opened after the first
-        self._sessions = 0
-        self._closed = False
-        # A drained session (1001 with a reconnect hint): when to come back, the task that does,
-        # and a turn the old session never started (no response.created), started on the new one.
-        self._reconnect_at: float | None = None
-        self._reconnect_task: asyncio.Task[None] | None = None
+        # A turn a drained session never started (no response.created): started on the new one.
         self._resume: Turn | None = None
-        self._init_voice(player, barge_in)
-        self._init_offline_voice()
+        self._voice = Voice(self._conn, self.protocol, player=player, barge_in=barge_in,
+                            current_turn=lambda: self._turn, retrieve=self.retrieve_item, cut_on_device=self._cut)
+        self._device = Device(OfflineModel(offline), self.protocol, self._settings, self._voice,
+                              current_turn=lambda: self._turn, start_turn=self._offline_turn) \
+            if offline is not None else None
 
     # --- lifecycle ------------------------------------------------------------------------
 
     @property
     def online(self) -> bool:
-        return self._ws is not None
+        return self._conn.online
 
     @property
     def conversation(self) -> list[ConversationItem]:
@@ -215,56 +160,40 @@ class RealtimeClient(VoiceClient, OfflineVoiceClient):
         gateway raises ``GatewayUnreachable``; with one, the client starts offline. A ``close()``
         before the session is open raises ``ClientClosed``; after ``close()``, this opens the
         client again."""
-        self._closed = False  # before the lock: a close() while we wait for it still counts
-        async with self._lock:
-            await self._ensure_session(required=self._offline is None)
+        self._conn.closed = False  # before the lock: a close() while we wait for it still counts
+        async with self._conn.lock:
+            await self._conn.ensure(required=self._device is None)
 
     async def close(self) -> None:
         """Cancel the active turn, end any reconnect under way and close the session. A
         ``connect()`` or ``send()`` still opening a session then fails with ``ClientClosed`` and
         closes what it opened: no session outlives this call."""
-        self._closed = True
+        self._conn.closed = True
         if self._turn is not None and not self._turn.done:
             with contextlib.suppress(GatewayError, ConnectionError):
                 await self.cancel()
-        task, self._reconnect_task = self._reconnect_task, None
-        self._reconnect_at = None  # a later connect() need not wait for the drained gateway's time
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await self._close_voice()
-        await self._drop_connection()
-        if self._offline is not None:
-            await self._offline.close()
+        await self._conn.stop_reconnect()
+        await self._voice.close()
+        if self._device is not None:
+            self._device.stop_voice()
+        await self._conn.drop()
+        if self._device is not None:
+            await self._device.model.close()
 
     async def wait_reconnected(self) -> bool:
         """Wait for a reconnect the gateway asked for (a drained session) to end; True when the
         client is online again, False when it is not (the reconnect failed, or ``close()`` ended
         it). Returns at once when none is under way."""
-        task = self._reconnect_task
-        if task is not None:
-            # Not shield(): close() cancels the task, and that is an answer (False), not our cancel.
-            # wait() neither raises when the task is cancelled nor cancels it when we are.
-            await asyncio.wait({task})
-            if task.cancelled():
-                return False
-            task.result()  # a failure the reconnect did not expect surfaces here, as it did
-        return self.online
+        return await self._conn.wait_reconnected()
 
     async def update_session(self, **fields: Any) -> None:
         """``session.update`` now and on every session after (instructions, temperature, model,
         tools, tool_choice, parallel_tool_calls...). The on-device fallback honours them too.
         Voice: ``output_modalities=["audio"]``, ``voice``, ``turn_detection`` (None: push to talk),
-        ``transcription`` (``rtgw.voice.session_fields``)."""
-        if fields.get("tools") is not None:
-            fields["tools"] = normalize_tools(fields["tools"])
-        fields = session_fields(fields)
-        merge_session(self._session.fields, fields)
-        if "audio" in fields:  # the whole audio object: an update of its voice keeps its turn detection
-            fields["audio"] = self._session.fields["audio"]
-        if self._ws is not None:
-            await self._send(self.protocol.session_update(**fields))
+        ``transcription`` (``rtgw.settings.session_fields``)."""
+        fields = self._settings.update(fields)
+        if self._conn.ws is not None:
+            await self._conn.send(self.protocol.session_update(**fields))
 
     # --- turns ------------------------------------------------------------------------------
 
@@ -297,11 +226,11 @@ class RealtimeClient(VoiceClient, OfflineVoiceClient):
     async def _start_turn(self, events: Callable[[], list[dict[str, Any]]], response: dict[str, Any]) -> Turn:
         """A turn whose items ``events()`` adds to the conversation (and returns, with the
         response.create to send); online when the gateway can be reached, else on the device."""
-        self._closed = False  # before the lock, as in connect()
-        async with self._lock:
+        self._conn.closed = False  # before the lock, as in connect()
+        async with self._conn.lock:
             if self._turn is not None and not self._turn.done:
                 raise TurnInProgress("a turn is still running: cancel() it or await its result() first")
-            online = await self._ensure_session(required=self._offline is None)
+            online = await self._conn.ensure(required=self._device is None)
             if not online:
                 events()  # the items join the conversation; the device answers from it
                 return self._offline_turn(response)
@@ -310,10 +239,10 @@ class RealtimeClient(VoiceClient, OfflineVoiceClient):
             turn._response = response
             try:
                 for event in to_send:
-                    await self._send(event)
+                    await self._conn.send(event)
             except GatewayUnreachable:
                 if turn is not self._resume:  # a drained session: the turn starts on the next one
-                    turn._finish(self.protocol.connection_lost() or _lost(turn))
+                    turn._finish(self.protocol.connection_lost() or _lost_result(turn))
             return turn
 
     async def ask(self, text: str, **options: Any) -> str:
@@ -336,10 +265,10 @@ class RealtimeClient(VoiceClient, OfflineVoiceClient):
             return await turn.result()
         # Sent even before response.created arrived: the server takes events in order, so the
         # response is active by the time it reads the cancel.
-        if self._ws is not None:
+        if self._conn.ws is not None:
             with contextlib.suppress(GatewayUnreachable):
-                await self._send(self.protocol.event("response.cancel"))
-        return await asyncio.wait_for(turn.result(), self.silence_timeout)
+                await self._conn.send(self.protocol.event("response.cancel"))
+        return await asyncio.wait_for(turn.result(), self._conn.silence_timeout)
 
     async def interrupt(self, heard_chars: int) -> TurnResult | None:
         """Barge-in: cancel the active turn (or take the last one, when it already finished
@@ -356,239 +285,150 @@ class RealtimeClient(VoiceClient, OfflineVoiceClient):
         if item is None:
             return result
         heard = max(0, min(heard_chars, len(item.text)))
-        if self._ws is None:  # offline (or between sessions): the next session is restored from this
+        if self._conn.ws is None:  # offline (or between sessions): the next session is restored from this
             item.text = item.text[:heard]
             return result
-        await self._truncate(item, heard)
+        await truncate(self._conn, self.protocol, item, heard)
         return result
 
     async def retrieve_item(self, item_id: str) -> ConversationItem:
         """The server's copy of a conversation item (``conversation.item.retrieve``)."""
-        if self._ws is None:
-            raise GatewayUnreachable("not connected to the gateway")
-        event = self.protocol.event("conversation.item.retrieve", item_id=item_id)
-        retrieved = self._expect(("retrieved", item_id))
-        refused = self._expect(("event", event["event_id"]))
-        await self._send(event)
-        try:
-            finished, _ = await asyncio.wait({retrieved, refused}, timeout=self.request_timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for key in (("retrieved", item_id), ("event", event["event_id"])):
-                self._waiters.pop(key, None)
-        if retrieved in finished:
-            return retrieved.result()
-        if refused in finished:
-            error = refused.result()
-            raise GatewayError(f"the gateway could not retrieve {item_id!r}: {error.code}: {error.message}")
-        raise GatewayUnreachable("the gateway did not answer the retrieve in time")
+        return await retrieve(self._conn, self.protocol, item_id)
 
-    # --- the session ------------------------------------------------------------------------
+    # --- voice (rtgw/voice.py; on the device: rtgw/device.py) ----------------------------------------
 
-    async def _ensure_session(self, *, required: bool) -> bool:
-        """True once a session is open; False when it cannot be and ``required`` is False."""
-        self._raise_if_closed()  # close() was called while this call waited for the lock
-        if self._ws is not None:
+    async def append_audio(self, pcm: bytes | bytearray | memoryview) -> None:
+        """Send PCM16 24 kHz mono (whole samples; ValueError otherwise) to the input buffer,
+        cut into appends the gateway accepts. Opens the session first when there is none; offline
+        (an ``OfflineConfig`` and no gateway) the device takes it (``OfflineVoiceError`` when it
+        cannot: the voice models are not installed)."""
+        data = check_pcm(pcm)
+        if await self._voice_on_device():
+            assert self._device is not None
+            await self._device.append(data)
+            return
+        await self._voice.append(data)
+
+    async def speak(self, source: AudioSource, *, speed: float | None = 1.0, trailing_silence_ms: float = 1000,
+                    chunk_ms: float = CHUNK_MS) -> float:
+        """Stream ``source`` (a WAV file's path, PCM bytes, or an iterator or async iterator of
+        PCM chunks, e.g. ``rtgw.sound.microphone()``) into the input buffer, ``speed`` times real
+        time (None: as fast as it comes; the gateway allows 2x sustained, after a 10 s burst), then
+        ``trailing_silence_ms`` of silence, so that server VAD hears the speech end as it would
+        from a microphone that goes on. Returns the milliseconds of audio sent."""
+        return await stream_paced(source, self.append_audio, speed=speed, trailing_silence_ms=trailing_silence_ms,
+                                  chunk_ms=chunk_ms)
+
+    async def commit_audio(self) -> str:
+        """Push to talk: the input buffer becomes a user item (the server transcribes it); returns
+        its id. ``GatewayError`` when the server refuses (less than 100 ms of audio)."""
+        if await self._voice_on_device():
+            assert self._device is not None
+            return await self._device.commit()
+        return await self._voice.commit()
+
+    async def clear_audio(self) -> None:
+        """Drop what the input buffer holds."""
+        if await self._voice_on_device():
+            assert self._device is not None
+            await self._device.clear()
+            return
+        await self._voice.clear()
+
+    async def respond(self, **response: Any) -> Turn:
+        """Push to talk: commit the input buffer, then start the answer (``response.create`` with
+        ``response``'s fields); returns its ``Turn``."""
+        if await self._voice_on_device():  # the answer too: the speech it answers is on the device
+            assert self._device is not None
+            await self._device.commit()
+            async with self._conn.lock:
+                if self._turn is not None and not self._turn.done:
+                    raise TurnInProgress("a turn is still running: cancel() it or await its result() first")
+                return self._offline_turn(dict(response))
+        await self.commit_audio()
+        return await self._start_turn(lambda: [self.protocol.event("response.create", **(
+            {"response": response} if response else {}))], response)
+
+    async def next_turn(self, timeout: float | None = None) -> Turn:
+        """The next answer the server started on its own (server VAD committed the user's speech),
+        in order; waits for it (``TimeoutError`` after ``timeout`` seconds)."""
+        return await self._voice.next_turn(timeout)
+
+    def voice_events(self) -> AsyncIterator[VoiceEvent]:
+        """Every voice event from now on (and the unread ones, up to 1,024): ``SpeechStarted``,
+        ``SpeechStopped``, ``AudioCommitted``, ``InputTranscript``, ``TranscriptionFailed``,
+        ``TurnStarted``, ``Interrupted``, ``AudioRefused``. One reader; runs until the loop is left."""
+        return self._voice.events()
+
+    def played(self, ms: float) -> None:
+        """The application's count, when it plays the audio itself: ``ms`` of the answer's audio
+        (the item whose ``AudioDelta`` came last) were heard."""
+        self._voice.played(ms)
+
+    @property
+    def played_ms(self) -> float | None:
+        """Of the spoken item received last: the milliseconds played, None when unknown."""
+        return self._voice.played_ms
+
+    def stop_playback(self) -> float | None:
+        """Stop the player (dropping what is queued); returns the milliseconds played of the item."""
+        return self._voice.stop_playback()
+
+    async def _voice_on_device(self) -> bool:
+        """Whether audio goes to the device now: an utterance is under way there, or there is an
+        offline model and no gateway (tried again every ``retry_online_s``, as for text turns)."""
+        if self._device is None:
+            return False
+        if self._device.holds_speech:
             return True
-        if self._reconnect_at is not None:
-            return await self._reconnect_as_asked(required=required)
-        now = time.monotonic()
-        if not required and now - self._last_online_try < self.retry_online_s:
-            return False  # offline, and the gateway was tried a moment ago
-        self._last_online_try = now
-        try:
-            await self._open_with_backoff(attempts=self.backoff.attempts if required else 1)
-        except GatewayUnreachable:
-            if required:
-                raise
-            log.info("the gateway is unreachable: serving turns on the device")
+        if self._conn.ws is not None:
             return False
-        return True
+        async with self._conn.lock:
+            online = await self._conn.ensure(required=False)
+        return not online
 
-    async def _reconnect_as_asked(self, *, required: bool) -> bool:
-        """A drained session: wait until the time the gateway named, then reconnect with the
-        whole backoff (another replica is there to take us, so the fallback is not tried first)."""
-        assert self._reconnect_at is not None
-        await asyncio.sleep(max(0.0, self._reconnect_at - time.monotonic()))
-        self._reconnect_at = None
-        self._last_online_try = time.monotonic()
-        try:
-            await self._open_with_backoff(attempts=self.backoff.attempts)
-        except GatewayUnreachable:
-            if required:
-                raise
-            log.info("the gateway is unreachable after a drain: serving turns on the device")
-            return False
-        return True
+    async def _cut(self, item_id: str, heard_ms: int, turn: Turn | None) -> bool:
+        """A barge-in on an answer the device spoke: cut there (False: not spoken there)."""
+        return self._device is not None and await self._device.cut(item_id, heard_ms, turn)
 
-    async def _reconnect_after_drain(self) -> None:
-        async with self._lock:
-            try:
-                await self._ensure_session(required=True)
-            except ClientClosed:
-                pass  # close() ended the reconnect: nothing to report
-            except GatewayError as e:
-                log.warning("could not reconnect after the gateway closed this session for a drain: %s", e)
-        turn, self._resume = self._resume, None  # still here: no session could start it
-        if turn is not None and not turn.done:
-            turn._finish(self.protocol.connection_lost() or _lost(turn))
+    # --- the connection's hooks -------------------------------------------------------------------
 
-    async def _open_with_backoff(self, attempts: int) -> None:
-        delays = self.backoff.delays(self._rng)
-        for attempt in range(attempts):
-            self._raise_if_closed()  # close() during the wait before this attempt
-            try:
-                await self._open()
-                return
-            except GatewayUnreachable:
-                self._raise_if_closed()  # close() dropped the session this attempt was setting up
-                if attempt == attempts - 1:
-                    raise
-                await asyncio.sleep(next(delays, self.backoff.max_delay))
+    def _busy(self) -> bool:
+        return self._turn is not None and not self._turn.done
 
-    def _raise_if_closed(self) -> None:
-        if self._closed:
-            raise ClientClosed()
-
-    async def _open(self) -> None:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        subprotocols = [MSGPACK_SUBPROTOCOL] if self.framing == "msgpack" else None
-        try:
-            ws = await websockets.connect(self.ws_url, additional_headers=headers, subprotocols=subprotocols,
-                                          open_timeout=self.connect_timeout, max_size=MAX_FRAME_BYTES,
-                                          close_timeout=self.request_timeout)
-        except InvalidStatus as e:
-            status = e.response.status_code
-            body = e.response.body.decode("utf-8", "replace")[:500] if e.response.body else ""
-            if status >= 500:
-                raise GatewayUnreachable(f"the gateway is not serving (HTTP {status}): {body}") from e
-            raise GatewayRefused(status, body) from e
-        except (OSError, TimeoutError, ssl.SSLError, InvalidHandshake, InvalidURI) as e:
-            raise GatewayUnreachable(f"cannot reach the gateway at {self.ws_url}: {e}") from e
-        if self._closed:  # close() returned while we connected: it could not close this one
-            await _close_quietly(ws, self.request_timeout)
-            raise ClientClosed()
-        if self.framing == "msgpack" and ws.subprotocol != MSGPACK_SUBPROTOCOL:
-            await ws.close()
-            raise GatewayRefused(400, "the gateway does not speak msgpack framing")
-        self._ws = ws
-        created = self._expect(("session", "created"))
-        self._reader = asyncio.create_task(self._read_loop(ws), name="rtgw-reader")
-        try:
-            await asyncio.wait_for(created, self.request_timeout)
-        except (TimeoutError, GatewayUnreachable) as e:
-            await self._drop_connection()
-            raise GatewayUnreachable("the gateway accepted the connection but sent no session") from e
-        if self._sessions:
-            self.reconnects += 1
-        self._sessions += 1
-        if self._session.fields:
-            await self._send(self.protocol.session_update(**self._session.fields))
+    async def _session_opened(self) -> None:
+        """A new session: the settings, the conversation so far, and a turn a drained session had
+        not begun."""
+        if self._settings.fields:
+            await self._conn.send(self.protocol.session_update(**self._settings.fields))
         restore = self.protocol.restore_events()
         for event in restore:
-            await self._send(event)
+            await self._conn.send(event)
         if restore:
             log.info("restored %d conversation items on the new session", len(restore))
         turn, self._resume = self._resume, None
         if turn is not None and not turn.done:
             log.info("starting on the new session the turn the drained one had not begun")
-            await self._send(self.protocol.event("response.create", **({"response": turn._response}
-                                                                         if turn._response else {})))
-        if self._closed:  # close() began while the session was set up (it waits on an offline turn)
-            await self._drop_connection()
-            raise ClientClosed()
+            await self._conn.send(self.protocol.event("response.create", **({"response": turn._response}
+                                                                              if turn._response else {})))
 
-    async def _drop_connection(self) -> None:
-        ws, self._ws = self._ws, None
-        reader, self._reader = self._reader, None
-        if ws is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(ws.close(), self.request_timeout)
-        if reader is not None:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
-
-    async def _send(self, event: dict[str, Any]) -> None:
-        ws = self._ws
-        if ws is None:
-            raise GatewayUnreachable("not connected to the gateway")
-        try:
-            await asyncio.wait_for(ws.send(encode(event, self.framing)), self.request_timeout)
-        except (ConnectionClosed, OSError, TimeoutError) as e:
-            await self._lost(ws)
-            raise GatewayUnreachable(f"the connection to the gateway was lost: {e}") from e
-
-    def _expect(self, key: tuple[str, str]) -> asyncio.Future[Any]:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiters[key] = future
-        return future
-
-    def _resolve(self, key: tuple[str, str], value: Any) -> bool:
-        future = self._waiters.pop(key, None)
-        if future is None or future.done():
-            return False
-        future.set_result(value)
-        return True
-
-    async def _read_loop(self, ws: Any) -> None:
-        try:
-            while True:
-                timeout = self.silence_timeout if self._turn is not None and not self._turn.done else None
-                try:
-                    frame = await asyncio.wait_for(ws.recv(), timeout)
-                except TimeoutError:
-                    log.warning("no server event for %.0f s during a turn: dropping the connection",
-                                self.silence_timeout)
-                    break
-                try:
-                    event = decode(frame)
-                except FrameError as e:
-                    log.warning("%s", e)
-                    continue
-                self._dispatch(event)
-        except ConnectionClosed:
-            pass
-        finally:
-            if self._ws is ws:
-                self._ws = None
-                self._after_close(ws)
-                asyncio.get_running_loop().create_task(_close_quietly(ws, self.request_timeout))
-            self._fail_pending(ws)
-
-    async def _lost(self, ws: Any) -> None:
-        if self._ws is ws:
-            self._ws = None
-            self._after_close(ws)
-            await _close_quietly(ws, self.request_timeout)
-        self._fail_pending(ws)
-
-    def _after_close(self, ws: Any) -> None:
-        """The session on ``ws`` is over. A gateway replica going away says so with 1001 and a
-        reconnect hint, sent only once no response is in progress: come back after the time it
-        names (to the same URL: the load balancer routes to a replica that stays), and keep a
-        turn whose request the old session never took to start it on the new one."""
-        rcvd = getattr(getattr(ws, "protocol", None), "close_rcvd", None)  # the server's close frame
-        after_ms = reconnect_hint(rcvd.code, rcvd.reason) if rcvd is not None else None
-        if after_ms is None or self._closed:
-            return
-        log.info("the gateway is draining this session: reconnecting in %d ms", after_ms)
-        self._reconnect_at = time.monotonic() + after_ms / 1000
+    def _drained(self) -> None:
+        """The gateway drained the session: a turn whose request it never took starts on the next."""
         turn = self._turn
         if turn is not None and not turn.done and not turn.offline and self.protocol.active_response_id is None:
             self._resume = turn
-        if self._reconnect_task is None or self._reconnect_task.done():
-            self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect_after_drain(),
-                                                                          name="rtgw-reconnect")
 
-    def _fail_pending(self, ws: Any) -> None:
+    def _drain_over(self) -> None:
+        turn, self._resume = self._resume, None  # still here: no session could start it
+        if turn is not None and not turn.done:
+            turn._finish(self.protocol.connection_lost() or _lost_result(turn))
+
+    def _lost(self) -> None:
         turn = self._turn
         if turn is not None and not turn.done and not turn.offline and turn is not self._resume:
-            turn._finish(self.protocol.connection_lost() or _lost(turn))
-        for future in self._waiters.values():
-            if not future.done():
-                future.set_exception(GatewayUnreachable("the connection to the gateway was lost"))
-        self._waiters.clear()
+            turn._finish(self.protocol.connection_lost() or _lost_result(turn))
+
+    # --- the server's events ----------------------------------------------------------------------
 
     def _dispatch(self, event: dict[str, Any]) -> None:
         turn = self._turn
@@ -596,10 +436,10 @@ class RealtimeClient(VoiceClient, OfflineVoiceClient):
         if event["type"] == "response.created" and self.protocol.active_response_id is not None:
             turn = self._response_started(self.protocol.active_response_id, turn)
         for typed in typed_events:
-            if self._voice_dispatch(typed, turn):  # audio, transcripts, speech detection
+            if self._voice.dispatch(typed, turn):  # audio, transcripts, speech detection
                 continue
             if isinstance(typed, SessionInfo):
-                self._resolve(("session", "created"), typed)
+                self._conn.resolve(("session", "created"), typed)
             elif isinstance(typed, TextDelta):
                 if turn is not None and not turn.offline:
                     turn.response_id = typed.response_id
@@ -612,16 +452,27 @@ class RealtimeClient(VoiceClient, OfflineVoiceClient):
                     turn.response_id = typed.response_id
                     turn._finish(typed)
             elif isinstance(typed, ItemTruncated):
-                self._resolve(("truncated", typed.item_id), typed)
+                self._conn.resolve(("truncated", typed.item_id), typed)
             elif isinstance(typed, ItemRetrieved):
-                self._resolve(("retrieved", typed.item.id), typed.item)
+                self._conn.resolve(("retrieved", typed.item.id), typed.item)
             elif isinstance(typed, ServerError):
                 self._on_error(typed)
 
+    def _response_started(self, response_id: str, turn: Turn | None) -> Turn:
+        """The client's turn gets its response id; a response nobody asked for (server VAD)
+        becomes a turn of its own, for ``next_turn()``."""
+        if turn is not None and not turn.done and not turn.offline:
+            turn.response_id = turn.response_id or response_id
+            return turn
+        turn = self._turn = Turn()
+        turn.response_id = response_id
+        self._voice.turn_started(turn)
+        return turn
+
     def _on_error(self, error: ServerError) -> None:
-        if error.event_id and self._resolve(("event", error.event_id), error):
+        if error.event_id and self._conn.resolve(("event", error.event_id), error):
             return
-        if self._voice_error(error):
+        if self._voice.refused(error):
             return
         turn = self._turn
         if turn is not None and not turn.done and not turn.offline and self.protocol.active_response_id is None:
@@ -631,123 +482,18 @@ class RealtimeClient(VoiceClient, OfflineVoiceClient):
             return
         log.warning("gateway error %s: %s", error.code, error.message)
 
-    async def _truncate(self, item: Item, heard: int) -> None:
-        event = self.protocol.truncate(item.id, heard)
-        done = self._expect(("truncated", item.id))
-        refused = self._expect(("event", event["event_id"]))
-        await self._send(event)
-        finished, _ = await asyncio.wait({done, refused}, timeout=self.request_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        for key, future in ((("truncated", item.id), done), (("event", event["event_id"]), refused)):
-            if future not in finished:
-                future.cancel()
-            if self._waiters.get(key) is future:
-                del self._waiters[key]
-        if done in finished and done.exception() is None:
-            return
-        if refused in finished and refused.exception() is None:
-            # A server without our x_text_end: replace the message with what was heard.
-            log.info("the gateway refused the text truncate (%s); replacing the message instead",
-                     refused.result().message)
-            for replace in self.protocol.replace_events(item.id, item.text[:heard]):
-                await self._send(replace)
-            return
-        raise GatewayUnreachable("the gateway did not confirm the truncate in time")
-
     # --- offline ----------------------------------------------------------------------------
 
     def _offline_turn(self, response: dict[str, Any]) -> Turn:
+        """A turn the device answers (``rtgw/device.py``), now the turn under way."""
+        assert self._device is not None
         previous = self._turn  # still ending when speech cut it off (barge-in): this one starts after it
         turn = self._turn = Turn(offline=True)
         turn.response_id = new_id("resp")
-        instructions = str(self._session.fields.get("instructions") or "")
-        turn._task = asyncio.create_task(self._run_offline(turn, instructions, list(self.protocol.items),
-                                                           dict(self._session.fields), response, previous))
+        turn._task = self._device.answer(turn, response, previous)
         return turn
 
-    async def _run_offline(self, turn: Turn, instructions: str, history: list[ConversationItem],
-                           session: dict[str, Any], response: dict[str, Any], previous: Turn | None = None) -> None:
-        """The device's answer, told as the gateway's events (``DeviceResponse``) and received by the
-        protocol core: its text, calls, result and conversation items are the online ones. Spoken
-        when the session asks for audio (``rtgw/offline_voice.py``)."""
-        model = self._offline
-        assert model is not None
-        try:
-            await self._device_settle(previous)
-        except asyncio.CancelledError:  # cancelled before it began: no events
-            turn._finish(TurnResult(turn.response_id or "", "cancelled", "", reason=turn._cancel_reason, offline=True))
-            return
-        out = self._device_output(turn, session, response)
-        device = out.device
-        metadata = {"x_tier": "device"}
-        self._offline_events(turn, device.created())
-        parser = None
-        status, reason, error, usage = "completed", None, None, {}
-        try:
-            await out.ready()  # a spoken answer: the voice models
-            await self._device_transcripts()  # speech committed on the device: its words are the prompt's
-            request = await model.prepare(instructions, history, session, response)
-            parser = request.parser
-            async for delta, finish in model.generate(request, max_output_tokens=response.get("max_output_tokens"),
-                                                      temperature=response.get("temperature")):
-                await out.write(parser.feed(delta) if parser else delta)
-                if finish is not None:
-                    status = {"stop": "completed", "length": "incomplete"}.get(finish, "failed")
-                    reason = "max_output_tokens" if finish == "length" else None
-                    usage = dict(model.last_usage)
-            if parser is not None:
-                held, parser = parser.finish(), None
-                await out.write(held)  # held-back text; a call cut short
-            await out.flush()  # the last phrase said
-        except asyncio.CancelledError:
-            status, reason = "cancelled", turn._cancel_reason
-        except OfflineRequestError as e:  # what the gateway would refuse: failed, as a refused response online
-            status, error = "failed", e.error
-        except Exception as e:  # a broken local model ends this turn, not the client, and says why
-            failure = e if isinstance(e, OfflineModelError) else OfflineModelError(f"the on-device model failed: {e}")
-            log.error("%s", failure)
-            turn._error = failure
-            status, error = "failed", {"type": "device_error", "code": "offline_failed", "message": str(failure)}
-        out.close()  # speech not sent yet is not said
-        if parser is not None:
-            out.leftover(parser.finish())  # ended early: held-back text; a call cut short
-        self._offline_events(turn, device.finish(status, reason=reason, error=error, usage=usage, metadata=metadata))
 
-    def _offline_events(self, turn: Turn | None, events: list[dict[str, Any]]) -> None:
-        for event in events:
-            for typed in self.protocol.receive(event):
-                if self._device_voice_event(typed, turn):  # speech and transcripts (device voice)
-                    continue
-                if turn is None:
-                    continue
-                if isinstance(typed, TextDelta):
-                    turn._push(typed.text)
-                elif isinstance(typed, FunctionCall):
-                    turn._call(typed)
-                elif isinstance(typed, TurnResult):
-                    turn._finish(replace(typed, offline=True))
-
-
-def _lost(turn: Turn) -> TurnResult:
+def _lost_result(turn: Turn) -> TurnResult:
     return TurnResult(turn.response_id or "", "failed", "", error={
         "type": "connection_error", "code": "connection_lost", "message": "the connection to the gateway was lost"})
-
-
-async def _close_quietly(ws: Any, timeout: float) -> None:
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(ws.close(), timeout)
-
-
-def realtime_url(url: str, model: str | None) -> str:
-    """``http://host:port`` (or ws://, or a full /v1/realtime URL) -> the session's ws(s) URL."""
-    parts = urllib.parse.urlsplit(url)
-    scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
-    if scheme is None or not parts.netloc:
-        raise ValueError(f"not a gateway URL: {url!r}")
-    path = parts.path.rstrip("/")
-    if not path.endswith("/realtime"):
-        path = (path if path.endswith("/v1") else path + "/v1") + "/realtime"
-    query = urllib.parse.parse_qs(parts.query)
-    if model:
-        query["model"] = [model]
-    return urllib.parse.urlunsplit((scheme, parts.netloc, path, urllib.parse.urlencode(query, doseq=True), ""))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rtgw.device_response import DeviceResponse
-from rtgw.offline import OfflineVoiceError
+from rtgw.errors import OfflineVoiceError
 from rtgw.voice_events import BYTES_PER_MS, SAMPLE_RATE
 
 VOICE_INSTALL_HINT = (
@@ -48,7 +48,7 @@ class TurnDetection:
 
 
 def turn_detection(session: Mapping[str, Any]) -> TurnDetection | None:
-    """The session's turn detection as the SDK keeps it (``rtgw.voice.session_fields``): server VAD
+    """The session's turn detection as the SDK keeps it (``rtgw.settings.session_fields``): server VAD
     unless set, None for push to talk. ``OfflineVoiceError`` for a kind the device does not do."""
     audio_in = (session.get("audio") or {}).get("input") or {}
     if "turn_detection" not in audio_in:

@@ -8,12 +8,10 @@ from typing import Any, Literal
 
 import msgpack
 
+from rtgw.errors import FrameError
+
 Framing = Literal["json", "msgpack"]
 MSGPACK_SUBPROTOCOL = "x-openai-realtime-msgpack"
-
-
-class FrameError(ValueError):
-    """A frame from the server that is not an event."""
 
 
 def encode(event: dict[str, Any], framing: Framing) -> str | bytes:

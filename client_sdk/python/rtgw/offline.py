@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from rtgw.errors import OfflineModelError, OfflineRequestError
 from rtgw.protocol import ConversationItem, FunctionCallItem, FunctionCallOutputItem
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class OfflineConfig:
     # [models.<id>] family). None: "smollm2" for the embedded model; a model_path of another family
     # names its own, or it cannot call tools (a turn that could call one then fails, saying so).
     family: str | None = None
-    # Offline voice (rtgw/offline_voice.py): worker threads for speech recognition and synthesis.
+    # Offline voice (rtgw/device.py): worker threads for speech recognition and synthesis.
     voice_threads: int = 1
 
     @property
@@ -55,24 +56,6 @@ class OfflineConfig:
 
 INSTALL_HINT = ("install the on-device runtime with: pip install 'rtgw-client[offline]' "
                 "(from the gateway's repository: pip install './client_sdk/python[offline]')")
-
-
-class OfflineModelError(RuntimeError):
-    """The on-device model cannot answer; the message says why and what to do."""
-
-
-class OfflineVoiceError(OfflineModelError):
-    """The device cannot do voice: the ``voice`` package, its models or flite are missing, the
-    session asks for what the device does not do, or speech failed (``rtgw/device_voice.py``)."""
-
-
-class OfflineRequestError(Exception):
-    """The turn asks for what the gateway would refuse too (its tools): ``error`` is the error
-    object the gateway would send (type, code, message, param). The turn ends ``failed`` with it."""
-
-    def __init__(self, error: dict[str, Any]) -> None:
-        super().__init__(str(error.get("message", "")))
-        self.error = error
 
 
 @dataclass(frozen=True)

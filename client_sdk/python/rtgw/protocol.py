@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from rtgw.voice_events import TRANSCRIPT_DELTAS, AudioDelta, InputTranscript, VoiceEvent, voice_event
+from rtgw.voice_events import TRANSCRIPT_DELTAS, AudioDelta, InputTranscript, ServerVoiceEvent, voice_event
 
 Role = Literal["system", "user", "assistant"]
 
@@ -202,7 +202,7 @@ class SessionInfo:
 
 
 Event = (TextDelta | FunctionCall | TurnResult | ServerError | ItemTruncated | ItemRetrieved | SessionInfo
-         | VoiceEvent)
+         | ServerVoiceEvent)
 
 
 @dataclass
@@ -377,7 +377,7 @@ class ClientProtocol:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _voice(self, event: VoiceEvent) -> list[Event]:
+    def _voice(self, event: ServerVoiceEvent) -> list[Event]:
         if isinstance(event, AudioDelta):
             active = self._active
             if active is None or event.response_id != active.response_id:

@@ -1,15 +1,16 @@
 """One turn as the application reads it: its text deltas and function calls as they stream (and,
 for a spoken answer, its transcript and audio deltas and the user's transcript), and how it
 ended. The client (``client.py``) fills it from the protocol core's events, online or from the
-on-device model alike."""
+on-device model alike. ``TurnStarted`` reports a turn the server (or the device's VAD) began."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
-from rtgw.offline import OfflineModelError
+from rtgw.errors import OfflineModelError
 from rtgw.protocol import FunctionCall, TextDelta, TranscriptDelta, TurnResult
 from rtgw.voice_events import AudioDelta, InputTranscript
 
@@ -140,3 +141,10 @@ class Turn:
 
     async def text(self) -> str:
         return (await self.result()).text
+
+
+@dataclass(frozen=True)
+class TurnStarted:
+    """A response the server began on its own (server VAD with ``create_response``): a voice event."""
+
+    turn: Turn

@@ -4,11 +4,12 @@
 (``AudioDelta``: PCM16 at 24 kHz mono, decoded from base64 on JSON or taken as the raw bytes of
 the msgpack subprotocol), server voice detection (``SpeechStarted``, ``SpeechStopped``), the
 user's committed speech (``AudioCommitted``) and its transcript (``InputTranscript``,
-``TranscriptionFailed``). ``TranscriptDelta`` (the words of a spoken answer, in ``rtgw.protocol``)
-is made by the protocol core, which keeps them as the assistant's text. Events the SDK itself
-reports ride along: ``TurnStarted`` (a response the server began, e.g. after server VAD committed speech),
-``Interrupted`` (a barge-in the client finished: playback stopped, the item truncated to what was
-played) and ``AudioRefused`` (an append the server turned down; the session goes on).
+``TranscriptionFailed``): ``ServerVoiceEvent``. ``TranscriptDelta`` (the words of a spoken answer, in
+``rtgw.protocol``) is made by the protocol core, which keeps them as the assistant's text. Two
+events the SDK itself reports ride along: ``Interrupted`` (a barge-in the client finished:
+playback stopped, the item truncated to what was played) and ``AudioRefused`` (an append the
+server turned down; the session goes on). The third, ``TurnStarted``, carries a ``Turn`` and lives
+beside it (``rtgw.turn``); ``rtgw.voice.VoiceEvent`` is all of them.
 """
 
 from __future__ import annotations
@@ -17,10 +18,7 @@ import base64
 import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from rtgw.turn import Turn
+from typing import Any
 
 SAMPLE_RATE = 24_000  # the Realtime API's audio/pcm: 16-bit little-endian mono at 24 kHz
 BYTES_PER_MS = SAMPLE_RATE * 2 // 1000  # 48
@@ -90,13 +88,6 @@ class TranscriptionFailed:
 
 
 @dataclass(frozen=True)
-class TurnStarted:
-    """A response the server began on its own (server VAD with ``create_response``)."""
-
-    turn: Turn
-
-
-@dataclass(frozen=True)
 class Interrupted:
     """Barge-in done: the user spoke while ``item_id`` played; playback stopped after
     ``audio_end_ms`` of its audio, and the item (here and on the server) keeps ``text``, the words
@@ -116,8 +107,9 @@ class AudioRefused:
     message: str
 
 
-VoiceEvent = (AudioDelta | SpeechStarted | SpeechStopped | AudioCommitted | AudioCleared | InputTranscript
-              | TranscriptionFailed | TurnStarted | Interrupted | AudioRefused)
+# What a server event about audio becomes (``voice_event``).
+ServerVoiceEvent = (AudioDelta | SpeechStarted | SpeechStopped | AudioCommitted | AudioCleared | InputTranscript
+                    | TranscriptionFailed)
 
 AUDIO_DELTAS = ("response.output_audio.delta", "response.audio.delta")
 TRANSCRIPT_DELTAS = ("response.output_audio_transcript.delta", "response.audio_transcript.delta")
@@ -135,7 +127,7 @@ def decode_audio(data: object) -> bytes | None:
     return None
 
 
-def voice_event(event: Mapping[str, Any]) -> VoiceEvent | None:
+def voice_event(event: Mapping[str, Any]) -> ServerVoiceEvent | None:
     """The typed form of a server event about audio in or out; None for any other event (and for
     an audio delta whose bytes cannot be read)."""
     kind = event.get("type")
