@@ -32,6 +32,7 @@ from gateway.ws.server_events import Emitter, TextDelta
 from gateway.ws.speech_out import SpeechOut, audio_ms
 from gateway.ws.wire import item_wire, response_wire, usage_wire
 from llm_shared.contract import FinishEvent
+from llm_shared.realtime_order import ResponseOrder
 from llm_shared.structured import ArgumentsDelta, CallDone, CallStarted, ToolCallEvent
 from llm_shared.structured import TextDelta as ParsedText
 from voice.alignment import Alignment, Mark
@@ -70,6 +71,7 @@ class ResponseStream:
         self._beta = beta
         self._ids = ids
         self._events = events
+        self._order = ResponseOrder(response_id, lambda ga_type, fields: events.emit(ga_type, **fields), beta=beta)
         self._calls = calls
         self._call_ids = calls  # kept after the parser is done: calls waiting for speech still need their ids
         self._message_index = 0  # output_index of the open message
@@ -249,23 +251,17 @@ class ResponseStream:
             elif isinstance(event, CallDone):
                 self._close_call(event.index, event.arguments, complete=event.complete)
 
-    def _added(self, item: AnyItem, output_index: int) -> None:
-        """``item`` joins the output (and the conversation, when the response belongs to it)."""
+    def _added(self, item: AnyItem) -> tuple[dict[str, Any], str | bool | None]:
+        """``item`` joins the output (and the conversation, when the response belongs to it): its
+        wire form as it joins, and the conversation item before it (False: not in the conversation)."""
         self.output.append(item)
-        self._events.emit("response.output_item.added", response_id=self.id, output_index=output_index,
-                          item=item_wire(item, self._beta))
-        if self._conversation is not None:
-            previous_id = self._conversation.insert(item)
-            self._events.emit("conversation.item.added", previous_item_id=previous_id,
-                              item=item_wire(item, self._beta))
+        wire = item_wire(item, self._beta)
+        return wire, self._conversation.insert(item) if self._conversation is not None else False
 
-    def _item_done(self, item: AnyItem, output_index: int) -> None:
-        self._events.emit("response.output_item.done", response_id=self.id, output_index=output_index,
-                          item=item_wire(item, self._beta))
+    def _previous(self, item: AnyItem) -> str | bool | None:
+        """The conversation item before ``item`` (False where it is not in the conversation)."""
         conversation = self._conversation
-        if conversation is not None and not self._beta and item.id in conversation:
-            self._events.emit("conversation.item.done", previous_item_id=conversation.previous_id(item.id),
-                              item=item_wire(item, self._beta))
+        return conversation.previous_id(item.id) if conversation is not None and item.id in conversation else False
 
     def _open_item(self) -> Item:
         speaks = self._speech is not None
@@ -273,11 +269,9 @@ class ResponseStream:
                     speech=Alignment(PCM_RATE) if speaks else None)
         self.item = item
         self._message_index = len(self.output)
-        self._added(item, self._message_index)
+        wire, previous_id = self._added(item)
         item.parts.append("")
-        part = {"type": "audio", "transcript": ""} if speaks else {"type": "text", "text": ""}
-        self._events.emit("response.content_part.added", response_id=self.id, item_id=item.id,
-                          output_index=self._message_index, content_index=0, part=part)
+        self._order.message_opened(wire, self._message_index, previous_id, audio=speaks)
         return item
 
     def _delta(self, text: str) -> None:
@@ -299,15 +293,8 @@ class ResponseStream:
         self.item = None
         item.status = "completed" if status == "completed" else "incomplete"
         text = item.parts[0] if item.parts else ""
-        ids = {"response_id": self.id, "item_id": item.id, "output_index": self._message_index, "content_index": 0}
-        if item.audio:
-            self._events.emit("response.output_audio.done", **ids)
-            self._events.emit("response.output_audio_transcript.done", **ids, transcript=text)
-            self._events.emit("response.content_part.done", **ids, part={"type": "audio", "transcript": text})
-        else:
-            self._events.emit("response.output_text.done", **ids, text=text)
-            self._events.emit("response.content_part.done", **ids, part={"type": "text", "text": text})
-        self._item_done(item, self._message_index)
+        self._order.message_closed(item_wire(item, self._beta), self._message_index, text, self._previous(item),
+                                   audio=item.audio)
 
     def _open_call(self, call_id: str, event: CallStarted) -> None:
         self._close_message("completed")  # the text before a call is complete: the call follows it
@@ -315,7 +302,8 @@ class ResponseStream:
                             status="in_progress")
         output_index = len(self.output)
         self._open_calls[event.index] = (item, output_index)
-        self._added(item, output_index)
+        wire, previous_id = self._added(item)
+        self._order.item_opened(wire, output_index, previous_id)
 
     def _arguments(self, event: ArgumentsDelta) -> None:
         item, output_index = self._open_calls[event.index]
@@ -329,12 +317,8 @@ class ResponseStream:
         item, output_index = self._open_calls.pop(index)
         item.arguments = arguments
         item.status = "completed" if complete else "incomplete"
-        done: dict[str, Any] = {"response_id": self.id, "item_id": item.id, "output_index": output_index,
-                                "call_id": item.call_id}
-        if not self._beta:
-            done["name"] = item.name  # GA only: the beta event has no name
-        self._events.emit("response.function_call_arguments.done", **done, arguments=item.arguments)
-        self._item_done(item, output_index)
+        self._order.call_closed(item_wire(item, self._beta), output_index, item.call_id, item.name, item.arguments,
+                                self._previous(item))
 
     # ----- the end ----------------------------------------------------------------------------
 

@@ -61,7 +61,8 @@ def test_a_spoken_device_answer_is_told_as_the_gateways_audio_events() -> None:
     assert b"".join(t.pcm for t in typed[1:]) == pcm
     done = device.finish("completed")
     assert [e["type"] for e in done] == ["response.output_audio.done", "response.output_audio_transcript.done",
-                                         "response.output_item.done", "response.done"]
+                                         "response.content_part.done", "response.output_item.done",
+                                         "conversation.item.done", "response.done"]
     [result] = [t for e in done for t in protocol.receive(e)]
     assert isinstance(result, TurnResult) and result.text == "Hello there. " and result.item_id == "item_a"
     assert done[-1]["response"]["output"][0]["content"] == [{"type": "output_audio", "transcript": "Hello there. "}]

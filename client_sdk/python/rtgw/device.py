@@ -224,12 +224,15 @@ class Device:
         def emit(events: list[dict[str, Any]]) -> None:
             self._tell(turn, events)
 
+        items = self._protocol.items
+        after = items[-1].id if items else None  # the response's items follow it in the conversation
         if speaks(session, response):
-            out = SpokenOutput(DeviceResponse(turn.response_id or "", audio=True), emit, self._device_voice_ready,
+            out = SpokenOutput(DeviceResponse(turn.response_id or "", audio=True, after=after), emit,
+                               self._device_voice_ready,
                                voice_name(session, response))
             turn._stop_speech = out.close
             return out
-        return TextOutput(DeviceResponse(turn.response_id or ""), emit)
+        return TextOutput(DeviceResponse(turn.response_id or "", after=after), emit)
 
     async def _settle(self, previous: Turn | None) -> None:
         """An answer started while the one before it is still ending (cancelled by the speech it

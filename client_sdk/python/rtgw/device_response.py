@@ -3,8 +3,9 @@
 The on-device fallback feeds what its model writes through the model family's tool-call parser
 (``llm_shared.structured``) and hands the parser's events here; ``DeviceResponse`` turns them into
 the events the gateway would have sent for the same output (``response.created``, the message and
-its text deltas, each ``function_call`` item with its arguments, ``response.done``), in the
-gateway's order (``gateway/ws/responses.py``). A spoken answer (``audio=True``) tells each phrase as
+its text deltas, each ``function_call`` item with its arguments, ``response.done``): items open and
+close through ``llm_shared.realtime_order.ResponseOrder``, the gateway's own order
+(``gateway/ws/responses.py`` emits through it too; ``tests/test_response_order.py`` compares them). A spoken answer (``audio=True``) tells each phrase as
 its transcript delta and its audio deltas (``spoken``), as the gateway does for ``output_modalities``
 ``["audio"]``. The client feeds them to its protocol core as if
 they came off the socket, so an offline turn's deltas, calls, result and conversation items are
@@ -27,10 +28,16 @@ class DeviceResponse:
     """One response of the device, from ``created`` to ``finish``; every method returns the server
     events it makes, to be received in order."""
 
-    def __init__(self, response_id: str, *, ids: Callable[[str], str] = new_id, audio: bool = False) -> None:
+    def __init__(self, response_id: str, *, ids: Callable[[str], str] = new_id, audio: bool = False,
+                 after: str | None = None) -> None:
+        """``after``: the conversation's last item when the response starts (its first output
+        item's ``previous_item_id``)."""
         self.id = response_id
         self._ids = ids
         self.audio = audio  # the message is spoken: its content is a transcript with audio
+        self._after = after
+        self._made: list[dict[str, Any]] = []  # events ResponseOrder made, taken by the caller
+        self._order_made: Any = None
         self._output: list[dict[str, Any]] = []  # every output item, in order (response.done's output)
         self._message: dict[str, Any] | None = None  # the open message
         self._calls: dict[int, dict[str, Any]] = {}  # parser index -> the open call item
@@ -119,48 +126,61 @@ class DeviceResponse:
 
     # --- items ----------------------------------------------------------------------------------
 
-    def _added(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        previous = self._output[-1]["id"] if self._output else None
-        self._output.append(item)
-        return [{"type": "response.output_item.added", "response_id": self.id,
-                 "output_index": len(self._output) - 1, "item": copy.deepcopy(item)},
-                {"type": "conversation.item.added", "previous_item_id": previous, "item": copy.deepcopy(item)}]
+    @property
+    def _order(self) -> Any:
+        """The gateway's ``ResponseOrder``, made when the first item opens: it comes with the edge
+        runtime (the ``offline`` extra), which an answer that gets that far has loaded; one that
+        fails before (no runtime installed) ends with ``response.done`` alone, as online."""
+        if self._order_made is None:
+            from llm_shared.realtime_order import ResponseOrder
+
+            self._order_made = ResponseOrder(self.id, lambda ga_type, fields: self._made.append(
+                {"type": ga_type, **fields}))
+        return self._order_made
+
+    def _take(self) -> list[dict[str, Any]]:
+        made, self._made = self._made, []
+        return made
+
+    def _previous(self, item: dict[str, Any]) -> str | None:
+        """The conversation item before ``item`` (its output's previous, or what the response followed)."""
+        index = next(i for i, output in enumerate(self._output) if output is item)
+        return self._output[index - 1]["id"] if index else self._after
 
     def _open_message(self) -> list[dict[str, Any]]:
         part = {"type": "output_audio", "transcript": ""} if self.audio else {"type": "output_text", "text": ""}
         self._message = {"id": self._ids("item"), "object": "realtime.item", "type": "message",
-                         "status": "in_progress", "role": "assistant", "content": [part]}
-        return self._added(self._message)
+                         "status": "in_progress", "role": "assistant", "content": []}
+        self._output.append(self._message)
+        self._order.message_opened(copy.deepcopy(self._message), len(self._output) - 1,
+                                   self._previous(self._message), audio=self.audio)
+        self._message["content"].append(part)  # (opened empty, then its part, as the gateway's)
+        return self._take()
 
     def _close_message(self, status: str) -> list[dict[str, Any]]:
         message, self._message = self._message, None
         if message is None:
             return []
         message["status"] = "completed" if status == "completed" else "incomplete"
-        done: list[dict[str, Any]] = []
-        if self.audio:
-            ids = {"response_id": self.id, "item_id": message["id"], "output_index": self._output.index(message),
-                   "content_index": 0}
-            done = [{"type": "response.output_audio.done", **ids},
-                    {"type": "response.output_audio_transcript.done", **ids,
-                     "transcript": message["content"][0]["transcript"]}]
-        return [*done, {"type": "response.output_item.done", "response_id": self.id,
-                        "output_index": self._output.index(message), "item": copy.deepcopy(message)}]
+        part = message["content"][0]
+        self._order.message_closed(copy.deepcopy(message), self._output.index(message),
+                                   part["transcript"] if self.audio else part["text"], self._previous(message),
+                                   audio=self.audio)
+        return self._take()
 
     def _open_call(self, index: int, name: str) -> list[dict[str, Any]]:
         out = self._close_message("completed")  # the text before a call is complete: the call follows it
         item = {"id": self._ids("item"), "object": "realtime.item", "type": "function_call", "status": "in_progress",
                 "call_id": self._ids("call"), "name": name, "arguments": ""}
         self._calls[index] = item
-        return out + self._added(item)
+        self._output.append(item)
+        self._order.item_opened(copy.deepcopy(item), len(self._output) - 1, self._previous(item))
+        return out + self._take()
 
     def _close_call(self, index: int, arguments: str, *, complete: bool) -> list[dict[str, Any]]:
         item = self._calls.pop(index)
         item["arguments"] = arguments
         item["status"] = "completed" if complete else "incomplete"
-        where = {"response_id": self.id, "item_id": item["id"], "output_index": self._output.index(item),
-                 "call_id": item["call_id"]}
-        return [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
-                 "arguments": arguments},
-                {"type": "response.output_item.done", "response_id": self.id, "output_index": where["output_index"],
-                 "item": copy.deepcopy(item)}]
+        self._order.call_closed(copy.deepcopy(item), self._output.index(item), item["call_id"], item["name"],
+                                arguments, self._previous(item))
+        return self._take()
