@@ -5,7 +5,7 @@ and per token when the device costs nothing.
 
 For each batch size, B requests (real prompts of the embedded model's tokenizer, temperature
 1.0, each with its own seed, ``ignore_eos``, ``max_tokens`` long enough to stay running) go
-through the production path: a ``CoreServer`` (engine_gpu.core_process) in a process of its own,
+through the production path: a ``CoreServer`` (engine_gpu.core_server) in a process of its own,
 its ``serve_forever`` loop, its ``LLMEngine`` (scheduler, ``ModelRunner.execute``, sampler,
 detokenizer and stop-string stream), the msgpack frames of ``protocol``, and a unix socket to a
 client in this process that authenticates, adds the requests and decodes every frame. Host time
@@ -172,7 +172,8 @@ def requests(batch: int, max_tokens: int) -> list[tuple[str, list[int], Any]]:
 def worker(args: argparse.Namespace) -> None:
     """Serve B requests through a CoreServer with a null model; print timings as one JSON line."""
     sys.path.insert(0, args.tree)
-    from engine_gpu.core_process import CoreServer, open_listener
+    from engine_gpu.core_process import open_listener
+    from engine_gpu.core_server import CoreServer
 
     batch = args.batch[0]
     steps = max_tokens(batch, args.steps, args.warmup)

@@ -2,7 +2,7 @@
 
 The traced model is ``llm_shared.llama.model.LlamaModel`` (the one the torch engine runs), loaded by
 ``llm_shared.llama.loader`` with every tensor dequantized to float32, called with
-``engine_gpu.attention.ContiguousAttention``. The graph's inputs and outputs are described in
+``llm_shared.llama.model.ContiguousAttention``. The graph's inputs and outputs are described in
 ``engine_edge.onnx_decoder``; its logits are those of the last position only, so a long prompt
 does not pay for a vocabulary projection per token.
 

@@ -47,7 +47,7 @@ from llm_shared.errors import (
 )
 from llm_shared.load_cache import LoadCache
 from llm_shared.modelfile import check_gguf
-from llm_shared.structured import GrammarCompiler, SequenceMatcher
+from llm_shared.structured import GrammarCompiler, RequestMatchers, SequenceMatcher
 from llm_shared.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -89,8 +89,7 @@ class WorkerFront(EdgeBackend):
     ) -> None:
         self.config = config
         self._tokenizer = tokenizer
-        self._grammars: GrammarCompiler | None = None  # built with the first request that has a grammar
-        self._grammars_lock = threading.Lock()
+        self._grammars = RequestMatchers(tokenizer)
         # Grammars compile on a thread of their own: never on the event loop (every stream of the
         # process waits on it) nor in the worker's decode loop (every sequence of the batch would).
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-grammar")
@@ -143,9 +142,9 @@ class WorkerFront(EdgeBackend):
     def _compile(self, command: GenerateCmd) -> None:
         loop = asyncio.get_running_loop()
         params = command.params
-        future = self._compile_pool.submit(self._matcher, params.grammar, params.max_tokens)
+        future = self._compile_pool.submit(self._grammars.matcher, params.grammar, params.max_tokens)
 
-        def compiled(done: concurrent.futures.Future[SequenceMatcher]) -> None:
+        def compiled(done: concurrent.futures.Future[SequenceMatcher | None]) -> None:
             try:
                 loop.call_soon_threadsafe(self._compiled, command, done)
             except RuntimeError:  # the consumer's loop is closed: nobody waits for it
@@ -153,7 +152,7 @@ class WorkerFront(EdgeBackend):
 
         future.add_done_callback(compiled)
 
-    def _compiled(self, command: GenerateCmd, done: concurrent.futures.Future[SequenceMatcher]) -> None:
+    def _compiled(self, command: GenerateCmd, done: concurrent.futures.Future[SequenceMatcher | None]) -> None:
         """On the loop: the compiled request goes to the worker, or its stream ends with the
         compiler's SchemaError (naming ``grammar``). A request whose consumer left meanwhile is dropped."""
         channel = command.sink.channel
@@ -201,19 +200,10 @@ class WorkerFront(EdgeBackend):
         return GenerateCmd(request_id, prompt, params, Priority(priority),
                            EventSink(asyncio.get_running_loop(), channel), session_id, salt)
 
-    def _matcher(self, grammar: str, max_tokens: int) -> SequenceMatcher:
-        """A fresh matcher of ``grammar`` that ends its answer within ``max_tokens`` (compiled once
-        per text; SchemaError names ``grammar``), on the compile thread.
-        The compiler is built with the first grammar (~0.1 s, once)."""
-        return self.grammar_compiler().text_matcher(grammar, max_tokens)
-
     def grammar_compiler(self) -> GrammarCompiler:
         """This tier's compiler and its cache (built once, ~0.1 s; blocking): the gateway in the
         same process compiles with it too, so a grammar it checked is a cache hit here."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self._tokenizer, family=None)
-            return self._grammars
+        return self._grammars.compiler()
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self._open or not self.ready:

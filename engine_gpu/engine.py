@@ -23,7 +23,7 @@ from engine_gpu.speculative.speculator import Speculator, build_speculator
 from llm_shared.contract import FinishEvent, FinishReason, Priority, SamplingParams, TokenEvent
 from llm_shared.load_cache import LoadCache
 from llm_shared.models import ModelConfig, tokenizer_for
-from llm_shared.structured import GrammarCompiler, SequenceMatcher, allocate_bitmask
+from llm_shared.structured import RequestMatchers, SequenceMatcher, allocate_bitmask
 from llm_shared.textstream import TextStream
 from llm_shared.tokenizer import Tokenizer
 
@@ -61,7 +61,7 @@ class LLMEngine:
         if speculator is not None:
             speculator.calibrate(runner)  # before any request holds blocks: it borrows the first ones
         self._requests: dict[str, _Request] = {}
-        self._grammars: GrammarCompiler | None = None  # built with the first request that has a grammar
+        self._grammars = RequestMatchers(tokenizer)
         self._constrained: dict[str, SequenceMatcher] = {}  # live requests with a grammar
         # Overlapped steps: a step's outputs (detokenizing, stop strings, events) are made during
         # the next step, after its forward is launched, so that host work runs while the device
@@ -107,7 +107,7 @@ class LLMEngine:
         DuplicateRequestError or OverloadedError. ``draft_ids`` are verified with the prompt's
         last chunk (``Scheduler.add_request``; under a grammar, their valid prefix); prefix-cache
         hits come only from requests with the same ``cache_salt``."""
-        matcher = self._matcher(params)
+        matcher = self._grammars.matcher(params.grammar, params.max_tokens)
         if matcher is not None and draft_ids:  # verified under the grammar: only its valid prefix
             draft_ids = list(draft_ids)[: matcher.valid_prefix_len(list(draft_ids))]
         self.scheduler.add_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
@@ -120,7 +120,7 @@ class LLMEngine:
         """Queue a request whose fields the core's socket decoder checked; only this engine's limits
         are checked (vocabulary, length, duplicates, load, the grammar), raising as ``add_request`` does.
         ``matcher``: the grammar's, already compiled (``compile_matcher``, on the core's compile thread)."""
-        matcher = matcher if matcher is not None else self._matcher(params)
+        matcher = matcher if matcher is not None else self._grammars.matcher(params.grammar, params.max_tokens)
         if matcher is not None and draft_ids:  # verified under the grammar: only its valid prefix
             draft_ids = draft_ids[: matcher.valid_prefix_len(draft_ids)]
         self.scheduler.add_checked_request(request_id, prompt_ids, params, priority, arrival=time.monotonic(),
@@ -130,15 +130,7 @@ class LLMEngine:
     def compile_matcher(self, params: SamplingParams) -> SequenceMatcher | None:
         """The request's grammar compiled into a fresh matcher (None without one); SchemaError for
         a grammar that cannot be. Safe off the step thread: it touches only the compiler."""
-        return self._matcher(params)
-
-    def _matcher(self, params: SamplingParams) -> SequenceMatcher | None:
-        """A fresh matcher of the request's grammar (compiled once per grammar text), or None."""
-        if not params.grammar:
-            return None
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, family=None)
-        return self._grammars.text_matcher(params.grammar, params.max_tokens)
+        return self._grammars.matcher(params.grammar, params.max_tokens)
 
     def _track(self, request_id: str, prompt_tokens: int, params: SamplingParams,
                matcher: SequenceMatcher | None) -> None:

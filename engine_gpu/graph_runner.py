@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine_gpu.attention import AttentionBackend, DecodeSlots, StaticDecodeAttention
+from engine_gpu.attention.base import AttentionBackend, DecodeSlots, StaticDecodeAttention
 from engine_gpu.kv_cache import PagedKVCache
 from llm_shared.errors import ConfigError
 from llm_shared.llama.model import LlamaModel

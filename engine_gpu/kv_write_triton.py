@@ -9,7 +9,7 @@ touch the pool.
 The kernel addresses the pool by strides, so it writes either layout of engine_gpu.kv_cache
 (``heads_first`` [KVH, blocks, block_size, D] or ``blocks_first`` [blocks, block_size, KVH, D]);
 offsets are computed in int64, as a large pool passes 2**31 elements. Imported only when the
-'triton' attention backend is chosen (engine_gpu.attention_triton).
+'triton' attention backend is chosen (engine_gpu.attention.triton_backend).
 """
 
 from __future__ import annotations

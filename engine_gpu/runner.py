@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine_gpu.attention import AttentionBackend, PagedLayout, get_attention_backend
+from engine_gpu.attention import get_attention_backend
+from engine_gpu.attention.base import AttentionBackend, PagedLayout
 from engine_gpu.config import resolve_dtype
 from engine_gpu.graph_runner import GraphRunner, graphs_wanted
 from engine_gpu.kv_cache import PagedKVCache

@@ -20,40 +20,16 @@ import itertools
 from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, field
 
 from engine_gpu.block_manager import BlockManager
 from engine_gpu.config import EngineConfig
+from engine_gpu.request_limits import check_fits, check_token_ids
 from engine_gpu.sched_output import PENDING_TOKEN, RequestUpdate, ScheduledSeq, SchedulerOutput, SchedulerStats
 from engine_gpu.sequence import MAX_TOKEN_ID, SeqStatus, Sequence, as_token_ids, new_sequence
-from llm_shared.contract import FINISH_REASONS, MAX_PREFIX_DRAFT_TOKENS, FinishReason, Priority, SamplingParams
-from llm_shared.errors import (
-    DuplicateRequestError,
-    InvalidRequestError,
-    OverloadedError,
-    PromptTooLongError,
-)
-
-
-@dataclass
-class _StepPlan:
-    """The step being built. Preempting a request already in it gives its budget back."""
-
-    budget: int
-    tokens: dict[Sequence, int] = field(default_factory=dict)  # insertion order is batch order
-    cached_tokens: dict[str, int] = field(default_factory=dict)
-    preempted: list[str] = field(default_factory=list)
-    num_decodes: int = 0
-
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        self.tokens[seq] = num_tokens
-        self.budget -= num_tokens
-        self.num_decodes += int(seq.is_caught_up)
-
-    def drop(self, seq: Sequence) -> None:
-        if seq in self.tokens:
-            self.budget += self.tokens.pop(seq)
-            self.num_decodes -= int(seq.is_caught_up)
+from engine_gpu.step_plan import StepPlan
+from engine_gpu.step_results import append_tokens, checked_tokens
+from llm_shared.contract import FINISH_REASONS, FinishReason, Priority, SamplingParams
+from llm_shared.errors import DuplicateRequestError, InvalidRequestError, OverloadedError
 
 
 class Scheduler:
@@ -131,30 +107,11 @@ class Scheduler:
     def _admit(self, seq: Sequence, drafts: list[int]) -> None:
         """Queue a well-formed sequence if this engine can serve it: vocabulary, duplicates, length,
         load; it takes as many of ``drafts`` as it may verify."""
-        request_id, params = seq.request_id, seq.params
-        for ids, param in ((seq.token_ids, "prompt"), (drafts, "draft_ids")):
-            if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
-                bad = next(t for t in ids if t >= self.vocab_size)
-                raise InvalidRequestError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})",
-                                          param=param)
-        if len(drafts) > MAX_PREFIX_DRAFT_TOKENS:
-            raise InvalidRequestError(f"draft_ids holds at most {MAX_PREFIX_DRAFT_TOKENS} tokens", param="draft_ids")
+        request_id = seq.request_id
+        check_token_ids(seq, drafts, self.vocab_size)
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        total = seq.max_total_tokens
-        if total > self.config.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt ({seq.num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"the context length of {self.config.max_model_len} tokens",
-                param="prompt" if seq.num_prompt_tokens >= self.config.max_model_len else "max_tokens",
-            )
-        bm = self.block_manager
-        if bm.blocks_for(total - 1) > bm.num_blocks:  # the last token is never fed back, so needs no KV
-            raise PromptTooLongError(
-                f"the prompt ({seq.num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"more KV cache than this server has ({bm.num_blocks * bm.block_size} tokens)",
-                param="max_tokens",
-            )
+        check_fits(seq, self.config.max_model_len, self.block_manager)
         if self.num_waiting >= self.config.max_waiting:
             raise OverloadedError(f"the server is overloaded ({self.num_waiting} requests waiting); retry later")
         seq.draft_token_ids = drafts[: seq.draft_room]
@@ -208,7 +165,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step from the scheduler's state (the latest plan's update applied: a plan
         left without one is dropped, as a runner that failed it leaves it)."""
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
         if self._running_order is None:
             self._running_order = sorted(self._running.values(), key=Sequence.order_key)
         running = self._running_order
@@ -254,8 +211,7 @@ class Scheduler:
             seq = in_flight[item.request_id]
             if seq.status is not SeqStatus.RUNNING:  # aborted or stopped since it was planned
                 continue
-            num_tokens = len(seq.token_ids) + 1  # once previous's token is appended
-            if num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= max_model_len:
+            if seq.ends_by_length(len(seq.token_ids) + 1, max_model_len):  # once previous's token is appended
                 continue  # that token ends it by length
             rows.append(row)
             seqs.append(seq)
@@ -286,7 +242,7 @@ class Scheduler:
         return SchedulerOutput(scheduled=scheduled, cached_tokens={}, preempted=[], finished=finished,
                                step=self._step, source_rows=rows)
 
-    def _plan_steady_decode(self, running: list[Sequence], plan: _StepPlan) -> bool:
+    def _plan_steady_decode(self, running: list[Sequence], plan: StepPlan) -> bool:
         """The steady state, planned in one pass: when every running seq decodes one token (caught
         up, no drafts), the budget covers them all and the free blocks cover those that cross into
         a new block, the loop in ``schedule`` would add each with one token in this order, growing
@@ -310,13 +266,13 @@ class Scheduler:
         plan.num_decodes = len(running)
         return True
 
-    def _chunk_size(self, num_pending: int, plan: _StepPlan) -> int:
+    def _chunk_size(self, num_pending: int, plan: StepPlan) -> int:
         n = min(num_pending, plan.budget)
         if num_pending > 1 and plan.num_decodes > 0:
             n = min(n, self.config.long_prefill_threshold)
         return n
 
-    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, plan: _StepPlan) -> bool:
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
         """Cover ``num_tokens`` positions for a running seq, preempting the lowest running
         requests as needed. False if the seq itself was the one preempted."""
         bm = self.block_manager
@@ -328,7 +284,7 @@ class Scheduler:
         bm.may_append(seq, num_tokens)
         return True
 
-    def _admit_waiting(self, plan: _StepPlan) -> None:
+    def _admit_waiting(self, plan: StepPlan) -> None:
         bm = self.block_manager
         for queue in self._waiting.values():  # highest class first
             while queue and plan.budget > 0:
@@ -349,7 +305,7 @@ class Scheduler:
                 if len(plan.preempted) > num_preempted:
                     return  # the victims queue again; don't let a later candidate readmit them
 
-    def _start_running(self, seq: Sequence, hits: list[int], num_new: int, plan: _StepPlan) -> None:
+    def _start_running(self, seq: Sequence, hits: list[int], num_new: int, plan: StepPlan) -> None:
         num_cached = len(hits) * self.block_manager.block_size
         self.block_manager.allocate(seq, hits, num_cached + num_new)
         seq.num_computed_tokens = num_cached
@@ -363,7 +319,7 @@ class Scheduler:
         self._prefix_hits += num_cached
         plan.add(seq, num_new)
 
-    def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         plan.drop(seq)
         self.block_manager.deallocate(seq)
         seq.num_computed_tokens = 0
@@ -375,7 +331,7 @@ class Scheduler:
         plan.preempted.append(seq.request_id)
         self._num_preemptions += 1
 
-    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+    def _emit(self, plan: StepPlan) -> SchedulerOutput:
         bm = self.block_manager
         scheduled: list[ScheduledSeq] = []
         for seq, n in plan.tokens.items():
@@ -430,7 +386,7 @@ class Scheduler:
             if item.sample and not (  # a plain step's one valid token passes as it is (the common case)
                     tokens is not None and len(tokens) == 1 and not item.num_draft_tokens
                     and type(t := tokens[0]) is int and 0 <= t <= MAX_TOKEN_ID):
-                tokens = self._checked_tokens(item, tokens)
+                tokens = checked_tokens(item, tokens)
             work.append((seq, item, tokens))
         if len(sampled) > num_sampling_with_tokens:
             unexpected = set(sampled) - {item.request_id for item in output.scheduled if item.sample}
@@ -449,7 +405,7 @@ class Scheduler:
             seq.num_computed_tokens += len(item.token_ids) - rejected
             if seq.draft_token_ids:
                 seq.draft_token_ids = []  # drafted from an older last token; the drafter offers new ones
-            new_ids, reason, stop_id = self._append_tokens(seq, tokens)
+            new_ids, reason, stop_id = append_tokens(seq, tokens, self.eos_token_id, self.config.max_model_len)
             if seq.num_computed_tokens // block_size > seq.num_published_blocks:  # else publishing is a no-op
                 bm.publish_full_blocks(seq)  # accepted tokens only: rejected ones were never computed
             if item.num_draft_tokens:
@@ -461,33 +417,6 @@ class Scheduler:
             if reason is not None:
                 self._finish(seq, reason)
         return updates
-
-    @staticmethod
-    def _checked_tokens(item: ScheduledSeq, tokens: list[int] | None) -> list[int]:
-        if tokens is None:
-            raise ValueError(f"no sampled tokens for {item.request_id!r}, which sampled this step")
-        tokens = as_token_ids(tokens)
-        if not 1 <= len(tokens) <= item.num_draft_tokens + 1:
-            raise ValueError(f"{item.request_id!r}: expected 1..{item.num_draft_tokens + 1} tokens, got {len(tokens)}")
-        drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens :]
-        if tokens[:-1] != drafts[: len(tokens) - 1]:
-            raise ValueError(f"{item.request_id!r}: accepted tokens must be a prefix of the drafts")
-        return tokens
-
-    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], FinishReason | None, int | None]:
-        """Append accepted tokens up to the first finishing one; returns (to stream, reason, stop id)."""
-        params = seq.params
-        token_ids = seq.token_ids
-        new_ids: list[int] = []
-        for t in tokens:
-            token_ids.append(t)
-            if (t == self.eos_token_id and not params.ignore_eos) or t in params.stop_token_ids:
-                return new_ids, "stop", t
-            new_ids.append(t)
-            num_tokens = len(token_ids)
-            if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
-                return new_ids, "length", None
-        return new_ids, None, None
 
     # ---- introspection ----
 

@@ -76,6 +76,10 @@ class Sequence:
         """Prompt plus the most tokens it may generate; its KV never covers the very last one."""
         return self.num_prompt_tokens + self.params.max_tokens
 
+    def ends_by_length(self, num_tokens: int, max_model_len: int) -> bool:
+        """Holding ``num_tokens`` tokens, it has generated all it may or filled the context."""
+        return num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= max_model_len
+
     # The properties below read len(token_ids) rather than num_tokens: the scheduler asks them of
     # every running sequence every step, and a property calling a property costs twice.
 

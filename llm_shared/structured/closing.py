@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llm_shared.structured.bitmask import allowed_tokens
+
 if TYPE_CHECKING:
     import llguidance
 
@@ -111,8 +113,6 @@ def _allowed_bytes(walk: llguidance.LLMatcher, candidates: list[int]) -> list[in
 
 def _allowed_special(walk: llguidance.LLMatcher) -> list[int]:
     """A few allowed tokens of any kind, where the grammar allows no single byte (a special token)."""
-    from llm_shared.structured.matcher import allowed_tokens  # matcher.py imports this module
-
     row = np.frombuffer(walk.compute_bitmask(), dtype=np.int32)
     return [int(i) for i in allowed_tokens(row, row.size * 32)[:4]]
 

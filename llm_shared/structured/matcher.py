@@ -1,11 +1,6 @@
-"""One sequence's position in its grammar, and the token bitmask that applies it to logits.
-
-The bitmask is llguidance's layout, the one xgrammar and vLLM use too: int32 words, bit ``i % 32``
-of word ``i // 32`` set when token ``i`` is allowed. A torch tier copies the same int32 row to its
-device and applies it there (``logits.masked_fill_(~bits, -inf)`` after unpacking, or a fused
-kernel); the numpy helper here is for the edge tier, which gets llama.cpp's logits on the host.
-Filling a row drops the GIL in llguidance, so a tier can compute the next step's masks on a thread
-while the model runs.
+"""One sequence's position in its grammar, and the row of the token bitmask (bitmask.py) that
+applies it to logits. Filling a row drops the GIL in llguidance, so a tier can compute the next
+step's masks on a thread while the model runs.
 
 A matcher given a token budget (the request's ``max_tokens``) also makes the answer end within it:
 once the budget left is no more than a way to close the answer (``closing.closing_tokens``) plus
@@ -27,54 +22,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import NDArray
 
+from llm_shared.structured.bitmask import allow_only, bitmask_words
 from llm_shared.structured.closing import MAX_CLOSE_STEPS, ByteTokens, closing_tokens
 
 if TYPE_CHECKING:
     import llguidance
 
-NEG_INF = np.float32(-np.inf)
 CLOSE_MARGIN = 8  # tokens a closing may grow by before the next look (one token can open `[{"`)
 MIN_WATCH = 64  # budget left from which closings are looked for, at least
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words in one row of a bitmask for ``vocab_size`` tokens."""
-    return (vocab_size + 31) // 32
-
-
-def allocate_bitmask(rows: int, vocab_size: int) -> NDArray[np.int32]:
-    """A [rows, words] bitmask with every token allowed (-1: all bits set)."""
-    return np.full((rows, bitmask_words(vocab_size)), -1, dtype=np.int32)
-
-
-def allowed_tokens(row: NDArray[np.int32], vocab_size: int) -> NDArray[np.intp]:
-    """The ids a bitmask row allows, ascending."""
-    bits = np.unpackbits(row.view(np.uint8), bitorder="little", count=vocab_size)
-    return np.flatnonzero(bits)
-
-
-def apply_bitmask(logits: NDArray[np.float32], row: NDArray[np.int32]) -> None:
-    """Set the logits of disallowed tokens to -inf, in place. ``logits``: [vocab] float32, possibly
-    longer than the bitmask covers (a padded vocabulary); tokens past the mask are disallowed.
-
-    Masks are nearly all-allowed (free text) or nearly all-blocked (inside JSON), so the cheaper of
-    the two index sets is written: ~10 µs a row of 49k where a boolean-indexed write takes ~25."""
-    covered = min(logits.shape[-1], row.shape[-1] * 32)
-    bits = np.unpackbits(row.view(np.uint8), bitorder="little", count=covered).view(bool)
-    logits[covered:] = NEG_INF
-    allowed = np.count_nonzero(bits)
-    if allowed * 2 < covered:
-        keep = np.flatnonzero(bits)
-        kept = logits[keep]
-        logits[:covered] = NEG_INF
-        logits[keep] = kept
-    elif allowed < covered:
-        logits[np.flatnonzero(~bits)] = NEG_INF
-
-
-def _only(row: NDArray[np.int32], token_id: int) -> None:
-    row.fill(0)
-    row[token_id // 32] = np.array(1 << (token_id % 32), dtype=np.uint32).view(np.int32)
 
 
 @dataclass(frozen=True)
@@ -151,11 +106,11 @@ class SequenceMatcher:
         if row.dtype != np.int32 or row.ndim != 1 or row.shape[0] != self._words or not row.flags.c_contiguous:
             raise ValueError(f"a bitmask row must be a contiguous int32 vector of {self._words} words")
         if self._terminated:
-            _only(row, self._eos)
+            allow_only(row, self._eos)
             return
         forced = self._forced()
         if forced is not None:
-            _only(row, forced[0])
+            allow_only(row, forced[0])
             return
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 

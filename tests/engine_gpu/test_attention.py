@@ -9,7 +9,9 @@ import torch
 from runner_batches import scheduled
 from tiny_checkpoint import random_weights, tiny_config, write_hf_checkpoint
 
-from engine_gpu.attention import SMALL_QUERY, TorchAttentionBackend, get_attention_backend
+from engine_gpu.attention import get_attention_backend
+from engine_gpu.attention.base import SMALL_QUERY
+from engine_gpu.attention.torch_backend import TorchAttentionBackend
 from engine_gpu.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
 from engine_gpu.runner import ModelRunner
 from engine_gpu.sched_output import ScheduledSeq
@@ -170,7 +172,7 @@ def test_flash_backend_rejects_small_pages_fp32_and_the_wrong_pool(
 ) -> None:
     import types
 
-    from engine_gpu.attention_flash import FlashAttentionBackend
+    from engine_gpu.attention.flash_backend import FlashAttentionBackend
 
     with pytest.raises(ConfigError, match="multiple of 256"):
         FlashAttentionBackend(16)
@@ -211,7 +213,7 @@ def test_flash_backend_call_convention(model: LlamaModel, monkeypatch: pytest.Mo
     """Packs the batch the way flash-attn's paged varlen kernel reads it (checked with a stand-in)."""
     import types
 
-    from engine_gpu.attention_flash import FlashAttentionBackend
+    from engine_gpu.attention.flash_backend import FlashAttentionBackend
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_flash_varlen))
     cache = PagedKVCache.for_model(model.args, block_size=256, dtype=torch.float32, device="cpu", num_blocks=6,

@@ -12,7 +12,8 @@ from tiny_engine import write_tiny_model
 
 from engine_gpu.client import EngineClient
 from engine_gpu.config import EngineConfig
-from engine_gpu.core_process import CoreServer, open_listener
+from engine_gpu.core_process import open_listener
+from engine_gpu.core_server import CoreServer
 from engine_gpu.engine import LLMEngine
 from llm_shared.contract import FinishEvent, SamplingParams
 

@@ -1,6 +1,6 @@
 """On a CUDA device only (``make gpu-check``): the Triton kernel, the decode graphs and the warm-up
 where they will serve. Elsewhere every test here is skipped; CI proves the same code on the CPU
-(test_attention_triton.py through Triton's interpreter, test_graph_runner.py eagerly).
+(attention_triton_interpreted.py through Triton's interpreter, test_graph_runner.py eagerly).
 
 Only the GPU machine's packages are used (no llama.cpp, no model wheel: random weights)."""
 

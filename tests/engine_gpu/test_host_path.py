@@ -32,7 +32,8 @@ from sched_fakes import Driver, reference_output
 
 from engine_gpu.block_manager import BlockManager
 from engine_gpu.config import EngineConfig
-from engine_gpu.core_process import GC_YOUNG_THRESHOLD, CoreServer, open_listener
+from engine_gpu.core_process import open_listener
+from engine_gpu.core_server import GC_YOUNG_THRESHOLD, CoreServer
 from engine_gpu.outputs import RequestOutput
 from engine_gpu.protocol import HEADER, StepOutputs, encode_frame, encode_step_outputs
 from engine_gpu.sampler import (

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_gpu.attention import PagedLayout
+from engine_gpu.attention.base import PagedLayout
 from engine_gpu.kv_cache import KVLayout, PagedKVCache
 from llm_shared.errors import ConfigError
 

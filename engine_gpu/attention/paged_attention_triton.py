@@ -1,6 +1,6 @@
 """Paged attention as a Triton kernel that reads the KV pool where it lies, with its torch reference.
 
-Used by the 'triton' attention backend (engine_gpu.attention_triton) and imported only with it. On
+Used by the 'triton' attention backend (engine_gpu.attention.triton_backend) and imported only with it. On
 CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is
 imported: ``triton.jit`` picks the interpreter when it decorates), for tests.
 
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_gpu.attention import SMALL_QUERY, PagedLayout
+from engine_gpu.attention.base import SMALL_QUERY, PagedLayout
 from engine_gpu.kv_cache import KVLayout
 from engine_gpu.kv_write_triton import pool_strides
 

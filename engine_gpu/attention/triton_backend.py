@@ -2,16 +2,17 @@
 
 Imported only when engine.attention resolves to 'triton' (engine_gpu.attention), so hosts without
 Triton never import it. The kernels live one per file, each beside its torch reference:
-engine_gpu.paged_attention_triton (attention over the pool through the block table, split-K and its
-merge) and engine_gpu.kv_write_triton (the new tokens' K/V into their slots, both tensors in one
-launch).
+engine_gpu.attention.paged_attention_triton (attention over the pool through the block table,
+split-K and its merge) and engine_gpu.kv_write_triton (the new tokens' K/V into their slots, both
+tensors in one launch).
 
 Per step, ``prepare`` builds the index tensors once for all layers (block table as int32, keys per
 sequence, first query row, query count, the scratch for split-K, and the split count from the rule
 in ``choose_num_splits``); per layer the callable writes the new K/V, launches the attention kernel
 (and the merge) for every sequence with at most MAX_QUERY (16) new tokens, and attends longer
-prompt chunks (prefill) through the torch path's own code: SDPA over that sequence's gathered
-blocks, one call per chunk, the work there being compute rather than KV reads. ``static_decode``
+prompt chunks (prefill) through the torch path's own code (engine_gpu.attention.base): SDPA over
+that sequence's gathered blocks, one call per chunk, the work there being compute rather than KV
+reads. ``static_decode``
 serves fixed-shape decode steps from persistent buffers, for CUDA graphs (engine_gpu.graph_runner).
 
 Layout: ``heads_first`` [KVH, blocks, block_size, D], the pool the torch path reads, so the prefill
@@ -24,16 +25,16 @@ from __future__ import annotations
 import torch
 import triton
 
-from engine_gpu.attention import DecodeSlots, PagedLayout, TorchAttentionBackend, _attend, _Group
-from engine_gpu.kv_cache import KVLayout, PagedKVCache
-from engine_gpu.kv_write_triton import store_kv
-from engine_gpu.paged_attention_triton import (
+from engine_gpu.attention.base import DecodeSlots, PagedLayout, QueryGroup, attend, query_group
+from engine_gpu.attention.paged_attention_triton import (
     MAX_QUERY,
     KernelBatch,
     choose_num_splits,
     kernel_batch,
     paged_attention,
 )
+from engine_gpu.kv_cache import KVLayout, PagedKVCache
+from engine_gpu.kv_write_triton import store_kv
 
 DEFAULT_SMS = 132  # an H100's SM count: the split rule off CUDA (the interpreter), so tests see the GPU's choices
 
@@ -42,7 +43,7 @@ class TritonPagedAttention:
     """One step of paged attention: the Triton kernel for short queries, torch for long prompt chunks."""
 
     def __init__(self, kv_cache: PagedKVCache, slot_mapping: torch.Tensor, batch: KernelBatch | None,
-                 long_groups: list[_Group]) -> None:
+                 long_groups: list[QueryGroup]) -> None:
         self.kv_cache = kv_cache
         self.slot_mapping = slot_mapping
         self.batch = batch
@@ -57,7 +58,7 @@ class TritonPagedAttention:
         if self.batch is not None:
             paged_attention(out, q, k_cache, v_cache, self.batch, self.kv_cache.layout)
         for group in self.long_groups:  # prefill chunks: the torch path's SDPA over gathered blocks
-            res = _attend(q[group.token_index], k_cache, v_cache, group).flatten(0, 1)  # [Tq, H, D]
+            res = attend(q[group.token_index], k_cache, v_cache, group).flatten(0, 1)  # [Tq, H, D]
             out.index_copy_(0, group.out_rows, res.index_select(0, group.res_rows))
         return out.unsqueeze(0)
 
@@ -108,7 +109,7 @@ class TritonAttentionBackend:
                  num_splits: int | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.torch_path = TorchAttentionBackend(num_heads, num_kv_heads)
+        self.groups_per_kv = num_heads // num_kv_heads  # for long prompt chunks (base.query_group)
         device = torch.device(device)
         on_gpu = device.type == "cuda" and torch.cuda.is_available()
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else DEFAULT_SMS
@@ -133,5 +134,5 @@ class TritonAttentionBackend:
         firsts = [0]
         for n in layout.lengths:
             firsts.append(firsts[-1] + n)
-        long_groups = [self.torch_path._group(kv_cache, layout, [i], firsts, dtype, False) for i in long]
+        long_groups = [query_group(kv_cache, layout, [i], firsts, dtype, False, self.groups_per_kv) for i in long]
         return TritonPagedAttention(kv_cache, layout.slot_mapping, batch, long_groups)
