@@ -30,7 +30,7 @@ class ResponseOrder:
         self._emit = emit
         self._beta = beta
 
-    def message_opened(self, item: dict[str, Any], output_index: int, previous_id: str | None | bool,
+    def message_opened(self, item: dict[str, Any], output_index: int, previous_id: str | bool | None,
                        *, audio: bool) -> None:
         """A message joined the output (``previous_id``: the conversation item before it, or False
         for a response outside the conversation); its one content part opens empty."""
@@ -38,13 +38,13 @@ class ResponseOrder:
         part = {"type": "audio", "transcript": ""} if audio else {"type": "text", "text": ""}
         self._emit("response.content_part.added", {**self._ids(item["id"], output_index), "part": part})
 
-    def item_opened(self, item: dict[str, Any], output_index: int, previous_id: str | None | bool) -> None:
+    def item_opened(self, item: dict[str, Any], output_index: int, previous_id: str | bool | None) -> None:
         self._emit("response.output_item.added", {"response_id": self.response_id, "output_index": output_index,
                                                   "item": item})
         if previous_id is not False:
             self._emit("conversation.item.added", {"previous_item_id": previous_id, "item": item})
 
-    def message_closed(self, item: dict[str, Any], output_index: int, text: str, previous_id: str | None | bool,
+    def message_closed(self, item: dict[str, Any], output_index: int, text: str, previous_id: str | bool | None,
                        *, audio: bool) -> None:
         """The open message ends with ``text`` (its transcript when spoken); ``item`` is its final form."""
         ids = self._ids(item["id"], output_index)
@@ -58,7 +58,7 @@ class ResponseOrder:
         self.item_closed(item, output_index, previous_id)
 
     def call_closed(self, item: dict[str, Any], output_index: int, call_id: str, name: str, arguments: str,
-                    previous_id: str | None | bool) -> None:
+                    previous_id: str | bool | None) -> None:
         done: dict[str, Any] = {"response_id": self.response_id, "item_id": item["id"], "output_index": output_index,
                                 "call_id": call_id}
         if not self._beta:
@@ -66,7 +66,7 @@ class ResponseOrder:
         self._emit("response.function_call_arguments.done", {**done, "arguments": arguments})
         self.item_closed(item, output_index, previous_id)
 
-    def item_closed(self, item: dict[str, Any], output_index: int, previous_id: str | None | bool) -> None:
+    def item_closed(self, item: dict[str, Any], output_index: int, previous_id: str | bool | None) -> None:
         """``output_item.done``, then (GA, in the conversation) ``conversation.item.done``."""
         self._emit("response.output_item.done", {"response_id": self.response_id, "output_index": output_index,
                                                  "item": item})
