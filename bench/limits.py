@@ -60,6 +60,7 @@ from bench import load
 from bench._common import SMOKE_HELP, cpu_facts, percentile, progress, raise_nofile_limit, result_path, write_json
 from bench._gateway_server import GatewayProcess
 from bench._limits_edge import arm_edge
+from bench._load_setup import synthetic_config
 from bench._redis import Redis
 from bench._ws_lean import LeanSession
 from gateway.limits import Limits, LimitsConfig, LimitsStore, store_from_config
@@ -98,7 +99,7 @@ def limits_table(redis: Redis, **more: Any) -> dict[str, Any]:
 
 def gateway(directory: Path, name: str, *, tree: bool = False, **tables: dict[str, Any]) -> GatewayProcess:
     """A gateway on the synthetic edge at 1,000 tokens/s (a one-token answer takes ~1 ms)."""
-    config = load.synthetic_config(directory, name, max_streams=20_000, rate=1000.0, tables=tables)
+    config = synthetic_config(directory, name, max_streams=20_000, rate=1000.0, tables=tables)
     return GatewayProcess(config, directory / f"{name}.log", "127.0.0.1", tree=tree)
 
 

@@ -67,14 +67,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import itertools
 import json
 import random
-import socket
 import sys
 import tempfile
 import time
-import tomllib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,14 +79,10 @@ from typing import Any
 
 import psutil
 import uvloop
-import websockets
 
 from bench._common import (
-    REPO_ROOT,
     SMOKE_HELP,
     cpu_facts,
-    dump_toml,
-    free_port,
     percentile,
     progress,
     raise_nofile_limit,
@@ -98,17 +91,24 @@ from bench._common import (
 )
 from bench._gateway_clients import BenchError
 from bench._gateway_server import GatewayProcess
+from bench._load_figures import (
+    gc_delta,
+    overload_figures,
+    parse_goodput,
+    plot,
+    request_figures,
+    sustained,
+    window_figures,
+)
+from bench._load_floor import arm_floor, arm_slow_readers
+from bench._load_setup import CASCADE_THRESHOLDS, ITL_GOAL_S, TOKENS_PER_S, synthetic_config
 from bench._ws_lean import LeanSession, Stream
 
 STEPS = (100, 200, 300, 400, 500, 600, 800, 1000, 1200, 1500, 2000)
 CASCADE_STEPS = (200, 400, 600, 800, 1000, 1200, 1500)
-CASCADE_THRESHOLDS = {"confident": 0.22, "escalated": 1.0}  # the synthetic tokens score 0.9
 FLOOR_STREAMS = 2000  # the goal's stream count, for the machine's floor
 LANE_STREAMS = 300  # the fast lane against the writer task, side by side at this many streams
-TOKENS_PER_S = 20.0
 STREAM_TOKENS = 60
-ITL_GOAL_S = 0.100
-SLO_KEYS = ("ttft", "tpot", "e2el")
 DEFAULT_GOODPUT = ("ttft:1000", "tpot:55")
 EVENT_TIMEOUT_S = 60.0
 MEASURE_S = 6.0  # the window each streams level is measured over, after one response of warm-up
@@ -132,34 +132,6 @@ class Sizes:
 SMOKE_SIZES = Sizes(stream_tokens=10, measure_s=1.0, lane_streams=20, lane_pairs=1, floor_streams=50, floor_s=1.0,
                     overload_s=1.5)
 SMOKE_ARGS = {"steps": [20], "cascade_steps": [20], "capacity": 10, "slow_clients": 5, "slow_seconds": 2.0}
-
-
-def synthetic_config(directory: Path, name: str, *, max_streams: int, rate: float = TOKENS_PER_S,
-                     slow_client_timeout_s: float = 30.0, direct_writes: bool = True,
-                     cascade_threshold: float | None = None, tables: Mapping[str, Mapping[str, Any]] | None = None,
-                     ) -> Path:
-    """The default config on the synthetic edge tier; with ``cascade_threshold``, the cascade over
-    it and a synthetic torch tier (a fixed threshold: the load-aware relaxation off). ``tables``:
-    keys set last, by table (bench/limits.py: ``[limits]``, ``server.workers``)."""
-    raw = tomllib.loads((REPO_ROOT / "configs" / "default.toml").read_text(encoding="utf-8"))
-    raw["routing"]["default"] = "edge"
-    raw["edge"].update(backend="synthetic", synthetic_tokens_per_s=rate, synthetic_max_streams=max_streams)
-    if cascade_threshold is not None:
-        raw["routing"]["default"] = "cascade"
-        raw["engine"].update(backend="synthetic", synthetic_tokens_per_s=rate, synthetic_max_streams=max_streams)
-        # a fixed route, so an arm measures the path it names: no load-aware threshold, and no
-        # spill (the synthetic torch tier starts at once, so the pace rule would take every turn)
-        raw.setdefault("cascade", {}).update(threshold=cascade_threshold, min_threshold=cascade_threshold,
-                                             load_aware=False, spill=False)
-    raw["server"].update(
-        max_sessions_per_key=20_000, max_sessions=20_000, requests_per_minute=10_000_000,
-        tokens_per_minute=1_000_000_000, max_concurrent_requests_per_key=20_000, idle_timeout_s=3600.0,
-        slow_client_timeout_s=slow_client_timeout_s, api_keys=[], api_keys_env="", direct_writes=direct_writes)
-    for table, values in (tables or {}).items():
-        raw.setdefault(table, {}).update(values)
-    path = directory / f"{name}.toml"
-    path.write_text(dump_toml(raw), encoding="utf-8")
-    return path
 
 
 async def open_sessions(url: str, n: int) -> list[LeanSession]:
@@ -216,67 +188,6 @@ async def arm_lane(directory: Path, sizes: Sizes) -> dict[str, Any]:
              f"server CPU a delta, the writer task {task_us:.0f} µs (ratio {ratio:.2f}; pairs {[round(r, 2) for r in ratios]})")
     return {"streams": streams, "runs": runs, "ratios": ratios, "writer_task_over_fast_lane_us": ratio,
             "fast_lane_us_per_delta": fast_us, "writer_task_us_per_delta": task_us}
-
-
-def gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {key: after[key] - before[key] for key in after}
-
-
-def window_figures(streams: list[Stream], start: float, end: float) -> dict[str, Any]:
-    """ITL of the deltas that arrived in [start, end) (each gap to the delta before it in the same
-    response) and TTFT of the responses asked for in it."""
-    gaps = [b - a for s in streams for a, b in zip(s.deltas, s.deltas[1:], strict=False) if start <= b < end]
-    ttfts = [s.first - s.sent for s in streams if s.first is not None and start <= s.sent < end]
-    # Deltas of one engine step arrive together (the cascade's released held tokens, verified
-    # drafts); the gaps that span a step say whether the steps kept their pace.
-    stepped = [g for g in gaps if g > 0.5 / TOKENS_PER_S]
-    return {"itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3,
-            "itl_mean_ms": sum(gaps) / max(1, len(gaps)) * 1e3,
-            "step_gap_mean_ms": sum(stepped) / max(1, len(stepped)) * 1e3,
-            "ttft_p99_ms": percentile(ttfts, 99) * 1e3, "deltas": len(gaps)}
-
-
-def request_figures(streams: list[Stream], seconds: float, slo: dict[str, float]) -> dict[str, Any]:
-    """TPOT, E2EL, request throughput and goodput (``vllm bench serve``'s definitions) of the
-    requests in ``streams``, over the ``seconds`` they were sent in; ``slo`` in ms by metric."""
-    tpot: list[float] = []
-    e2el: list[float] = []
-    done = good = 0
-    for s in streams:
-        if s.status not in ("completed", "incomplete") or s.first is None or s.done is None:
-            continue
-        measured = {"ttft": (s.first - s.sent) * 1e3, "e2el": (s.done - s.sent) * 1e3}
-        if s.output_tokens > 1:
-            measured["tpot"] = (s.deltas[-1] - s.first) * 1e3 / (s.output_tokens - 1)
-            tpot.append(measured["tpot"])
-        e2el.append(measured["e2el"])
-        done += 1
-        good += all(measured.get(key, 0.0) <= limit for key, limit in slo.items())
-    return {"requests_done": done, "request_throughput": done / seconds, "goodput": good / seconds,
-            "tpot_mean_ms": sum(tpot) / max(1, len(tpot)), "tpot_p99_ms": percentile(tpot, 99),
-            "e2el_p50_ms": percentile(e2el, 50), "e2el_p99_ms": percentile(e2el, 99)}
-
-
-def parse_goodput(pairs: list[str]) -> dict[str, float]:
-    """``--goodput ttft:1000 tpot:55``: an SLO in ms per metric (``vllm bench serve``'s flag)."""
-    slo: dict[str, float] = {}
-    for pair in pairs:
-        key, _, value = pair.partition(":")
-        if key not in SLO_KEYS:
-            raise SystemExit(f"--goodput: {key!r} is not one of {SLO_KEYS} (KEY:MS pairs, e.g. ttft:1000 tpot:55)")
-        try:
-            slo[key] = float(value)
-        except ValueError:
-            raise SystemExit(f"--goodput: {pair!r} needs a number of milliseconds after the colon") from None
-    return slo
-
-
-def sustained(level: dict[str, Any]) -> bool:
-    """The streams got their 20 tokens/s (the mean gap between steps within 5% of 50 ms: a gateway
-    that falls behind stretches the engine's steps) with ITL p99 under the goal, and every
-    response completed."""
-    return (level["itl_p99_ms"] < ITL_GOAL_S * 1e3 and level["step_gap_mean_ms"] <= 1.05e3 / TOKENS_PER_S
-            and level["completed"] == level["responses"])
 
 
 async def sustain(session: LeanSession, first_at: float, stop_at: float, out: list[Stream], tokens: int) -> None:
@@ -447,153 +358,6 @@ async def arm_overload(directory: Path, capacity: int, slo: dict[str, float], se
         server.stop()
 
 
-def overload_figures(streams: list[Stream], base_ttft: list[float]) -> dict[str, Any]:
-    accepted = [s for s in streams if s.status in ("completed", "incomplete")]
-    refused = [s for s in streams if s.status == "failed"]
-    reject_ms = [(s.done - s.sent) * 1e3 for s in refused if s.done is not None]
-    accepted_ttft = [s.first - s.sent for s in accepted if s.first is not None]
-    return {"requests": len(streams), "accepted": len(accepted), "refused": len(refused),
-            "refused_codes": sorted({str(s.code) for s in refused}),
-            "reject_p50_ms": percentile(reject_ms, 50), "reject_p99_ms": percentile(reject_ms, 99),
-            "accepted_ttft_p99_ms": percentile(accepted_ttft, 99) * 1e3,
-            "accepted_ttft_p99_ratio": percentile(accepted_ttft, 99) / percentile(base_ttft, 99)}
-
-
-FLOOR_FRAME = 190  # bytes of a delta's JSON as the gateway sends it
-
-
-def _bare_writer(port: int, n: int, steps: int, ready: Any, report: Any) -> None:
-    """A server that does nothing but write: one unmasked text frame to each of ``n`` connections
-    every 50 ms, from one step loop (what the synthetic engine's step asks of the gateway)."""
-
-    async def main() -> None:
-        transports: list[asyncio.Transport] = []
-
-        class Sink(asyncio.Protocol):
-            def connection_made(self, transport: asyncio.BaseTransport) -> None:
-                transports.append(transport)  # type: ignore[arg-type]
-
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(Sink, "127.0.0.1", port, backlog=4096)
-        ready.set()
-        while len(transports) < n:
-            await asyncio.sleep(0.01)
-        frame = bytes((0x81, 126)) + FLOOR_FRAME.to_bytes(2, "big") + b"x" * FLOOR_FRAME
-        start, cpu = time.perf_counter(), time.process_time()
-        for step in range(steps):
-            for transport in transports:
-                transport.write(frame)
-            await asyncio.sleep(max(0.0, start + (step + 1) / TOKENS_PER_S - time.perf_counter()))
-        report.put((time.process_time() - cpu) / (time.perf_counter() - start))
-        await asyncio.sleep(1.0)
-        server.close()
-
-    uvloop.run(main())
-
-
-async def arm_floor(n: int, seconds: float = 5.0) -> dict[str, Any]:
-    """What ``n`` streams cost on this machine before any gateway code: a bare uvloop process
-    writing ``n`` frames per 50 ms step, and this process receiving them (raw reads, one timestamp
-    per read, no parsing). The gateway's per-delta work comes on top of this."""
-    import multiprocessing
-
-    context = multiprocessing.get_context("fork")
-    ready, report = context.Event(), context.Queue()
-    port = free_port("127.0.0.1")
-    steps = int(seconds * TOKENS_PER_S)
-    writer = context.Process(target=_bare_writer, args=(port, n, steps, ready, report), daemon=True)
-    writer.start()
-    try:
-        await asyncio.to_thread(ready.wait, 30)
-        stamps: list[list[float]] = []
-
-        class Reader(asyncio.Protocol):
-            def __init__(self) -> None:
-                self.times: list[float] = []
-                stamps.append(self.times)
-
-            def data_received(self, data: bytes) -> None:
-                self.times.append(time.perf_counter())
-
-        loop = asyncio.get_running_loop()
-        transports = [(await loop.create_connection(Reader, "127.0.0.1", port))[0] for _ in range(n)]
-        me = psutil.Process()
-        before, wall = me.cpu_times(), time.perf_counter()
-        server_cores = await asyncio.to_thread(report.get, True, seconds + 60)
-        after, wall = me.cpu_times(), time.perf_counter() - wall
-        gaps = [b - a for times in stamps for a, b in itertools.pairwise(times)]
-        for transport in transports:
-            transport.close()
-        result = {"streams": n, "writer_cores": server_cores,
-                  "reader_cores": (after.user + after.system - before.user - before.system) / wall,
-                  "gap_p99_ms": percentile(gaps, 99) * 1e3,
-                  "writer_us_per_frame": server_cores / (n * TOKENS_PER_S) * 1e6}
-        progress(f"floor at {n} streams: a bare writer {result['writer_cores']:.2f} cores "
-                 f"({result['writer_us_per_frame']:.0f} µs a frame), a bare reader {result['reader_cores']:.2f} cores, "
-                 f"gap p99 {result['gap_p99_ms']:.0f} ms")
-        return result
-    finally:
-        writer.join(10)
-        if writer.is_alive():
-            writer.kill()
-
-
-async def slow_reader(url: str) -> Any:
-    host, port = "127.0.0.1", int(url.split(":")[2].split("/")[0])
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, (host, port))
-    return await websockets.connect(url, sock=sock, max_queue=1, max_size=None, ping_interval=None)
-
-
-async def arm_slow_readers(directory: Path, clients: int, seconds: float) -> dict[str, Any]:
-    server = GatewayProcess(synthetic_config(directory, "slow", max_streams=20_000, rate=200.0,
-                                             slow_client_timeout_s=seconds * 2), directory / "slow.log", "127.0.0.1")
-    server.start()
-    sessions: list[Any] = []
-    try:
-        await server.wait_ready()
-        url = f"ws://127.0.0.1:{server.port}/v1/realtime"
-        baseline = await server.settled_rss()
-        sessions = [await slow_reader(url) for _ in range(clients)]
-        big = "y" * 100_000
-        retrieve = json.dumps({"type": "conversation.item.retrieve", "item_id": "big"})
-
-        async def flood(ws: Any) -> int:
-            sent = 0
-            await ws.send(json.dumps({"type": "conversation.item.create", "item": {
-                "id": "big", "type": "message", "role": "user", "content": [{"type": "input_text", "text": big}]}}))
-            await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 4096}}))
-            deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline:
-                try:
-                    await asyncio.wait_for(ws.send(retrieve), 0.5)
-                    sent += 1
-                except TimeoutError:
-                    await asyncio.sleep(0.5)  # our socket is full too: the server stopped reading us
-                except websockets.ConnectionClosed:
-                    break
-            return sent
-
-        peak = baseline
-        flooding = asyncio.gather(*(flood(ws) for ws in sessions))
-        while not flooding.done():
-            peak = max(peak, server.rss())
-            await asyncio.sleep(0.25)
-        sent = sum(await flooding)
-        growth = (peak - baseline) / 2**20
-        progress(f"slow readers: {clients} clients sent {sent} retrieves of a 100 KB item without reading; "
-                 f"server RSS {baseline / 2**20:.0f} MiB -> peak {peak / 2**20:.0f} MiB (+{growth:.0f} MiB)")
-        return {"clients": clients, "seconds": seconds, "retrieves_sent": sent, "baseline_rss_mib": baseline / 2**20,
-                "peak_rss_mib": peak / 2**20, "slow_reader_rss_mib": growth,
-                "unbounded_would_be_mib": sent * len(big) / 2**20}
-    finally:
-        for ws in sessions:
-            ws.transport.abort()
-        server.stop()
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes: Sizes = args.sizes
     raise_nofile_limit(4 * max(*args.steps, *args.cascade_steps, sizes.floor_streams) + 1000)
@@ -615,48 +379,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if "slow_readers" in args.arms:
             result["slow_readers"] = await arm_slow_readers(directory, args.slow_clients, args.slow_seconds)
     return result
-
-
-def plot(result: dict[str, Any], path: Path) -> None:
-    """ITL (the edge route's, and the cascade's p99) and both processes' CPU against the number of
-    streams (the floor's cores at 2,000 beside)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    levels = result["streams"]["levels"]
-    n = [lv["streams"] for lv in levels]
-    fig, (ax_itl, ax_cpu) = plt.subplots(1, 2, figsize=(12, 4.2))
-    ax_itl.plot(n, [lv["itl_p99_ms"] for lv in levels], "o-", color="C1", label="ITL p99, edge route")
-    ax_itl.plot(n, [lv["step_gap_mean_ms"] for lv in levels], "o-", color="C0", label="mean gap between steps, edge")
-    for (name, arm), color in zip(((k, v) for k, v in result.get("cascade", {}).items() if k in CASCADE_THRESHOLDS),
-                                  ("C2", "C3"), strict=False):
-        cn = [lv["streams"] for lv in arm["levels"]]
-        ax_itl.plot(cn, [lv["itl_p99_ms"] for lv in arm["levels"]], "^--", color=color, label=f"ITL p99, cascade {name}")
-        ax_itl.plot(cn, [lv["step_gap_mean_ms"] for lv in arm["levels"]], "^:", color=color, alpha=0.6,
-                    label=f"mean gap between steps, {name}")
-    gc_levels = [lv for lv in levels if lv["gc"]["full_collections"] > 0]
-    ax_itl.plot([lv["streams"] for lv in gc_levels], [lv["itl_p99_ms"] for lv in gc_levels], "x", color="black",
-                markersize=10, label="a full GC in the window")
-    ax_itl.axhline(ITL_GOAL_S * 1e3, linestyle=":", color="black", label="goals: p99 under 100 ms,")
-    ax_itl.axhline(1.05e3 / TOKENS_PER_S, linestyle="--", color="grey", label="mean gap within 5% of 50 ms")
-    ax_itl.set(title="One gateway process, 20 tokens/s per stream", xlabel="concurrent streams", ylabel="ms")
-    ax_itl.legend(fontsize=7)
-    ax_cpu.plot(n, [lv["server_cores"] for lv in levels], "o-", label="gateway (one event loop)")
-    ax_cpu.plot(n, [lv["clients_cores"] for lv in levels], "o-", label="clients (lean, same machine)")
-    if floor := result.get("floor"):
-        ax_cpu.plot([floor["streams"]], [floor["writer_cores"]], "s", color="C2",
-                    label="a bare writer, no gateway code")
-        ax_cpu.plot([floor["streams"]], [floor["reader_cores"]], "s", color="C3", label="a bare reader")
-    ax_cpu.set(xlabel="concurrent streams", ylabel="cores")
-    ax_cpu.set_title(f"CPU, {result['cpu']['cores']} cores\n{result['cpu']['model']}", fontsize=9)
-    ax_cpu.set_ylim(0, 1.1)
-    ax_cpu.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

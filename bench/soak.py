@@ -52,7 +52,7 @@ import websockets
 from bench._common import SMOKE_HELP, cpu_facts, progress, raise_nofile_limit, result_path, write_json
 from bench._faults_ws import derive_config
 from bench._gateway_server import GatewayProcess
-from bench.load import synthetic_config
+from bench._load_setup import synthetic_config
 from gateway.config import DEFAULT_CONFIG
 
 EVENT_TIMEOUT_S = 60.0

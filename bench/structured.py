@@ -59,17 +59,13 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from datetime import datetime
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
-import jsonschema
 from openai import AsyncOpenAI
 
 from bench._common import (
@@ -83,37 +79,34 @@ from bench._common import (
     result_path,
     write_json,
 )
-from bench._spec_drive import TimedDrafter
+from bench._structured_cases import (
+    FAMILY,
+    TOOLS_OFFERED,
+    Case,
+    Verdict,
+    check_calls,
+    load_cases,
+    report_validity,
+    schema_error,
+    summary,
+    verdicts,
+)
+from bench._structured_tiers import Edge, Out, Torch, steady_tok_s
 from bench.engine import OtherLoad
-from engine_edge import create_backend
-from engine_edge.config import EdgeConfig
-from engine_gpu.config import SpeculativeConfig
-from engine_gpu.engine import LLMEngine
-from engine_gpu.runner import ModelRunner
-from engine_gpu.speculative.speculator import Speculator, build_speculator
 from gateway.config import DEFAULT_CONFIG, Config, load_config
 from gateway.process.server import create_app, start_server
 from gateway.tiers.build import close_engines, host_plan, load_engines
-from llm_shared.contract import FinishEvent, SamplingParams, TokenEvent
-from llm_shared.modelfile import default_gguf_path
-from llm_shared.models import tokenizer_for
+from llm_shared.contract import SamplingParams
 from llm_shared.structured import (
-    CallDone,
     GrammarCompiler,
     Message,
-    TextDelta,
     build_grammar,
-    get_family,
     parse_chat_constraints,
     render_messages,
 )
-from llm_shared.structured.matcher import CLOSE_MARGIN
 from llm_shared.tokenizer import Tokenizer
 
 SCHEMAS = REPO_ROOT / "configs" / "structured_schemas.json"
-FAMILY = get_family("smollm2")
-NEAR_BUDGET = 3 * CLOSE_MARGIN + 1  # tokens before max_tokens within which an answer "ended near the budget"
-TOOLS_OFFERED = 4  # a tool prompt offers its tool and the next three (all 20 make a 2,700-token prompt)
 # The per-token-cost grammar: an answer that cannot end before max_tokens, mixing strings, numbers
 # and structure as a real list does.
 CATALOGUE = {"type": "object", "additionalProperties": False, "required": ["products"], "properties": {"products": {
@@ -124,126 +117,9 @@ CATALOGUE = {"type": "object", "additionalProperties": False, "required": ["prod
 SHOPS = ("a bakery", "a hardware store", "a bookshop", "a pharmacy", "a garden centre", "a toy shop", "a grocer",
          "a music shop", "a pet shop", "a sports shop", "a florist", "a stationer", "a fishmonger", "a cheese shop",
          "a bike shop", "a tea shop")
-RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
-FORMATS = jsonschema.FormatChecker()
-
-
-@FORMATS.checks("date-time", raises=ValueError)
-def _date_time(value: object) -> bool:
-    # jsonschema checks date-time only with an optional package; RFC 3339 by hand, then the calendar.
-    if not isinstance(value, str):
-        return True
-    if not RFC3339.match(value):
-        return False
-    datetime.fromisoformat(value.upper().replace("Z", "+00:00"))
-    return True
 
 
 # --- the workload ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str  # the tool's or the response format's name
-    prompt: str  # the user's message
-    body: dict[str, Any]  # the chat request's tools / tool_choice / parallel_tool_calls or response_format
-    schemas: dict[str, dict[str, Any]]  # tool name -> its parameters (every offered tool); "" -> the answer's schema
-
-    @property
-    def calls(self) -> bool:
-        return "" not in self.schemas
-
-
-def load_cases(path: Path) -> tuple[list[Case], list[tuple[str, dict[str, Any]]]]:
-    """The validity cases, and (name, body) of each shipped schema alone for the compile timings."""
-    doc = json.loads(path.read_text(encoding="utf-8"))
-    tools = [entry["tool"] for entry in doc["tools"]]
-    cases, alone = [], []
-    for i, entry in enumerate(doc["tools"]):
-        offered = [tools[(i + j) % len(tools)] for j in range(TOOLS_OFFERED)]
-        name = entry["tool"]["function"]["name"]
-        cases.append(Case(name, entry["prompt"], {"tools": offered, "tool_choice": "required",
-                                                  "parallel_tool_calls": False},
-                          {t["function"]["name"]: t["function"]["parameters"] for t in offered}))
-        alone.append((name, {"tools": [entry["tool"]], "tool_choice": "required", "parallel_tool_calls": False}))
-    for entry in doc["response_formats"]:
-        fmt = entry["response_format"]
-        name = fmt["json_schema"]["name"]
-        cases.append(Case(name, entry["prompt"], {"response_format": fmt}, {"": fmt["json_schema"]["schema"]}))
-        alone.append((name, {"response_format": fmt}))
-    return cases, alone
-
-
-def schema_error(schema: dict[str, Any], value: Any) -> str:
-    error = jsonschema.exceptions.best_match(
-        jsonschema.Draft202012Validator(schema, format_checker=FORMATS).iter_errors(value))
-    return "" if error is None else f"{'/'.join(map(str, error.absolute_path))}: {error.message}"[:200]
-
-
-def check_calls(case: Case, calls: Sequence[tuple[str, str]]) -> str:
-    """Why these (name, arguments) calls are not a valid answer to ``case``; "" when they are."""
-    if not calls:
-        return "no tool call"
-    for name, arguments in calls:
-        if name not in case.schemas:
-            return f"unknown tool {name!r}"
-        try:
-            value = json.loads(arguments)
-        except ValueError as e:
-            return f"{name}: arguments are not JSON ({e})"
-        why = schema_error(case.schemas[name], value)
-        if why:
-            return f"{name}: {why}"
-    return ""
-
-
-def check_text(case: Case, text: str) -> tuple[str, str | None]:
-    """Why a tier's raw output is not valid for ``case`` ("" when it is), and the called tool's name."""
-    if not case.calls:
-        try:
-            value = json.loads(text)
-        except ValueError as e:
-            return f"not JSON ({e})", None
-        return schema_error(case.schemas[""], value), None
-    parser = FAMILY.new_parser()
-    events = [*parser.feed(text), *parser.finish()]
-    done = [e for e in events if isinstance(e, CallDone)]
-    if any(isinstance(e, TextDelta) and e.text.strip() for e in events):
-        return "text besides the call", None
-    if any(not d.complete for d in done):
-        return "a call cut short", None
-    return check_calls(case, [(d.name, d.arguments) for d in done]), done[0].name if done else None
-
-
-@dataclass
-class Verdict:
-    case: str
-    finish: str
-    why: str  # "" when valid
-    called: str | None = None  # the tool a call named
-    tokens: int = 0
-    route: str = ""  # the cascade's route
-    budget: int = 0  # the answer's max_tokens
-
-
-def summary(verdicts: Sequence[Verdict], cases: Sequence[Case]) -> dict[str, Any]:
-    tool_names = {c.name for c in cases if c.calls}
-    calls = [v for v in verdicts if v.case in tool_names]
-    finished = [v for v in verdicts if v.finish in ("stop", "tool_calls")]
-    return {
-        "valid_rate": sum(not v.why for v in verdicts) / len(verdicts) if verdicts else None,
-        # of the answers that ended by themselves (not cut by max_tokens): what the grammar vouches for
-        "valid_rate_finished": sum(not v.why for v in finished) / len(finished) if finished else None,
-        "truncated": len(verdicts) - len(finished),
-        # ended within the last tokens of max_tokens: where the budget forces a closing (a model
-        # that loops inside the document; it is forced with 2 * CLOSE_MARGIN + 1 slots to spare,
-        # and a look may come a few tokens late), or, rarely, an answer that ended there by itself
-        "ended_near_budget": sum(v.budget > 0 and v.tokens >= v.budget - NEAR_BUDGET for v in finished),
-        "outputs": len(verdicts), "invalid": [vars(v) for v in verdicts if v.why],
-        "finish_reasons": {r: sum(v.finish == r for v in verdicts) for r in sorted({v.finish for v in verdicts})},
-        "intended_tool_called": sum(v.called == v.case for v in calls) / len(calls) if calls else None,
-        "mean_tokens": statistics.fmean(v.tokens for v in verdicts) if verdicts else None,
-    }
 
 
 def prompt_of(tokenizer: Tokenizer, body: dict[str, Any], prompt: str) -> list[int]:
@@ -304,113 +180,6 @@ def compile_times(tokenizer: Tokenizer, alone: list[tuple[str, dict[str, Any]]],
 # --- driving the tiers ----------------------------------------------------------------------------
 
 
-@dataclass
-class Out:
-    text: str = ""
-    finish: str = ""
-    times: list[float] = field(default_factory=list)  # when each token arrived, seconds since the run began
-
-
-def steady_tok_s(outs: Sequence[Out]) -> float:
-    """Tokens/s while every sequence of the batch decodes: from the last one's first token to the
-    first one's last (prefill and the ragged end left out)."""
-    begin = max(o.times[0] for o in outs)
-    end = min(o.times[-1] for o in outs)
-    tokens = sum(sum(begin < t <= end for t in o.times) for o in outs)
-    return tokens / (end - begin)
-
-
-class Torch:
-    """The torch tier's model and KV pool, one llama.cpp drafter, and a fresh engine for each run
-    (a fresh scheduler: prefix caching never finds another run's blocks)."""
-
-    def __init__(self, threads: int, drafter_threads: int, dtype: str) -> None:
-        config = load_config(DEFAULT_CONFIG)
-        self.base = replace(config.engine, dtype=dtype, device="cpu", threads=threads, speculative=SpeculativeConfig())
-        self.model_cfg = config.model(self.base.model)
-        progress(f"torch tier: loading {self.model_cfg.id} in {dtype}, {threads} threads, and the edge drafter "
-                 f"({drafter_threads} threads)")
-        self.tokenizer = tokenizer_for(self.model_cfg)
-        self.runner = ModelRunner.from_config(self.model_cfg, self.base)
-        self.draft_model = config.engine.speculative.draft_model
-        drafting = SpeculativeConfig(method="edge", draft_model=self.draft_model, draft_threads=drafter_threads)
-        edge = build_speculator(drafting, config.model(self.draft_model), self.tokenizer, self.base.max_num_seqs)
-        assert edge is not None
-        self.drafter = edge.drafter
-
-    def engine(self, speculative: bool) -> LLMEngine:
-        if not speculative:
-            return LLMEngine(self.runner, self.tokenizer, self.base, model_cfg=self.model_cfg)
-        spec = SpeculativeConfig(method="edge", draft_model=self.draft_model, num_draft_tokens=4, adaptive=False)
-        return LLMEngine(self.runner, self.tokenizer, replace(self.base, speculative=spec), model_cfg=self.model_cfg,
-                         speculator=Speculator(spec, TimedDrafter(self.drafter)))
-
-    def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], engine: LLMEngine | None = None,
-            tag: str = "run") -> list[Out]:
-        engine = engine or self.engine(False)
-        outs = {f"{tag}-{i}": Out() for i in range(len(prompts))}
-        for (rid, _), prompt, p in zip(outs.items(), prompts, params, strict=True):
-            engine.add_request(rid, prompt, p)
-        started = time.perf_counter()
-        pending = set(outs)
-        while pending:
-            for result in engine.step():
-                now = time.perf_counter() - started
-                out = outs[result.request_id]
-                for token in result.tokens:
-                    out.text += token.text
-                    out.times.append(now)
-                if result.finish is not None:
-                    out.text += result.finish.text
-                    out.finish = result.finish.reason
-                    pending.discard(result.request_id)
-        return list(outs.values())
-
-    def close(self) -> None:
-        self.drafter.close()
-
-
-class Edge:
-    def __init__(self, threads: int) -> None:
-        progress(f"edge tier: loading the llama.cpp backend, {threads} threads")
-        # 512 MiB of KV: 8 tool prompts of ~700 tokens and their answers fit at once.
-        self.backend = create_backend(EdgeConfig(kv_cache_mib=512, n_seq_max=8, n_threads=threads, prefix_reuse=False),
-                                      default_gguf_path())
-        self.tokenizer = self.backend.tokenizer
-        self._runs = 0
-
-    def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], tag: str = "run") -> list[Out]:
-        self._runs += 1
-
-        async def one(rid: str, prompt: list[int], p: SamplingParams, started: float) -> Out:
-            out = Out()
-            async for event in self.backend.generate(rid, prompt, p):
-                if isinstance(event, TokenEvent):
-                    out.text += event.text
-                    out.times.append(time.perf_counter() - started)
-                else:
-                    assert isinstance(event, FinishEvent)
-                    out.text += event.text
-                    out.finish = event.reason
-            return out
-
-        async def main() -> list[Out]:
-            gate = asyncio.Semaphore(32)  # within the backend's queue (n_seq_max + max_queued)
-
-            async def gated(rid: str, prompt: list[int], p: SamplingParams) -> Out:
-                async with gate:
-                    return await one(rid, prompt, p, started)
-
-            started = time.perf_counter()
-            return list(await asyncio.gather(*(gated(f"{tag}-{self._runs}-{i}", prompt, p)
-                                               for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)))))
-
-        return asyncio.run(main())
-
-    def close(self) -> None:
-        asyncio.run(self.backend.close())
-
-
 # --- 2. validity, 3. per-token cost, 4. acceptance ------------------------------------------------
 
 
@@ -418,28 +187,6 @@ def sampled(cases: Sequence[Case], samples: int, max_tokens: int) -> list[tuple[
     return [(case, SamplingParams(temperature=0.7, seed=1000 * s + i, max_tokens=max_tokens,
                                   grammar=grammar_of(case.body)))
             for s in range(samples) for i, case in enumerate(cases)]
-
-
-def verdicts(jobs: Sequence[tuple[Case, SamplingParams]], outs: Sequence[Out]) -> list[Verdict]:
-    out = []
-    for (case, params), o in zip(jobs, outs, strict=True):
-        why, called = check_text(case, o.text)
-        if o.finish != "stop":
-            why = f"finished {o.finish!r}" + (f": {why}" if why else "")
-        out.append(Verdict(case.name, o.finish, why, called, len(o.times), budget=params.max_tokens))
-    return out
-
-
-def report_validity(tier: str, verdicts_: list[Verdict], cases: Sequence[Case]) -> dict[str, Any]:
-    result = summary(verdicts_, cases)
-    finished = result["valid_rate_finished"]
-    progress(f"  {tier}: valid {result['valid_rate']:.3f} of {result['outputs']} outputs ({result['truncated']} cut "
-             f"by max_tokens; of the rest {'-' if finished is None else f'{finished:.3f}'}; "
-             f"{result['ended_near_budget']} ended near the budget); finish reasons "
-             f"{result['finish_reasons']}; the intended tool called {result['intended_tool_called']}")
-    for bad in result["invalid"][:5]:
-        progress(f"    invalid: {bad['case']}: {bad['why']}")
-    return result
 
 
 def abba(run_arm: Any, quads: int, label: str) -> dict[str, Any]:
