@@ -2,15 +2,21 @@
 
 The same model output goes through the gateway's sans-I/O session (``gateway/ws/session.py``,
 its family's tool-call parser inside) and through the Python SDK's ``DeviceResponse`` fed by the
-same parser: the event types, the items they carry and the final output must be the same, ids
-aside. Both emit a response's structure through ``llm_shared.realtime_order.ResponseOrder``; this
-test fails if either side adds, drops or reorders an event of its own.
+same parser, and (text, which is what it answers) through the JS SDK's ``DeviceResponse`` under
+Node: the event types, the items they carry and the final output must be the same, ids aside.
+Python's both emit a response's structure through ``llm_shared.realtime_order.ResponseOrder``; the
+JS one cannot import it, so this test is what keeps it in step: it fails if any side adds, drops
+or reorders an event of its own.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import re
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -81,5 +87,29 @@ def shape(value: Any) -> Any:
 def test_the_device_tells_an_answer_as_the_gateway_does(output: str) -> None:
     online = gateway_events(OUTPUTS[output], "stop")
     offline = device_events(OUTPUTS[output], "completed", after="item_1")  # the user's item, as online
+    assert [e["type"] for e in offline] == [e["type"] for e in online]
+    assert [shape(e) for e in offline] == [shape(e) for e in online]
+
+
+JS_SDK = Path(__file__).resolve().parent.parent / "client_sdk" / "js" / "rtgw.js"
+JS_ANSWER = """
+import { DeviceResponse } from "%s";
+const [chunks, after] = JSON.parse(process.argv[1]);
+const device = new DeviceResponse("resp_d", { after });
+const events = [...device.created()];
+for (const chunk of chunks) events.push(...device.text(chunk));
+events.push(...device.finish("completed"));
+console.log(JSON.stringify(events));
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="the JS SDK runs under Node (make system-deps)")
+@pytest.mark.parametrize("output", ["text", "empty"])
+def test_the_js_device_tells_a_text_answer_as_the_gateway_does(output: str) -> None:
+    online = gateway_events(OUTPUTS[output], "stop")
+    done = subprocess.run(["node", "--input-type=module", "-e", JS_ANSWER % JS_SDK.as_uri(),
+                           json.dumps([OUTPUTS[output], "item_1"])], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    offline = json.loads(done.stdout)
     assert [e["type"] for e in offline] == [e["type"] for e in online]
     assert [shape(e) for e in offline] == [shape(e) for e in online]

@@ -115,8 +115,10 @@ export interface DeviceLike {
 
 /** An on-device answer told as the gateway's server events. */
 export class DeviceResponse {
-  constructor(responseId?: string);
-  static resume(responseId: string, itemId: string | null, text: string): DeviceResponse;
+  /** `after`: the conversation's last item when the response starts (its message's previous_item_id). */
+  constructor(responseId?: string, options?: { after?: string | null });
+  static resume(responseId: string, itemId: string | null, text: string,
+    options?: { after?: string | null }): DeviceResponse;
   readonly id: string;
   created(): RealtimeEvent[];
   text(text: string): RealtimeEvent[];

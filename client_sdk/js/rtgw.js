@@ -333,21 +333,25 @@ export class Turn extends Emitter {
 
 // --- an answer made on the device, told as the gateway's events ----------------------------------
 
-/** One response of the on-device model as the server events the gateway sends for the same output
- * (as the Python SDK's device_response.py): `response.created`, the assistant message
- * (`response.output_item.added`, `conversation.item.added`), its text deltas, then
- * `response.output_item.done` and `response.done`. `resume` continues a response the gateway
- * began: only its further deltas and its end follow. */
+/** One response of the on-device model as the server events the gateway sends for the same output,
+ * in the gateway's order (`llm_shared/realtime_order.py`, which the Python SDK's device answer uses;
+ * `tests/test_response_order.py` compares all three): `response.created`, the assistant message
+ * (`response.output_item.added` and `conversation.item.added` with its content empty, then
+ * `response.content_part.added`), its text deltas, then `response.output_text.done`,
+ * `response.content_part.done`, `response.output_item.done`, `conversation.item.done` and
+ * `response.done`. `after`: the conversation's last item when the response starts. `resume`
+ * continues a response the gateway began: only its further deltas and its end follow. */
 export class DeviceResponse {
-  constructor(responseId = newId("resp")) {
+  constructor(responseId = newId("resp"), { after = null } = {}) {
     this.id = responseId;
+    this._after = after;
     this._message = null;
     this._output = [];
     this.done = false;
   }
 
-  static resume(responseId, itemId, text) {
-    const response = new DeviceResponse(responseId);
+  static resume(responseId, itemId, text, { after = null } = {}) {
+    const response = new DeviceResponse(responseId, { after });
     if (itemId) {
       response._message = { id: itemId, object: "realtime.item", type: "message", status: "in_progress",
         role: "assistant", content: [{ type: "output_text", text }] };
@@ -374,9 +378,16 @@ export class DeviceResponse {
     if (this.done) return [];
     const events = !this._message && ["completed", "incomplete"].includes(status) ? this._open() : [];
     if (this._message) {
-      this._message.status = status === "completed" ? "completed" : "incomplete";
-      events.push({ type: "response.output_item.done", response_id: this.id,
-        output_index: this._output.indexOf(this._message), item: structuredClone(this._message) });
+      const message = this._message;
+      message.status = status === "completed" ? "completed" : "incomplete";
+      const ids = { response_id: this.id, item_id: message.id, output_index: this._output.indexOf(message),
+        content_index: 0 };
+      const text = message.content[0].text;
+      events.push({ type: "response.output_text.done", ...ids, text },
+        { type: "response.content_part.done", ...ids, part: { type: "text", text } },
+        { type: "response.output_item.done", response_id: this.id, output_index: ids.output_index,
+          item: structuredClone(message) },
+        { type: "conversation.item.done", previous_item_id: this._previous(message), item: structuredClone(message) });
     }
     this.done = true;
     const details = error ? { type: status, error } : reason ? { type: status, reason } : null;
@@ -385,14 +396,24 @@ export class DeviceResponse {
     return events;
   }
 
+  _previous(item) {
+    const index = this._output.indexOf(item);
+    return index > 0 ? this._output[index - 1].id : this._after;
+  }
+
   _open() {
-    const previous = this._output.at(-1)?.id ?? null;
-    this._message = { id: newId("item"), object: "realtime.item", type: "message", status: "in_progress",
-      role: "assistant", content: [{ type: "output_text", text: "" }] };
-    this._output.push(this._message);
-    return [{ type: "response.output_item.added", response_id: this.id, output_index: this._output.length - 1,
-      item: structuredClone(this._message) },
-    { type: "conversation.item.added", previous_item_id: previous, item: structuredClone(this._message) }];
+    const message = { id: newId("item"), object: "realtime.item", type: "message", status: "in_progress",
+      role: "assistant", content: [] };
+    this._message = message;
+    this._output.push(message);
+    const outputIndex = this._output.length - 1;
+    const events = [{ type: "response.output_item.added", response_id: this.id, output_index: outputIndex,
+      item: structuredClone(message) },
+    { type: "conversation.item.added", previous_item_id: this._previous(message), item: structuredClone(message) },
+    { type: "response.content_part.added", response_id: this.id, item_id: message.id, output_index: outputIndex,
+      content_index: 0, part: { type: "text", text: "" } }];
+    message.content.push({ type: "output_text", text: "" });
+    return events;
   }
 }
 
@@ -1144,7 +1165,7 @@ export class RealtimeClient extends Emitter {
       temperature: options.temperature ?? this.sessionSettings.temperature };
     const tools = options.tools ?? this.sessionSettings.tools;
     const choice = options.toolChoice ?? this.sessionSettings.tool_choice ?? "auto";
-    const response = new DeviceResponse();
+    const response = new DeviceResponse(undefined, { after: this.conversation.at(-1)?.id ?? null });
     this._runOnDevice(turn, response, { ...request, conversation: [...this.conversation] },
       tools?.length && choice !== "none" && choice !== "auto" ? {
         type: "invalid_request_error", code: "unsupported_on_device",
@@ -1156,7 +1177,8 @@ export class RealtimeClient extends Emitter {
     this._keepPartial(turn);
     const item = this._item(turn.itemId);
     const conversation = this.conversation.filter((i) => i !== item);
-    const response = DeviceResponse.resume(turn.responseId, item ? turn.itemId : null, turn.text);
+    const response = DeviceResponse.resume(turn.responseId, item ? turn.itemId : null, turn.text,
+      { after: conversation.at(-1)?.id ?? null });
     const request = turn._request?.response ?? {};
     this._runOnDevice(turn, response, { conversation, continueText: item ? turn.text : "",
       instructions: request.instructions ?? this.sessionSettings.instructions ?? "",
