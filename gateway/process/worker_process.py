@@ -19,9 +19,9 @@ from functools import partial
 
 import uvloop
 
-from gateway import worker_metrics
 from gateway.config import Config
 from gateway.http.state import STATE
+from gateway.process import worker_metrics
 from gateway.process.main import LOG_FORMAT, setup_logging
 from gateway.process.server import create_app, serve
 from gateway.process.workers import EXIT_START_FAILED, MAX_BACKOFF_S, SPEC_LENGTH, WorkerSpec

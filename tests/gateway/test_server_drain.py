@@ -19,7 +19,7 @@ from fake_engine import FakeEngine
 from gateway_harness import MODEL, make_config, recv_json, recv_until, running_gateway, send, sse_chunks, user_item
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from gateway import server as gateway_server
+from gateway.process import server as gateway_server
 from gateway.process.drain import MAX_CLOSE_REASON_BYTES, jittered_hint, reconnect_hint
 from llm_shared.contract import FinishEvent, StreamEvent
 
