@@ -173,7 +173,11 @@ def worker(args: argparse.Namespace) -> None:
     """Serve B requests through a CoreServer with a null model; print timings as one JSON line."""
     sys.path.insert(0, args.tree)
     from engine_gpu.core_process import open_listener
-    from engine_gpu.core_server import CoreServer
+
+    try:
+        from engine_gpu.core_server import CoreServer
+    except ImportError:  # a tree from before the core's loop had a module of its own (issue 40)
+        from engine_gpu.core_process import CoreServer  # type: ignore[attr-defined,no-redef]
 
     batch = args.batch[0]
     steps = max_tokens(batch, args.steps, args.warmup)
