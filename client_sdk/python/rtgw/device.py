@@ -277,7 +277,7 @@ class Device:
         of them to ``turn`` and (speech, transcripts) to the voice."""
         for event in events:
             for typed in self._protocol.receive(event):
-                if self._voice.dispatch_device(typed, turn):  # speech and transcripts (device voice)
+                if self._voice.dispatch(typed, turn, device=True):  # speech and transcripts (device voice)
                     continue
                 if turn is None:
                     continue

@@ -222,13 +222,15 @@ class Voice:
 
     # --- voice events in --------------------------------------------------------------------------
 
-    def dispatch(self, typed: Event, turn: Turn | None) -> bool:
-        """A voice event from the protocol core (the gateway's): to the turn, the player, the
-        voice events. False: not a voice event."""
-        live = turn is not None and not turn.offline and not turn.done
+    def dispatch(self, typed: Event, turn: Turn | None, *, device: bool = False) -> bool:
+        """A voice event from the protocol core: to the turn, the player, the voice events. False:
+        not a voice event. ``device``: the device told it (its own turn, answered offline; no
+        acknowledgement of the gateway's to resolve), else the gateway did."""
+        live = turn is not None and not turn.done and (device or not turn.offline)
         if isinstance(typed, (TranscriptDelta, AudioDelta)):
-            if live and turn is not None and turn.response_id in (None, typed.response_id):
-                turn.response_id = typed.response_id
+            if live and turn is not None and (device or turn.response_id in (None, typed.response_id)):
+                if not device:
+                    turn.response_id = typed.response_id
                 turn._voice(typed)
             if isinstance(typed, AudioDelta):
                 self._play(typed)
@@ -236,30 +238,11 @@ class Voice:
         if not isinstance(typed, (SpeechStarted, SpeechStopped, AudioCommitted, AudioCleared, InputTranscript,
                                   TranscriptionFailed)):
             return False
-        if isinstance(typed, AudioCommitted):
+        if isinstance(typed, AudioCommitted) and not device:
             self._conn.resolve(("committed", ""), typed)
-        elif isinstance(typed, AudioCleared):
+        elif isinstance(typed, AudioCleared) and not device:
             self._conn.resolve(("cleared", ""), typed)
         elif isinstance(typed, InputTranscript) and live and turn is not None:
-            turn._voice(typed)
-        elif isinstance(typed, SpeechStarted):
-            self._speech_started()
-        self._events.put(typed)
-        return True
-
-    def dispatch_device(self, typed: Event, turn: Turn | None) -> bool:
-        """A voice event the device told: to its turn, the player and the voice events, as
-        ``dispatch`` does for the gateway's."""
-        if isinstance(typed, (TranscriptDelta, AudioDelta)):
-            if turn is not None and not turn.done:
-                turn._voice(typed)
-            if isinstance(typed, AudioDelta):
-                self._play(typed)
-            return True
-        if not isinstance(typed, (SpeechStarted, SpeechStopped, AudioCommitted, AudioCleared, InputTranscript,
-                                  TranscriptionFailed)):
-            return False
-        if isinstance(typed, InputTranscript) and turn is not None and not turn.done:
             turn._voice(typed)
         elif isinstance(typed, SpeechStarted):
             self._speech_started()
