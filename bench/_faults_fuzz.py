@@ -4,8 +4,8 @@ while one healthy session keeps taking turns and the HTTP endpoints are probed.
 ``connections`` fuzzing connections (alternately JSON and msgpack, the
 ``x-openai-realtime-msgpack`` subprotocol) send frames from ``bench/_faults_frames.py`` as fast
 as the server takes them, each with a reader draining what the server answers. A connection
-the server closes (1007 for a text frame that is not UTF-8, 1009 for a frame over
-``server.max_frame_bytes``) is reopened. A crash is any of: the server process dying, a
+the server closes (1007 for a text frame that is not UTF-8) is reopened; a frame over
+``server.max_frame_bytes`` that is not an append is an error event since issue 41. A crash is any of: the server process dying, a
 healthy turn that does not complete normally, a connection closed with 1011 (internal
 error), a 5xx from an HTTP endpoint. ``server_error`` events (the session's generic internal
 error) are counted beside them.
@@ -59,7 +59,7 @@ PROBE_INTERVAL_S = 0.25
 PROBE_TIMEOUT_S = 30.0
 CRASH_CLOSE = 1011
 SAMPLES = 20
-CLOSING_KINDS = frozenset({"invalid_utf8_text", "oversized"})  # 1007 and 1009 from the server
+CLOSING_KINDS = frozenset({"invalid_utf8_text"})  # 1007 from the server (an oversized frame is an error event)
 PROBE_PATHS = ("/healthz", "/readyz", "/metrics", "/v1/models", "/v1/models/smollm2-135m-edge", "/v1/models/%00")
 
 

@@ -24,8 +24,8 @@ that no bench client is refused):
   ``--fuzz-connections`` connections, JSON text and msgpack binary (``x-openai-realtime-msgpack``):
   random and near-valid events, random bytes, text frames that are not UTF-8, deep nesting,
   huge numbers, broken JSON and msgpack, fragments, the other encoding's frames, and now and
-  then frames over ``server.max_frame_bytes`` (the server closes with 1007/1009; the client
-  reopens). Meanwhile one healthy session takes turns that must complete, and the HTTP
+  then frames over ``server.max_frame_bytes`` (an error event; text that is not UTF-8 closes
+  with 1007 and the client reopens). Meanwhile one healthy session takes turns that must complete, and the HTTP
   endpoints are probed (a hostile chat completion among them). ``fuzz_cases`` = frames sent;
   ``fuzz_crashes`` = server deaths + failed healthy turns + 1011 closes + HTTP 5xx.
 - ``fuzz_real``: the same against the base config's own route with the real models (the

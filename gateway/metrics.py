@@ -125,6 +125,13 @@ class GatewayMetrics:
         self.errors = Counter("gateway_errors", "Errors reported to clients", ["api", "code"], registry=r)
         self.rate_limited = Counter("gateway_rate_limited", "Requests refused by a rate limit", ["api"], registry=r)
         self.coalesced = Counter("gateway_coalesced_deltas", "Text deltas merged for slow clients", registry=r)
+        # Large frames (an input_audio_buffer.append over server.max_frame_bytes; gateway/ws/frame_gate.py).
+        self.large_frames_refused = Counter(
+            "gateway_large_frames_refused", "Large frames dropped: large_frames_busy (the server's budget was held) "
+            "or frame_too_large (over server.max_large_frame_bytes)", ["code"], registry=r)
+        self.large_frames_bytes = Gauge(
+            "gateway_large_frames_bytes", "Bytes of large frames this process holds now (within "
+            "server.large_frames_budget_bytes)", registry=r)
         # The cascade (gateway/cascade): how turns reach their tier, and what escalation costs.
         self.cascade_turns = Counter(
             "gateway_cascade_turns", "Turns by serving tier and route (model, confident, escalated, pre_routed, "

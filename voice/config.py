@@ -38,12 +38,14 @@ class VoiceConfig:
     max_queued_jobs: int = 64  # ... or this many jobs
     max_session_jobs: int = 4  # ... or a session with this many (the workers serve sessions in turn)
     job_timeout_s: float = 30.0  # one utterance's recognition or one phrase's synthesis
-    max_input_buffer_s: float = 60.0  # uncommitted input audio per session
-    max_append_bytes: int = 262_144  # decoded audio in one input_audio_buffer.append (~2.7 s)
+    max_input_buffer_s: float = 120.0  # uncommitted input audio per session
+    # Decoded audio in one input_audio_buffer.append: 15 MiB of base64, the API's limit (a recording
+    # sent whole; the input buffer still bounds what one append may add).
+    max_append_bytes: int = 11_796_480
     # Audio a session may send, sustained (2x real time: a client may stream a file faster than it
-    # plays), with a burst allowance on top.
+    # plays), with a burst allowance on top: a whole input buffer at once (push to talk, an upload).
     max_audio_bytes_per_s: int = 96_000
-    audio_burst_bytes: int = 480_000
+    audio_burst_bytes: int = 5_760_000
     first_phrase_max_chars: int = 60  # the first phrase of an answer is cut early: time to first audio
     phrase_max_chars: int = 160
     # Server VAD: transcription starts once the user has been silent this long (speech that
@@ -75,8 +77,8 @@ class VoiceConfig:
         require(2 <= self.max_append_bytes <= 64 * 2**20, "voice.max_append_bytes must be in 2..67108864")
         require(self.max_audio_bytes_per_s >= bytes_per_second(REALTIME_RATE),
                 f"voice.max_audio_bytes_per_s must be >= {bytes_per_second(REALTIME_RATE)} (real time at 24 kHz)")
-        require(self.audio_burst_bytes >= self.max_append_bytes,
-                "voice.audio_burst_bytes must be >= voice.max_append_bytes (else a full append is never allowed)")
+        require(self.audio_burst_bytes >= bytes_per_second(REALTIME_RATE),
+                f"voice.audio_burst_bytes must be >= {bytes_per_second(REALTIME_RATE)} (one second of audio at once)")
         # Lower bounds: the phrase splitter's clause lengths (16 and 40 characters) must fit under them.
         require(0 <= self.eager_transcribe_ms <= 10_000, "voice.eager_transcribe_ms must be in 0..10000")
         require(16 <= self.first_phrase_max_chars <= self.phrase_max_chars <= 1000 and self.phrase_max_chars >= 40,

@@ -20,7 +20,12 @@ class ServerConfig:
     api_keys_env: str = "GATEWAY_API_KEYS"  # comma-separated keys, added to api_keys
     allowed_origins: tuple[str, ...] = ()  # browser Origins allowed; empty = same-host only
     allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback names and the bind address; "*": any
-    max_frame_bytes: int = 256 * 1024
+    max_frame_bytes: int = 256 * 1024  # any client event (gateway/ws/frame_gate.py)
+    # ...and an input_audio_buffer.append, up to this (15 MiB of base64 audio, the API's limit, and its
+    # JSON around it), while this process holds fewer than large_frames_budget_bytes of such frames;
+    # past the budget a large append is dropped with an error event and the session goes on.
+    max_large_frame_bytes: int = 16 * 1024 * 1024
+    large_frames_budget_bytes: int = 64 * 1024 * 1024
     max_conversation_items: int = 512
     max_conversation_chars: int = 200_000
     max_sessions_per_key: int = 64
@@ -72,6 +77,9 @@ class ServerConfig:
         require(1 <= self.port <= 65535 or self.port == 0, f"server.port must be 0..65535, got {self.port}")
         require(1 <= self.workers <= MAX_WORKERS, f"server.workers must be in 1..{MAX_WORKERS}, got {self.workers}")
         require(self.max_frame_bytes >= 1024, "server.max_frame_bytes must be >= 1024")
+        require(self.max_frame_bytes <= self.max_large_frame_bytes <= 256 * 2**20,
+                "need server.max_frame_bytes <= server.max_large_frame_bytes <= 268435456")
+        require(self.large_frames_budget_bytes >= 0, "server.large_frames_budget_bytes must be >= 0 (0: none)")
         for name in ("max_conversation_items", "max_conversation_chars", "max_sessions_per_key", "max_sessions",
                      "requests_per_minute", "tokens_per_minute", "max_concurrent_requests_per_key", "send_queue_high", "send_queue_limit", "send_queue_max_bytes",
                      "default_max_output_tokens", "max_output_tokens"):

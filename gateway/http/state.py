@@ -24,6 +24,7 @@ from gateway.limits import Limits, LimitsStore, store_from_config
 from gateway.metrics import GatewayMetrics
 from gateway.shaping import Grammars
 from gateway.tiers.build import build_router, host_plan
+from gateway.ws.frame_gate import LargeFrameBudget
 from llm_shared.contract import Engine
 
 if TYPE_CHECKING:
@@ -54,12 +55,15 @@ class GatewayState:
     work_ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when a session or a completion ends
     created: int = field(default_factory=lambda: int(time.time()))
     voice: GatewayVoice | None = None  # speech in and out ([voice]); None: text-only sessions
+    large_frames: LargeFrameBudget = field(init=False)  # large appends held at once, all sessions
 
     def __post_init__(self) -> None:
         self.metrics = GatewayMetrics(lambda: self.engines)
         # The tiers of one gateway share a tokenizer family (Config checks it): one tool-call syntax.
         self.grammars = Grammars(self.config.models[self.config.edge.model].family)
         self.device_models = DeviceModels(self.config.models)
+        self.large_frames = LargeFrameBudget(self.config.server.large_frames_budget_bytes)
+        self.metrics.large_frames_bytes.set_function(lambda: float(self.large_frames.in_flight))
         Gauge("gateway_limits_degraded", "1 while the shared limits store is unreachable and this process "
               "applies its own limits (fail_open) or refuses (fail_closed)", registry=self.metrics.registry
               ).set_function(lambda: float(self.limits.degraded))

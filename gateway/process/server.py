@@ -35,6 +35,7 @@ from gateway.process.drain import RETRY_AFTER_S, drain_gate, drain_replica, jitt
 from gateway.tiers.build import close_engines, load_engines
 from gateway.ws.codec import MSGPACK_SUBPROTOCOL, FrameCodec
 from gateway.ws.connection import WS_CLOSE_GOING_AWAY, RealtimeConnection
+from gateway.ws.frame_gate import FrameGate, GatedWebSocketResponse
 from gateway.ws.session import RealtimeSession, SessionLimits
 from llm_shared.contract import Engine
 from llm_shared.errors import ConfigError
@@ -147,9 +148,12 @@ async def _run_session(request: web.Request, state: GatewayState, key_id: str, m
                        offered: list[str]) -> web.StreamResponse:
     server = state.config.server
     subprotocol = _choose_subprotocol(offered)
-    ws = web.WebSocketResponse(
+    ws = GatedWebSocketResponse(
+        # Frames over max_frame_bytes pass the gate only within the server's budget for large frames.
+        gate=lambda parser: FrameGate(parser, state.large_frames, small=server.max_frame_bytes,
+                                      cap=server.max_large_frame_bytes),
         protocols=(subprotocol,) if subprotocol else (),
-        max_msg_size=server.max_frame_bytes,  # a larger frame closes the connection with 1009
+        max_msg_size=server.max_large_frame_bytes + 1,  # aiohttp's own bound (1009): fragments past the cap
         heartbeat=server.ping_interval_s,
         compress=False,  # no permessage-deflate: it costs memory per connection and invites zip bombs
     )
@@ -175,10 +179,10 @@ async def _run_session(request: web.Request, state: GatewayState, key_id: str, m
     assert state.router is not None  # checked by the handshake
     connection = RealtimeConnection(
         ws, session, session_id=session_id,
-        codec=FrameCodec("msgpack" if subprotocol == MSGPACK_SUBPROTOCOL else "json", server.max_frame_bytes),
+        codec=FrameCodec("msgpack" if subprotocol == MSGPACK_SUBPROTOCOL else "json", server.max_large_frame_bytes),
         router=state.router, limits=state.limits, key_id=key_id, metrics=state.metrics, config=server,
         transport=request.transport if server.direct_writes else None, grammars=state.grammars,
-        voice=state.voice,
+        voice=state.voice, gate=ws.gate,
     )
     state.connections.add(connection)
     if state.draining:  # accepted while the drain began: it closes right after session.created

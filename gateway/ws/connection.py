@@ -31,6 +31,7 @@ from gateway.shaping import Grammars
 from gateway.turns import Turn
 from gateway.ws.codec import DecodeError, FrameCodec
 from gateway.ws.commands import AbortGeneration, AdmitResponse, StartGeneration
+from gateway.ws.frame_gate import FrameGate
 from gateway.ws.outbox import Outbox
 from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent, TextDelta
 from gateway.ws.session import RealtimeSession
@@ -106,12 +107,15 @@ class RealtimeConnection:
         transport: asyncio.Transport | None = None,
         grammars: Grammars | None = None,
         voice: VoiceService | None = None,
+        gate: FrameGate | None = None,
     ) -> None:
         """``transport``: the request's, once the WebSocket is prepared; it gives the outbox its
         fast lane (without it every frame goes through the writer task). ``grammars``: the
         gateway's compilers, which turn a response's tools into the grammar its engine enforces
         (without them a response that may call tools is refused). ``voice``: speech recognition and
-        synthesis (the session was made with its hooks; without it the session refuses audio)."""
+        synthesis (the session was made with its hooks; without it the session refuses audio).
+        ``gate``: the frame gate in front of this socket's parser, which lets large appends in
+        within the server's budget (without it every frame is as small as aiohttp allows)."""
         self.session = session
         self.session_id = session_id
         self.key_id = key_id
@@ -137,6 +141,9 @@ class RealtimeConnection:
         self._pump_task: asyncio.Task[None] | None = None  # a pump asked for by synchronous code
         self._too_slow_cancelled: str | None = None
         self._voice = VoiceLink(voice, session, self._pump_soon, metrics) if voice is not None else None
+        self._gate = gate
+        if gate is not None:
+            gate.on_refused = self._take_refusals
 
     @property
     def outbox(self) -> Outbox:
@@ -203,6 +210,8 @@ class RealtimeConnection:
 
     async def _teardown(self) -> None:
         self._closing = True
+        if self._gate is not None:
+            self._gate.close()  # the large frames this socket held go back to the server's budget
         if self._close_task is not None:
             # A server-side close is flushing the queue: let it finish (it is bounded) before
             # the queue is discarded, or the client would miss what came before the close frame.
@@ -285,11 +294,46 @@ class RealtimeConnection:
                 return  # CLOSE, CLOSING, CLOSED or ERROR (aiohttp already sent the close code, e.g. 1009)
             if self._closing:
                 return  # the server is closing: this frame came too late to be taken
-            event = self._decode(msg.type, msg.data)
-            if event is not None and (event.get("type") != "response.create" or await self._admit()):
-                self.session.receive(event)
+            kind, data = msg.type, msg.data
+            del msg  # a large append's text must not outlive its handling (the budget is given back then)
+            await self._take(kind, data)
+            del data
             deadline = loop.time() + idle
             await self._pump()
+
+    async def _take(self, kind: WSMsgType, data: str | bytes) -> None:
+        """One client frame, through to the session. A large one (the gate reserved bytes of the
+        server's budget for it) must be an append; its bytes go back once the session has it."""
+        gate = self._gate
+        if gate is not None:
+            self._take_refusals()  # frames the gate dropped before this one
+        large = gate.delivered() if gate is not None else 0
+        try:
+            event = self._decode(kind, data)
+            if event is None:
+                return
+            if large and event.get("type") != "input_audio_buffer.append":
+                self.session.receive_invalid("frame_too_large", f"only input_audio_buffer.append may be larger "
+                                             f"than {self._config.max_frame_bytes} bytes")
+                return
+            if event.get("type") != "response.create" or await self._admit():
+                self.session.receive(event)
+        finally:
+            if gate is not None:
+                gate.handled()
+                self._take_refusals()
+
+    def _take_refusals(self) -> None:
+        """Frames the gate dropped (over the budget or the cap), each an ``error`` event in the
+        place it came; called by the gate when nothing before the dropped frame is still to be handled."""
+        if self._gate is None or self._closing:
+            return
+        refusals = self._gate.refusals()
+        for refusal in refusals:
+            self._metrics.large_frames_refused.labels(refusal.code).inc()
+            self.session.receive_invalid(refusal.code, refusal.message)
+        if refusals:
+            self._pump_soon()
 
     def _decode(self, kind: WSMsgType, data: str | bytes) -> dict[str, Any] | None:
         """The frame's event, or None after telling the session it was not one."""

@@ -67,12 +67,14 @@ class SessionLimits:
     max_conversation_chars: int = 200_000
     default_max_output_tokens: int = 512
     max_output_tokens: int = 4096
-    max_audio_append_bytes: int = 262_144  # one input_audio_buffer.append, decoded (~2.7 s of audio/pcm)
-    max_audio_buffer_ms: int = 60_000  # the input audio buffer (and so one spoken turn)
+    # One input_audio_buffer.append, decoded: 15 MiB of base64, the API's limit (a recording sent whole).
+    max_audio_append_bytes: int = 11_796_480
+    max_audio_buffer_ms: int = 120_000  # the input audio buffer (and so one spoken turn)
     # Audio may arrive faster than real time (a file streamed), up to this rate sustained, with a
-    # burst on top; beyond it an append is refused. (audio/pcm is 48,000 bytes a second.)
+    # burst on top (a whole buffer at once: push to talk); beyond it an append is refused.
+    # (audio/pcm is 48,000 bytes a second.)
     max_audio_bytes_per_s: int = 96_000
-    audio_burst_bytes: int = 480_000
+    audio_burst_bytes: int = 5_760_000
 
     def __post_init__(self) -> None:
         for name in ("max_conversation_items", "max_conversation_chars", "default_max_output_tokens",

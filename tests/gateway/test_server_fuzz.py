@@ -201,12 +201,14 @@ def test_msgpack_bombs(harness: Harness, frame: bytes) -> None:
 
 
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])
-def test_oversized_frames_close_with_1009(harness: Harness, encoding: str) -> None:
+def test_oversized_frames_are_refused_and_the_session_goes_on(harness: Harness, encoding: str) -> None:
+    """Over ``max_frame_bytes`` only an append is taken (within the server's large-frame budget):
+    anything else is an error event, not a close (issue 41)."""
     event = user_item("x" * (MAX_FRAME + 1))
     frame = msgpack.packb(event) if encoding == "msgpack" else json.dumps(event)
-    assert harness.run(harness.exchange(encoding, frame)) == 1009
-    assert harness.run(harness.exchange(encoding, json.dumps({"type": "nonsense"})
-                                        if encoding == "json" else msgpack.packb({"type": "nonsense"})))
+    result = harness.run(harness.exchange(encoding, frame))
+    assert isinstance(result, list) and [e["error"]["code"] for e in result if e["type"] == "error"] == [
+        "frame_too_large"]
 
 
 def test_the_healthy_session_kept_streaming(harness: Harness) -> None:

