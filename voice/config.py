@@ -39,7 +39,7 @@ class VoiceConfig:
     max_session_jobs: int = 4  # ... or a session with this many (the workers serve sessions in turn)
     job_timeout_s: float = 30.0  # one utterance's recognition or one phrase's synthesis
     max_input_buffer_s: float = 60.0  # uncommitted input audio per session
-    max_append_bytes: int = 262_144  # decoded audio in one input_audio_buffer.append (~2.7 s)
+    max_append_bytes: int = 262_144  # one input_audio_buffer.append, as 24 kHz PCM16 (~2.7 s in any format)
     # Audio a session may send, sustained (2x real time: a client may stream a file faster than it
     # plays), with a burst allowance on top.
     max_audio_bytes_per_s: int = 96_000

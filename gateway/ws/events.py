@@ -67,7 +67,7 @@ class SessionLimits:
     max_conversation_chars: int = 200_000
     default_max_output_tokens: int = 512
     max_output_tokens: int = 4096
-    max_audio_append_bytes: int = 262_144  # one input_audio_buffer.append, decoded (~2.7 s of audio/pcm)
+    max_audio_append_bytes: int = 262_144  # one input_audio_buffer.append as 24 kHz PCM16 (~2.7 s in any format)
     max_audio_buffer_ms: int = 60_000  # the input audio buffer (and so one spoken turn)
     # Audio may arrive faster than real time (a file streamed), up to this rate sustained, with a
     # burst on top; beyond it an append is refused. (audio/pcm is 48,000 bytes a second.)
