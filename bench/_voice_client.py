@@ -1,8 +1,9 @@
 """A voice client for bench/voice_sessions.py: a real-time microphone and a simulated speaker on one
 Realtime WebSocket (JSON frames, base64 audio, as the official SDKs send it).
 
-The microphone task sends ``CHUNK_MS`` of PCM16 at 24 kHz every ``CHUNK_MS`` of wall time, on
-absolute deadlines (no drift): silence, or the utterance queued by ``turn``. The reader task
+The microphone task sends ``CHUNK_MS`` of audio every ``CHUNK_MS`` of wall time, on absolute
+deadlines (no drift): silence, or the utterance queued by ``turn``; in the session's format both
+ways (PCM16 at 24 kHz, or G.711 at 8 kHz as a phone line sends it: ``wire_format``). The reader task
 records when each response's first audio arrives and what the answer said. A turn measures
 ``first_audio_ms`` from the moment its last speech sample left; a barge-in turn speaks again
 400 ms into the answer and measures until the answer's cancelled ``response.done``, then
@@ -23,10 +24,10 @@ import numpy as np
 import websockets
 
 from bench._common import BenchError
+from voice.formats import G711, PCM16, SESSION_BYTES_PER_MS, AudioFormat
 
 CHUNK_MS = 40
 ONSET_LEVEL = 328  # -40 dBFS: where a clip's voice begins
-BYTES_PER_MS = 48  # PCM16 mono at 24 kHz
 # The user talks over the answer this long after it starts playing, turn after turn: the cut lands
 # in the first word, mid-sentence, and later.
 BARGE_AFTER_S = (0.4, 0.9, 1.5, 2.2)
@@ -50,12 +51,22 @@ def speech_clips(texts: list[str]) -> dict[str, bytes]:
     return clips
 
 
+def session_pcm(fmt: AudioFormat, audio: bytes) -> bytes:
+    """Audio as received, as 24 kHz PCM16 for the aligners: G.711 decoded and resampled whole
+    (no delay, unlike a session's streaming filter, so word ends keep their ms)."""
+    if not isinstance(fmt, G711):
+        return audio
+    from voice.audio import REALTIME_RATE, resample, to_int16
+
+    return to_int16(resample(fmt.decode(audio), fmt.rate, REALTIME_RATE)).astype("<i2").tobytes()
+
+
 @dataclass
 class Cut:
     played_ms: int  # where the client truncated the answer
     # All of the answer's audio that arrived (past the cut too: an aligner shown only the audio up
     # to the cut hears the word being said there as a whole word ending at the cut)
-    audio: bytes
+    audio: bytes  # 24 kHz PCM16, whatever the wire carried
     transcript: str  # the text of that audio (its transcript deltas)
     stored: str  # the transcript the server kept
 
@@ -82,11 +93,12 @@ class _Response:
 
 class VoiceSession:
     def __init__(self, url: str, model: str, *, silence_ms: int, max_output_tokens: int,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, wire_format: AudioFormat = PCM16) -> None:
         self._url = f"{url.replace('http', 'ws', 1)}/v1/realtime?model={model}"
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._silence_ms = silence_ms
         self._max_output_tokens = max_output_tokens
+        self._format = wire_format
         self._ws: websockets.ClientConnection | None = None
         self._speech = bytearray()  # queued for the microphone
         self._spoken = asyncio.Event()  # the queued speech has been sent
@@ -106,7 +118,8 @@ class VoiceSession:
         await self._send({"type": "session.update", "session": {
             "type": "realtime", "output_modalities": ["audio"],
             "instructions": "You are a voice assistant. Answer in one short sentence.",
-            "max_output_tokens": self._max_output_tokens}})
+            "max_output_tokens": self._max_output_tokens,
+            "audio": {"input": {"format": self._format.wire()}, "output": {"format": self._format.wire()}}}})
         await self._send(self._vad_update(create_response=True))
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._microphone())]
         return self
@@ -154,13 +167,15 @@ class VoiceSession:
             raise BenchError(f"a barge-in did not cancel the answer: it ended {done['status']}")
         assert self._speech_started_at is not None
         result.barge_in_ms = (loop.time() - self._speech_started_at) * 1000
-        played = min(int((self._speech_started_at - response.first_audio_at) * 1000), len(response.audio) // BYTES_PER_MS)
+        played = min(int((self._speech_started_at - response.first_audio_at) * 1000),
+                     len(response.audio) // self._format.bytes_per_ms)
         await self._send({"type": "conversation.item.truncate", "item_id": response.item_id, "content_index": 0,
                           "audio_end_ms": played})
         await self._answer("conversation.item.truncated")
         await self._send({"type": "conversation.item.retrieve", "item_id": response.item_id})
         item = await self._answer("conversation.item.retrieved")
-        result.cut = Cut(played, bytes(response.audio), response.transcript, item["item"]["content"][0]["transcript"])
+        result.cut = Cut(played, session_pcm(self._format, bytes(response.audio)), response.transcript,
+                         item["item"]["content"][0]["transcript"])
         await speaking
         follow_up = await self._wait(self._new_response.get())  # the interruption is answered too
         await self._wait(self._responses[follow_up].done)
@@ -187,9 +202,9 @@ class VoiceSession:
             "type": "server_vad", "silence_duration_ms": self._silence_ms, "create_response": create_response}}}}}
 
     async def _say(self, pcm: bytes) -> float:
-        """Queue ``pcm`` for the microphone; when its last sample was sent (loop time)."""
+        """Queue ``pcm`` (24 kHz) for the microphone; when its last sample was sent (loop time)."""
         self._spoken.clear()
-        self._speech += pcm
+        self._speech += self._format.from_session(pcm)
         await self._spoken.wait()
         return asyncio.get_running_loop().time()
 
@@ -199,15 +214,15 @@ class VoiceSession:
 
     async def _microphone(self) -> None:
         loop = asyncio.get_running_loop()
-        size = CHUNK_MS * BYTES_PER_MS
-        silence = bytes(size)
+        size = CHUNK_MS * self._format.bytes_per_ms
+        silence = self._format.from_session(bytes(CHUNK_MS * SESSION_BYTES_PER_MS))
         deadline = loop.time()
         while True:
             if self._speech:
                 chunk, self._speech = bytes(self._speech[:size]), self._speech[size:]
                 if self._speech_started_at is None:
                     self._speech_started_at = loop.time()
-                chunk = chunk.ljust(size, b"\0")
+                chunk += silence[len(chunk):]
             else:
                 chunk = silence
             await self._send({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})

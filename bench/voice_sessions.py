@@ -1,6 +1,6 @@
 """Voice sessions over the Realtime WebSocket, with the real models: latency, barge-in, capacity.
 
-    .venv/bin/python bench/voice_sessions.py [--sessions 1 2 4 8] [--turns 6] [--smoke]
+    .venv/bin/python bench/voice_sessions.py [--sessions 1 2 4 8] [--turns 6] [--format audio/pcmu] [--smoke]
 
 One ``python -m gateway serve`` subprocess with the shipped config on the edge route (the
 llama.cpp tier alone, the embedded model; voice as shipped: Silero VAD, Whisper tiny.en, flite),
@@ -32,6 +32,9 @@ Measured:
 
 Results in bench/out/voice.json, the plot in docs/img/voice.png; the last stdout line is one JSON
 object with those keys (p50 and p99 of the latencies at one session), ``by_sessions`` and ``cpu``.
+``--format``: the sessions' audio both ways (``audio/pcm`` at 24 kHz, the default; ``audio/pcmu``
+or ``audio/pcma``: G.711 at 8 kHz, a phone line's), every figure measured the same way (the cuts'
+audio decoded to 24 kHz for the aligners).
 ``--smoke``: one session, two turns, short answers (well under a minute).
 """
 
@@ -63,6 +66,7 @@ from bench._common import (
 from bench._gateway_server import GatewayProcess
 from bench._voice_client import CHUNK_MS, Cut, VoiceSession, speech_clips
 from gateway.config import DEFAULT_CONFIG
+from voice.formats import FORMATS
 
 QUESTIONS = ("What is the capital of France?", "Turn on the kitchen lights.", "How far away is the moon?",
              "Tell me a fun fact about cats.", "What time does the store open?", "Set a timer for ten minutes.")
@@ -111,7 +115,8 @@ async def run_level(url: str, model: str, sessions: int, turns: int, barge_every
     level = Level(sessions)
 
     async def one(n: int) -> None:
-        async with VoiceSession(url, model, silence_ms=args.silence_ms, max_output_tokens=args.tokens) as session:
+        async with VoiceSession(url, model, silence_ms=args.silence_ms, max_output_tokens=args.tokens,
+                                wire_format=FORMATS[args.format]) as session:
             for t in range(turns):
                 question = clips[QUESTIONS[(n + t) % len(QUESTIONS)]]
                 barge = barge_every > 0 and t % barge_every == barge_every - 1
@@ -310,7 +315,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     write_json(result_path("voice.json", args.smoke), {
         "summary": summary, "levels": levels, "truncate": exactness, "cpu": cpu, "plot": str(img),
         "settings": {k: getattr(args, k) for k in ("sessions", "turns", "barge_every", "silence_ms", "tokens",
-                                                   "smoke")} | {"chunk_ms": CHUNK_MS}})
+                                                   "format", "smoke")} | {"chunk_ms": CHUNK_MS}})
     return summary
 
 
@@ -321,6 +326,7 @@ def main() -> None:
     p.add_argument("--barge-every", type=int, default=2, help="at the first level, every n-th turn is interrupted")
     p.add_argument("--silence-ms", type=int, default=500, help="server VAD silence_duration_ms (the API's default)")
     p.add_argument("--tokens", type=int, default=48, help="max_output_tokens of an answer")
+    p.add_argument("--format", choices=sorted(FORMATS), default="audio/pcm", help="the sessions' audio, both ways")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
     if args.smoke:

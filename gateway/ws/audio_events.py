@@ -4,13 +4,15 @@ GA shapes (``session.audio.input`` / ``.output``, ``output_modalities``) and the
 (``modalities``, ``voice``, ``input_audio_format``, ``turn_detection``...) are both read into
 one ``AudioPatch``: the fields a ``session.update`` or ``response.create`` gave, applied by
 the session over the settings in force. Audio itself travels as base64 in JSON and as raw bytes
-on the msgpack subprotocol; both are checked here (PCM16 needs an even byte count) and bounded
-by ``SessionLimits.max_audio_append_bytes``.
+on the msgpack subprotocol; both are bounded here by ``SessionLimits.max_audio_append_bytes`` (the
+wire's bytes, so decoding stays bounded; the session bounds the converted audio again).
 
-Formats are ``voice.formats``' (``audio/pcm`` at 24 kHz, beta ``pcm16``, today): an appended
-chunk is checked against the session's input format when the session takes it, and converted to
-the session's clock there. Formats no codec here speaks (G.711) and semantic VAD are refused with
-``unsupported_feature`` rather than silently mishandled.
+Formats are ``voice.formats``': ``audio/pcm`` at 24 kHz (beta ``pcm16``), ``audio/pcmu`` and
+``audio/pcma`` at 8 kHz (beta ``g711_ulaw``, ``g711_alaw``); a GA format's ``rate``, when given,
+must be its own. An appended chunk is checked against the session's input format when the session
+takes it, and converted to the session's clock there (PCM16 at 24 kHz, ``PCM_RATE``): every bound
+that counts audio past this parse counts it on that clock, whatever the wire carries. Semantic VAD
+is refused with ``unsupported_feature`` rather than silently mishandled.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, ClassVar, Literal
 from gateway.ws.fields import Fields, ProtocolError
 from voice.audio import bounded, decode_base64
 from voice.errors import AudioError
-from voice.formats import BETA_FORMATS, FORMATS, NOT_YET, PCM16, SESSION_BYTES_PER_MS, SESSION_RATE, AudioFormat
+from voice.formats import BETA_FORMATS, FORMATS, PCM16, SESSION_BYTES_PER_MS, SESSION_RATE, AudioFormat
 
 PCM_RATE = SESSION_RATE  # samples a second of a session's audio, in and out (PCM16 mono)
 PCM_BYTES_PER_MS = SESSION_BYTES_PER_MS
@@ -256,9 +258,6 @@ def _output(f: Fields, out: dict[str, Any]) -> None:
 
 def _format(f: Fields) -> AudioFormat:
     kind = f.string("type", 32, required=True)
-    if kind in NOT_YET:
-        raise ProtocolError("unsupported_feature", f"'{kind}' is not supported: use one of {sorted(FORMATS)}",
-                            f.param("type"))
     fmt = FORMATS.get(kind)
     if fmt is None:
         raise ProtocolError("invalid_value", f"'{f.param('type')}' must be one of {sorted(FORMATS)}", f.param("type"))
@@ -274,9 +273,6 @@ def _beta_format(f: Fields, key: str) -> AudioFormat:
     fmt = BETA_FORMATS.get(value) if value is not None else PCM16
     if fmt is not None:
         return fmt
-    if value in NOT_YET.values():
-        raise ProtocolError("unsupported_feature", f"'{value}' is not supported: use one of {sorted(BETA_FORMATS)}",
-                            f.param(key))
     raise ProtocolError("invalid_value", f"'{f.param(key)}' must be one of {sorted(BETA_FORMATS)}", f.param(key))
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.shaping import CallStream
-from gateway.ws.audio_events import PCM_BYTES_PER_MS, PCM_RATE, AudioSettings
+from gateway.ws.audio_events import PCM_RATE, AudioSettings
 from gateway.ws.commands import Synthesize
 from gateway.ws.conversation import AnyItem, Conversation, FunctionCall, Item
 from gateway.ws.server_events import Emitter, TextDelta
@@ -37,7 +37,7 @@ from llm_shared.structured import ArgumentsDelta, CallDone, CallStarted, ToolCal
 from llm_shared.structured import TextDelta as ParsedText
 from voice.alignment import Alignment, Mark
 
-AUDIO_CHUNK_BYTES = 500 * PCM_BYTES_PER_MS  # audio deltas of at most half a second
+AUDIO_CHUNK_MS = 500  # audio deltas of at most half a second
 
 
 class ResponseStream:
@@ -175,7 +175,12 @@ class ResponseStream:
         speech = self._speech
         if speech is None or self.done:
             return
+        assert self._audio is not None  # (it speaks)
+        wire = self._audio.output_format
         for text, pcm, phrase_marks in speech.arrived(index, audio, marks):
+            # Whole wire samples (silence up to 2 session samples at 8 kHz), so the ms the item
+            # counts are the ms the client plays: truncation offsets stay exact at any rate.
+            pcm += bytes(-(len(pcm) // 2) % wire.ratio * 2)
             item = self.item or self._open_item()
             item.parts[0] += text
             assert item.speech is not None
@@ -184,11 +189,10 @@ class ResponseStream:
             ids = {"response_id": self.id, "item_id": item.id, "output_index": self._message_index,
                    "content_index": 0}
             self._events.emit("response.output_audio_transcript.delta", **ids, delta=text)
-            assert self._audio is not None  # (it speaks)
-            wire = self._audio.output_format
-            for start in range(0, len(pcm), AUDIO_CHUNK_BYTES):
-                self._events.audio_delta(self.id, item.id, self._message_index, 0,
-                                         wire.from_session(pcm[start:start + AUDIO_CHUNK_BYTES]))
+            # A phrase converted whole: a codec's filter meets no edge but the phrase's own
+            encoded, chunk = wire.from_session(pcm), AUDIO_CHUNK_MS * wire.bytes_per_ms
+            for start in range(0, len(encoded), chunk):
+                self._events.audio_delta(self.id, item.id, self._message_index, 0, encoded[start:start + chunk])
         if not speech.pending and self._waiting:
             waiting, self._waiting = self._waiting, []
             self._dispatch(waiting)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.ws.audio_events import (
+    PCM_BYTES_PER_MS,
     AudioAppend,
     AudioClear,
     AudioCommit,
@@ -34,7 +35,7 @@ from gateway.ws.items import ItemStore
 from gateway.ws.server_events import Emitter
 from gateway.ws.speech_out import PhraseSplitter
 from voice.errors import AudioError
-from voice.formats import PCM16, AudioFormat
+from voice.formats import PCM16, AudioFormat, InputStream
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class VoiceInput:
     def __init__(self, limits: SessionLimits, hooks: VoiceHooks | None, items: ItemStore, ids: Callable[[str], str],
                  events: Emitter, commands: list[Command], turns: Turns, clock: Callable[[], float]) -> None:
         self._input = InputAudio(limits, hooks.segmenters if hooks is not None else None, clock=clock)
+        self._limits = limits
         self._items = items
         self._ids = ids
         self._events = events
@@ -75,6 +77,7 @@ class VoiceInput:
         self._turns = turns
         self._vad: ServerVad | None = None
         self._format: AudioFormat = PCM16
+        self._stream: InputStream = PCM16.stream()  # the appends' converter (a codec's filter history)
         self._speech_item: str | None = None  # the user item the speech in progress will become
         self._speech_start_ms = 0
         # User items whose transcript is being made, with the cut of their speech it will be for.
@@ -88,7 +91,9 @@ class VoiceInput:
     def configure(self, audio: AudioSettings) -> None:
         """The session's audio settings changed: its turn detection, the format appends carry."""
         self._vad = audio.turn_detection
-        self._format = audio.input_format
+        if audio.input_format is not self._format:
+            self._format = audio.input_format
+            self._stream = audio.input_format.stream()
         self._input.configure(audio.turn_detection)
 
     @property
@@ -104,8 +109,9 @@ class VoiceInput:
 
     def receive(self, event: AudioEvent) -> None:
         if isinstance(event, AudioAppend):
+            self._check_size(event.audio)
             try:
-                pcm = self._format.to_session(event.audio)
+                pcm = self._stream.to_session(event.audio)
             except AudioError as e:
                 raise format_error(e, "audio") from None
             self._append(pcm)
@@ -119,6 +125,15 @@ class VoiceInput:
             self._speech_item = None
             self._eager, self._early = None, {}  # a job started at a pause is moot: its result is dropped
             self._events.emit("input_audio_buffer.cleared")
+
+    def _check_size(self, audio: bytes) -> None:
+        """The append bound counts session audio (the parse bounded the wire's bytes): an 8 kHz
+        append may carry as many ms as a 24 kHz one, not 6 times more."""
+        limit = self._limits.max_audio_append_bytes
+        if self._format.session_bytes(len(audio)) > limit:
+            most = limit // PCM_BYTES_PER_MS
+            raise ProtocolError("audio_too_large", f"'audio' is {len(audio) // self._format.bytes_per_ms} ms of "
+                                f"{self._format.type}; at most {most} ms are accepted at once", "audio")
 
     def forget(self, item_id: str) -> bool:
         """``item_id`` was deleted: its transcript is moot. True when a job for it may be running

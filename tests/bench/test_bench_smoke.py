@@ -109,6 +109,18 @@ def case(row: Row) -> object:
 
 @pytest.mark.parametrize("row", [case(r) for r in ROWS])
 def test_smoke_run_prints_the_documented_keys(row: Row) -> None:
+    run_smoke(row)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_voice_sessions_smoke_runs_at_8_khz() -> None:
+    """The voice benchmark's sessions in G.711 mu-law at 8 kHz (a phone line's audio): the same
+    keys, ``truncate_exact`` among them."""
+    (row,) = [r for r in ROWS if r.benchmark == "voice_sessions"]
+    run_smoke(Row(row.benchmark, f"{row.command} --format audio/pcmu", row.required, row.optional))
+
+
+def run_smoke(row: Row) -> None:
     argv = shlex.split(row.command)
     argv[0] = sys.executable  # the interpreter running the tests, whatever its path
     before = snapshot()

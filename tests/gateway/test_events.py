@@ -133,12 +133,12 @@ BAD: list[tuple[str, object, str, str | None]] = [
     ("audio too large", {"type": "input_audio_buffer.append", "audio": "AAAA" * 400}, "audio_too_large", "audio"),
     ("output buffer", {"type": "output_audio_buffer.clear"}, "unsupported_feature", "type"),
     ("commit with junk", {"type": "input_audio_buffer.commit", "x": 1}, "unknown_parameter", "x"),
-    ("g711", {"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
-     "unsupported_feature", "session.audio.input.format.type"),
+    ("g711 at 16k", {"type": "session.update", "session": {"audio": {"input": {"format": {
+        "type": "audio/pcmu", "rate": 16000}}}}}, "invalid_value", "session.audio.input.format.rate"),
     ("pcm at 16k", {"type": "session.update", "session": {"audio": {"output": {"format": {
         "type": "audio/pcm", "rate": 16000}}}}}, "invalid_value", "session.audio.output.format.rate"),
-    ("beta g711", {"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}},
-     "unsupported_feature", "session.input_audio_format"),
+    ("beta unknown format", {"type": "session.update", "session": {"input_audio_format": "g722"}},
+     "invalid_value", "session.input_audio_format"),
     ("semantic vad", {"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
         "type": "semantic_vad"}}}}}, "unsupported_feature", "session.audio.input.turn_detection.type"),
     ("vad threshold", {"type": "session.update", "session": {"turn_detection": {"type": "server_vad",
