@@ -438,6 +438,7 @@ class RealtimeSession:
         if self._active is not None and self._active.done:
             if self._active.speaks:
                 self._commands.append(CancelSpeech(self._active.id))
+            self._voice_in.response_finished(self._active.audio_ms)
             self._active = None
             self._held = None
 

@@ -424,3 +424,36 @@ def test_deleting_an_item_cancels_its_transcription() -> None:
     assert session.commands() == [CancelTranscription(item_id)]
     session.transcribed(item_id, "too late", 0.6)  # the job had already run: its transcript is dropped
     assert drain(session) == []
+
+
+def test_idle_timeout_commits_the_silence_and_answers_it() -> None:
+    """Counted in audio: from the buffer's start, then from where the last answer stopped playing."""
+    session = make(limits=SessionLimits(audio_burst_bytes=10**8))
+    session.receive({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "idle_timeout_ms": 5000}}}}})
+    (updated,) = drain(session)
+    assert updated["session"]["audio"]["input"]["turn_detection"]["idle_timeout_ms"] == 5000
+    assert append(session, tone(4990, QUIET)) == []
+    events = append(session, tone(10, QUIET))
+    assert types(events) == ["input_audio_buffer.timeout_triggered", "input_audio_buffer.committed",
+                             "conversation.item.added", "conversation.item.done"]
+    assert (events[0]["audio_start_ms"], events[0]["audio_end_ms"]) == (0, 5000)
+    item_id = events[0]["item_id"]
+    assert events[1]["item_id"] == item_id
+    transcribe, admit = session.commands()
+    assert isinstance(transcribe, Transcribe) and admit == AdmitResponse(item_id)
+    assert len(transcribe.audio) == 310 * PCM_BYTES_PER_MS  # what the buffer kept: the padding and the chunk
+    session.response_admitted(True)
+    session.transcribed(item_id, "", 0.3)
+    drain(session)
+    (start,) = session.commands()
+    assert append(session, tone(3000, QUIET)) + append(session, tone(3000, QUIET)) == []  # still answering: no count
+    session.engine_event(start.response_id, TokenEvent(token_id=1, text="Still there?", logprob=0.0))
+    session.engine_event(start.response_id, FinishEvent(reason="stop", prompt_tokens=9, completion_tokens=3))
+    assert types(drain(session))[-1] == "response.done"
+    spoken = append(session, tone(3000, LOUD) + tone(600, QUIET))  # the user speaks: their turn, no timeout
+    assert "input_audio_buffer.timeout_triggered" not in types(spoken)
+    session.commands()
+    session.response_admitted(False)  # (the key refused the answer: nothing is answering)
+    assert append(session, tone(4000, QUIET)) == []
+    assert types(append(session, tone(1000, QUIET)))[0] == "input_audio_buffer.timeout_triggered"
