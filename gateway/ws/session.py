@@ -230,10 +230,12 @@ class RealtimeSession:
 
     # ----- voice: the adapter reports -----------------------------------------------------------
 
-    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0) -> None:
-        """The transcript of a user item's speech (``VoiceInput.transcribed``). Never raises."""
+    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0,
+                    segments: Sequence[str] = ()) -> None:
+        """The transcript of a user item's speech, decoded in ``segments`` (``VoiceInput.transcribed``).
+        Never raises."""
         try:
-            self._voice_in.transcribed(item_id, transcript, seconds, tag)
+            self._voice_in.transcribed(item_id, transcript, seconds, tag, segments)
         except Exception:
             logger.exception("internal error handling the transcript of %s", item_id)
             self._internal_error(None)

@@ -6,6 +6,12 @@ Appended audio goes to ``InputAudio``; with server VAD, speech that starts inter
 response (``interrupt_response``), speech that pauses starts its transcript early (the turn may
 end there), and speech that stops is committed as a user item whose transcript the adapter makes
 (``Transcribe``), then answered (``create_response``, once the key is charged: ``AdmitResponse``).
+A transcript reaches the client as ``...input_audio_transcription.delta`` events, one per piece
+the recognizer decoded, then ``.completed``, all at once when it is applied to its item: a job
+started at a pause may be for a cut of the speech that the user then goes on from, and its
+deltas must not reach the client as the item's. So deltas wait for the cut to be known; for
+short turns Whisper decodes one piece, so one delta.
+
 A response whose prompt holds a transcript not made yet waits for it: ``transcribing`` tells the
 session, and ``Turns.transcripts_changed`` tells it when to look again.
 
@@ -19,7 +25,7 @@ client that stops sending audio stops the count (documented).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,7 +94,7 @@ class VoiceInput:
         # The job started at the latest pause of the speech in progress (item id, cut), and its
         # transcript if it came before the speech ended.
         self._eager: tuple[str, int] | None = None
-        self._early: dict[str, tuple[int, str, float]] = {}
+        self._early: dict[str, tuple[int, str, float, Sequence[str]]] = {}
         self._admitting = False  # a response server VAD asked for waits for the key's admission
         self._idle_from: int | None = None  # session audio ms the idle timeout counts from (None: not counting)
 
@@ -215,7 +221,7 @@ class VoiceInput:
         if cut is not None and eager == (item_id, cut):
             self._transcribing[item_id] = (item, cut)
             if early is not None:
-                self.transcribed(item_id, early[1], early[2], cut)
+                self.transcribed(item_id, early[1], early[2], cut, early[3])
         else:
             self._transcribing[item_id] = (item, 0)
             self._commands.append(Transcribe(item_id=item_id, audio=audio))
@@ -229,14 +235,15 @@ class VoiceInput:
 
     # ----- the adapter reports ----------------------------------------------------------------
 
-    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0) -> None:
+    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0,
+                    segments: Sequence[str] = ()) -> None:
         """The transcript of a user item's speech (``seconds`` of audio) cut at ``tag`` (its
         ``Transcribe``'s): applied if the item waits for that cut, kept if the speech it was started
         for at a pause has not ended yet, dropped if the user went on."""
         entry = self._transcribing.get(item_id)
         if entry is None:
             if self._eager == (item_id, tag):
-                self._early = {item_id: (tag, transcript, seconds)}  # the turn may end at this pause
+                self._early = {item_id: (tag, transcript, seconds, segments)}  # the turn may end at this pause
             return
         item, expected = entry
         if tag != expected:
@@ -244,6 +251,12 @@ class VoiceInput:
         del self._transcribing[item_id]
         item.parts[0] = transcript
         item.transcribing = False
+        # The pieces as decoded, if they make the transcript exactly (else the whole as one).
+        pieces = tuple(segments) if "".join(segments) == transcript else (transcript,)
+        for piece in pieces:
+            if piece:
+                self._events.emit("conversation.item.input_audio_transcription.delta", item_id=item_id,
+                                  content_index=0, delta=piece)
         self._events.emit("conversation.item.input_audio_transcription.completed", item_id=item_id, content_index=0,
                           transcript=transcript, usage={"type": "duration", "seconds": round(seconds, 3)})
         self._turns.transcripts_changed()
