@@ -30,6 +30,9 @@ class Transcription:
     text: str  # stripped; "" for no speech
     seconds_of_audio: float
     seconds_taken: float  # wall time of the recognition itself, not the queue wait
+    # The text as the recognizer decoded it, segment by segment (joined, exactly ``text``): the
+    # Realtime session sends one transcription delta per segment.
+    segments: tuple[str, ...] = ()
 
     @property
     def real_time_factor(self) -> float:
@@ -92,5 +95,15 @@ class WhisperRecognizer:
             np.ascontiguousarray(samples_16k, dtype=np.float32), language=self.language, beam_size=self.beam_size,
             temperature=0.0, vad_filter=False,  # we segment with our own VAD first
             without_timestamps=True, condition_on_previous_text=False)
-        text = "".join(segment.text for segment in segments).strip()  # the generator does the decoding
-        return Transcription(text, seconds, time.perf_counter() - started)
+        pieces = [segment.text for segment in segments]  # the generator does the decoding
+        return Transcription("".join(pieces).strip(), seconds, time.perf_counter() - started, joined_exactly(pieces))
+
+
+def joined_exactly(pieces: list[str]) -> tuple[str, ...]:
+    """The non-empty pieces, the first without its leading and the last without its trailing
+    blanks, so that they join to the stripped text."""
+    kept = [p for p in pieces if p.strip()]
+    if kept:
+        kept[0] = kept[0].lstrip()
+        kept[-1] = kept[-1].rstrip()  # (after: with one piece, both ends of it)
+    return tuple(kept)

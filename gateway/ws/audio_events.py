@@ -11,14 +11,19 @@ Formats are ``voice.formats``': ``audio/pcm`` at 24 kHz (beta ``pcm16``), ``audi
 ``audio/pcma`` at 8 kHz (beta ``g711_ulaw``, ``g711_alaw``); a GA format's ``rate``, when given,
 must be its own. An appended chunk is checked against the session's input format when the session
 takes it, and converted to the session's clock there (PCM16 at 24 kHz, ``PCM_RATE``): every bound
-that counts audio past this parse counts it on that clock, whatever the wire carries. Semantic VAD
-is refused with ``unsupported_feature`` rather than silently mishandled.
+that counts audio past this parse counts it on that clock, whatever the wire carries.
+
+Two input settings are accepted with a difference, because voice frameworks send them by default
+and one refused field fails their whole session: ``noise_reduction`` is echoed but no denoiser
+runs (the session tells the client once, see ``NoiseReduction``), and ``semantic_vad`` runs as
+server VAD whose silence follows its eagerness (``ServerVad.kind`` keeps the type for the turn
+model that will replace it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from gateway.ws.fields import Fields, ProtocolError
 from voice.audio import bounded, decode_base64
@@ -32,20 +37,48 @@ MAX_VOICE_CHARS = 64
 MAX_TRANSCRIPTION_PROMPT = 4096
 
 
+Eagerness = Literal["low", "medium", "high", "auto"]
+EAGERNESS = get_args(Eagerness)
+# semantic_vad's stand-in: the silence that ends a turn, by eagerness ("auto" is "medium", as in
+# the API). The API's turn model waits up to 8/4/2 s on an unfinished sentence; without one, a
+# fixed silence is the honest approximation (docs/protocol.md, "supported with a difference").
+EAGERNESS_SILENCE_MS: dict[str, int] = {"low": 1000, "medium": 600, "auto": 600, "high": 300}
+IDLE_TIMEOUT_MS = (5_000, 30_000)  # the API's range for turn_detection.idle_timeout_ms
+
+
 @dataclass(frozen=True)
 class ServerVad:
-    """``turn_detection: {"type": "server_vad", ...}`` with the API's defaults."""
+    """``turn_detection``: ``server_vad`` with the API's defaults, or ``semantic_vad`` run as server
+    VAD (``kind`` keeps which, so a turn model can later take the semantic kind over)."""
 
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
+    kind: Literal["server_vad", "semantic_vad"] = "server_vad"
+    eagerness: Eagerness = "auto"  # semantic_vad only: what set silence_duration_ms
+    idle_timeout_ms: int | None = None  # server_vad only: answer a silent user after this much audio
 
     def wire(self) -> dict[str, Any]:
+        if self.kind == "semantic_vad":
+            return {"type": "semantic_vad", "eagerness": self.eagerness, "create_response": self.create_response,
+                    "interrupt_response": self.interrupt_response}
         return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
                 "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
-                "interrupt_response": self.interrupt_response, "idle_timeout_ms": None}
+                "interrupt_response": self.interrupt_response, "idle_timeout_ms": self.idle_timeout_ms}
+
+
+@dataclass(frozen=True)
+class NoiseReduction:
+    """``audio.input.noise_reduction``: accepted and echoed, but no denoiser is installed here, so
+    the audio reaches VAD and recognition as sent (the session says so once: ``x_warnings``)."""
+
+    type: Literal["near_field", "far_field"]
+    strength: float | None = None  # newer SDKs send it; echoed only when given
+
+    def wire(self) -> dict[str, Any]:
+        return {"type": self.type} if self.strength is None else {"type": self.type, "strength": self.strength}
 
 
 @dataclass(frozen=True)
@@ -69,6 +102,7 @@ class AudioSettings:
     voice: str = "alloy"
     transcription: Transcription | None = None
     turn_detection: ServerVad | None = ServerVad()  # None: push to talk (the client commits)
+    noise_reduction: NoiseReduction | None = None  # echoed only: nothing filters the audio here
     input_format: AudioFormat = PCM16  # what appends carry
     output_format: AudioFormat = PCM16  # what audio deltas carry
 
@@ -101,13 +135,15 @@ class AudioPatch:
     turn_detection: Any = _UNSET
     input_format: Any = _UNSET
     output_format: Any = _UNSET
+    noise_reduction: Any = _UNSET
 
     @property
     def empty(self) -> bool:
         return all(getattr(self, name) is _UNSET for name in PATCH_FIELDS)
 
 
-PATCH_FIELDS = ("output_audio", "voice", "transcription", "turn_detection", "input_format", "output_format")
+PATCH_FIELDS = ("output_audio", "voice", "transcription", "turn_detection", "input_format", "output_format",
+                "noise_reduction")
 
 
 @dataclass(frozen=True)
@@ -158,7 +194,8 @@ def session_audio(s: Fields) -> AudioPatch | None:
         fields["transcription"] = _transcription(s, "input_audio_transcription")
     if "turn_detection" in s.obj:
         fields["turn_detection"] = _turn_detection(s, "turn_detection")
-    _refuse_set(s, "input_audio_noise_reduction", "noise reduction is not supported")
+    if "input_audio_noise_reduction" in s.obj:
+        fields["noise_reduction"] = _noise_reduction(s, "input_audio_noise_reduction")
     _speed(s)
     return AudioPatch(**fields) if fields else None
 
@@ -243,7 +280,8 @@ def _input(f: Fields, out: dict[str, Any]) -> None:
         out["transcription"] = _transcription(f, "transcription")
     if "turn_detection" in f.obj:
         out["turn_detection"] = _turn_detection(f, "turn_detection")
-    _refuse_set(f, "noise_reduction", "noise reduction is not supported")
+    if "noise_reduction" in f.obj:
+        out["noise_reduction"] = _noise_reduction(f, "noise_reduction")
     f.done()
 
 
@@ -300,24 +338,57 @@ def _transcription(f: Fields, key: str) -> Transcription | None:
     return config
 
 
+def _noise_reduction(f: Fields, key: str) -> NoiseReduction | None:
+    if not f.has(key):
+        return None  # null: off
+    n = Fields(f.raw(key), f.param(key))
+    kind = n.string("type", 32, required=True)
+    if kind not in ("near_field", "far_field"):
+        raise ProtocolError("invalid_value", f"'{n.param('type')}' must be \"near_field\" or \"far_field\"",
+                            n.param("type"))
+    strength = n.number("strength", 0.0, 1.0)
+    n.done()
+    return NoiseReduction(type=kind, strength=strength)  # type: ignore[arg-type]  # checked above
+
+
 def _turn_detection(f: Fields, key: str) -> ServerVad | None:
     if not f.has(key):
         return None  # null: push to talk
     t = Fields(f.raw(key), f.param(key))
-    kind: Literal["server_vad", "semantic_vad"] | str | None = t.string("type", 32)
-    if kind == "semantic_vad":
-        raise ProtocolError("unsupported_feature", "semantic_vad is not supported: use server_vad", t.param("type"))
-    if kind not in (None, "server_vad"):
-        raise ProtocolError("invalid_value", f"'{t.param('type')}' must be \"server_vad\"", t.param("type"))
+    kind = t.string("type", 32)
+    if kind not in (None, "server_vad", "semantic_vad"):
+        raise ProtocolError("invalid_value", f"'{t.param('type')}' must be \"server_vad\" or \"semantic_vad\"",
+                            t.param("type"))
     defaults = ServerVad()
+    create = _or(t.boolean("create_response"), defaults.create_response)
+    interrupt = _or(t.boolean("interrupt_response"), defaults.interrupt_response)
+    if kind == "semantic_vad":
+        eagerness = _or(t.string("eagerness", 16), "auto")
+        if eagerness not in EAGERNESS:
+            raise ProtocolError("invalid_value", f"'{t.param('eagerness')}' must be one of {list(EAGERNESS)}",
+                                t.param("eagerness"))
+        for server_only in ("threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms"):
+            if t.has(server_only):
+                raise ProtocolError("invalid_value", f"'{t.param(server_only)}' applies to server_vad only",
+                                    t.param(server_only))
+        t.done()
+        return ServerVad(kind="semantic_vad", eagerness=eagerness, silence_duration_ms=EAGERNESS_SILENCE_MS[eagerness],
+                         create_response=create, interrupt_response=interrupt)
+    if t.has("eagerness"):
+        raise ProtocolError("invalid_value", f"'{t.param('eagerness')}' applies to semantic_vad only",
+                            t.param("eagerness"))
+    idle = t.integer("idle_timeout_ms", minimum=IDLE_TIMEOUT_MS[0])
+    if idle is not None and idle > IDLE_TIMEOUT_MS[1]:
+        raise ProtocolError("invalid_value", f"'{t.param('idle_timeout_ms')}' must be between {IDLE_TIMEOUT_MS[0]} "
+                            f"and {IDLE_TIMEOUT_MS[1]}", t.param("idle_timeout_ms"))
     vad = ServerVad(
         threshold=_or(t.number("threshold", 0.0, 1.0), defaults.threshold),
         prefix_padding_ms=_bounded_ms(t, "prefix_padding_ms", defaults.prefix_padding_ms, 0, 2_000),
         silence_duration_ms=_bounded_ms(t, "silence_duration_ms", defaults.silence_duration_ms, 100, 10_000),
-        create_response=_or(t.boolean("create_response"), defaults.create_response),
-        interrupt_response=_or(t.boolean("interrupt_response"), defaults.interrupt_response),
+        create_response=create,
+        interrupt_response=interrupt,
+        idle_timeout_ms=idle,
     )
-    _refuse_set(t, "idle_timeout_ms", "idle_timeout_ms is not supported")
     t.done()
     return vad
 
@@ -335,11 +406,6 @@ def _speed(f: Fields) -> None:
     speed = f.number("speed", 0.25, 1.5)
     if speed is not None and speed != 1.0:
         raise ProtocolError("unsupported_feature", "only speed 1.0 is supported", f.param("speed"))
-
-
-def _refuse_set(f: Fields, key: str, why: str) -> None:
-    if f.has(key):
-        raise ProtocolError("unsupported_feature", why, f.param(key))
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -54,7 +54,7 @@ MCP_ITEM_TYPES = frozenset({"mcp_call", "mcp_list_tools", "mcp_approval_request"
 # Fields that only configure tracing or reasoning we do not run: accepted so that stock clients
 # work, and ignored (documented in docs/protocol.md).
 IGNORED_SESSION_FIELDS = frozenset({
-    "include", "tracing", "truncation", "reasoning", "client_secret", "expires_at", "object", "id",
+    "tracing", "truncation", "reasoning", "client_secret", "expires_at", "object", "id",
 })
 IGNORED_RESPONSE_FIELDS = frozenset({"reasoning"})
 
@@ -265,8 +265,21 @@ def _session_update(f: Fields, event_id: str | None, limits: SessionLimits) -> S
         tools=_tools_patch(s),
         audio=session_audio(s),
     )
+    _include(s)
     s.done(IGNORED_SESSION_FIELDS)
     return update
+
+
+def _include(s: Fields) -> None:
+    """``session.include``: the API's one value asks for per-token logprobs of input transcripts,
+    which Whisper here does not give (it scores segments), so it is refused rather than faked."""
+    values = s.array("include", 8)
+    for n, value in enumerate(values or ()):
+        param = f"{s.param('include')}[{n}]"
+        if value == "item.input_audio_transcription.logprobs":
+            raise ProtocolError("unsupported_feature", "input transcription logprobs are not available: the "
+                                "recognizer here scores whole segments, not tokens", param)
+        raise ProtocolError("invalid_value", f"'{param}' must be \"item.input_audio_transcription.logprobs\"", param)
 
 
 def _item_create(f: Fields, event_id: str | None, limits: SessionLimits) -> ItemCreate:

@@ -55,6 +55,8 @@ __all__ = ["AbortGeneration", "Command", "RealtimeSession", "SessionIds", "Sessi
 logger = logging.getLogger(__name__)
 
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing this event."
+NO_DENOISER = ("noise reduction is accepted but not applied: this server has no denoiser, so the audio reaches "
+               "turn detection and transcription as sent")
 
 
 class RealtimeSession:
@@ -94,6 +96,7 @@ class RealtimeSession:
         self._started = False
         self._voice = voice
         self._held: Callable[[], None] | None = None  # starts the active response once transcripts are in
+        self._told_no_denoiser = False  # the x_warnings about noise_reduction is sent once a session
         active = _ActiveResponse(self)
         self._items = ItemStore(self._conversation, limits, self._ids, self._events, beta, writer=active)
         self._voice_in = VoiceInput(limits, voice, self._items, self._ids, self._events, self._commands, turns=active,
@@ -227,10 +230,12 @@ class RealtimeSession:
 
     # ----- voice: the adapter reports -----------------------------------------------------------
 
-    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0) -> None:
-        """The transcript of a user item's speech (``VoiceInput.transcribed``). Never raises."""
+    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0,
+                    segments: Sequence[str] = ()) -> None:
+        """The transcript of a user item's speech, decoded in ``segments`` (``VoiceInput.transcribed``).
+        Never raises."""
         try:
-            self._voice_in.transcribed(item_id, transcript, seconds, tag)
+            self._voice_in.transcribed(item_id, transcript, seconds, tag, segments)
         except Exception:
             logger.exception("internal error handling the transcript of %s", item_id)
             self._internal_error(None)
@@ -313,7 +318,14 @@ class RealtimeSession:
     def _session_update(self, event: SessionUpdate) -> None:
         self._settings.update(event)
         self._voice_in.configure(self._settings.view.audio)
-        self._emit("session.updated", session=session_wire(self._settings.view, self._beta))
+        session = session_wire(self._settings.view, self._beta)
+        if self._settings.view.audio.noise_reduction is not None and not self._told_no_denoiser:
+            # Inside session.updated, not an event of its own: Pipecat's parser raises on any server
+            # event type it does not know, which would end its session (docs/protocol.md).
+            self._told_no_denoiser = True
+            param = "session.input_audio_noise_reduction" if self._beta else "session.audio.input.noise_reduction"
+            session["x_warnings"] = [{"code": "noise_reduction_not_applied", "message": NO_DENOISER, "param": param}]
+        self._emit("session.updated", session=session)
 
     def _response_create(self, event: ResponseCreate) -> None:
         if self._active is not None:
@@ -428,6 +440,7 @@ class RealtimeSession:
         if self._active is not None and self._active.done:
             if self._active.speaks:
                 self._commands.append(CancelSpeech(self._active.id))
+            self._voice_in.response_finished(self._active.audio_ms)
             self._active = None
             self._held = None
 

@@ -6,14 +6,26 @@ Appended audio goes to ``InputAudio``; with server VAD, speech that starts inter
 response (``interrupt_response``), speech that pauses starts its transcript early (the turn may
 end there), and speech that stops is committed as a user item whose transcript the adapter makes
 (``Transcribe``), then answered (``create_response``, once the key is charged: ``AdmitResponse``).
+A transcript reaches the client as ``...input_audio_transcription.delta`` events, one per piece
+the recognizer decoded, then ``.completed``, all at once when it is applied to its item: a job
+started at a pause may be for a cut of the speech that the user then goes on from, and its
+deltas must not reach the client as the item's. So deltas wait for the cut to be known; for
+short turns Whisper decodes one piece, so one delta.
+
 A response whose prompt holds a transcript not made yet waits for it: ``transcribing`` tells the
 session, and ``Turns.transcripts_changed`` tells it when to look again.
+
+``idle_timeout_ms`` is counted in audio, not wall time: from where the last response's speech
+would have finished playing (the input position at its end plus the audio it sent, the API's
+"response.done time plus playback"), or from where the buffer started, with no speech since.
+Clients stream their microphone, silence included, so audio time is wall time for them; a
+client that stops sending audio stops the count (documented).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -85,11 +97,14 @@ class VoiceInput:
         # The job started at the latest pause of the speech in progress (item id, cut), and its
         # transcript if it came before the speech ended.
         self._eager: tuple[str, int] | None = None
-        self._early: dict[str, tuple[int, str, float]] = {}
+        self._early: dict[str, tuple[int, str, float, Sequence[str]]] = {}
         self._admitting = False  # a response server VAD asked for waits for the key's admission
+        self._idle_from: int | None = None  # session audio ms the idle timeout counts from (None: not counting)
 
     def configure(self, audio: AudioSettings) -> None:
         """The session's audio settings changed: its turn detection, the format appends carry."""
+        if audio.turn_detection != self._vad:
+            self._idle_from = None  # counted afresh from the next audio
         self._vad = audio.turn_detection
         if audio.input_format is not self._format:
             self._format = audio.input_format
@@ -119,10 +134,12 @@ class VoiceInput:
             previous_speech = self._speech_item
             audio = self._input.commit()
             self._speech_item = None
+            self._idle_from = None
             self._commit(previous_speech or self._ids("item"), audio, respond=False)
         elif isinstance(event, AudioClear):
             self._input.clear()
             self._speech_item = None
+            self._idle_from = None
             self._eager, self._early = None, {}  # a job started at a pause is moot: its result is dropped
             self._events.emit("input_audio_buffer.cleared")
 
@@ -146,6 +163,7 @@ class VoiceInput:
 
     def _append(self, pcm: bytes) -> None:
         vad = self._vad
+        before = self._input.total_ms
         for speech in self._input.append(pcm):
             if isinstance(speech, SpeechStarted):
                 self._speech_item = self._ids("item")
@@ -166,6 +184,7 @@ class VoiceInput:
             item_id = self._speech_item or self._ids("item")
             start = self._speech_start_ms
             self._speech_item = None
+            self._idle_from = speech.audio_end_ms  # the user's turn: idle counts from its end
             self._events.emit("input_audio_buffer.speech_stopped", audio_end_ms=speech.audio_end_ms, item_id=item_id)
             audio = self._input.take(start, speech.audio_end_ms)
             try:
@@ -173,6 +192,37 @@ class VoiceInput:
             except ProtocolError as e:  # no room for the item: said, and the chunk's later speech still counts
                 self._eager, self._early = None, {}
                 self._turns.error(e)
+        self._check_idle(before)
+
+    def response_finished(self, audio_ms: int) -> None:
+        """A response ended, having sent ``audio_ms`` of speech: idle counts from where it has played."""
+        self._idle_from = self._input.total_ms + audio_ms
+
+    def _check_idle(self, chunk_start_ms: int) -> None:
+        """Server VAD's ``idle_timeout_ms``: no speech for that long, nothing answering, so the
+        (silent) buffer is committed as the user's turn and answered, as the API does."""
+        vad = self._vad
+        if vad is None or vad.idle_timeout_ms is None:
+            return
+        if self._speech_item is not None or self._turns.responding():
+            self._idle_from = None  # counted again once the speech, or the answer, is over
+            return
+        if self._admitting:
+            return
+        now = self._input.total_ms
+        if self._idle_from is None:
+            self._idle_from = chunk_start_ms
+        if now - self._idle_from < vad.idle_timeout_ms:
+            return
+        item_id = self._ids("item")
+        self._events.emit("input_audio_buffer.timeout_triggered", audio_start_ms=self._idle_from, audio_end_ms=now,
+                          item_id=item_id)
+        self._idle_from = None
+        audio = self._input.take(self._input.start_ms, now)
+        try:
+            self._commit(item_id, audio, respond=True)
+        except ProtocolError as e:  # no room for the item: said; the count starts again
+            self._turns.error(e)
 
     def _commit(self, item_id: str, audio: bytes, *, respond: bool, cut: int | None = None) -> None:
         """The user's speech becomes an item (its transcript to come), and maybe a response. When
@@ -186,7 +236,7 @@ class VoiceInput:
         if cut is not None and eager == (item_id, cut):
             self._transcribing[item_id] = (item, cut)
             if early is not None:
-                self.transcribed(item_id, early[1], early[2], cut)
+                self.transcribed(item_id, early[1], early[2], cut, early[3])
         else:
             self._transcribing[item_id] = (item, 0)
             self._commands.append(Transcribe(item_id=item_id, audio=audio))
@@ -200,14 +250,15 @@ class VoiceInput:
 
     # ----- the adapter reports ----------------------------------------------------------------
 
-    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0) -> None:
+    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0,
+                    segments: Sequence[str] = ()) -> None:
         """The transcript of a user item's speech (``seconds`` of audio) cut at ``tag`` (its
         ``Transcribe``'s): applied if the item waits for that cut, kept if the speech it was started
         for at a pause has not ended yet, dropped if the user went on."""
         entry = self._transcribing.get(item_id)
         if entry is None:
             if self._eager == (item_id, tag):
-                self._early = {item_id: (tag, transcript, seconds)}  # the turn may end at this pause
+                self._early = {item_id: (tag, transcript, seconds, segments)}  # the turn may end at this pause
             return
         item, expected = entry
         if tag != expected:
@@ -215,6 +266,12 @@ class VoiceInput:
         del self._transcribing[item_id]
         item.parts[0] = transcript
         item.transcribing = False
+        # The pieces as decoded, if they make the transcript exactly (else the whole as one).
+        pieces = tuple(segments) if "".join(segments) == transcript else (transcript,)
+        for piece in pieces:
+            if piece:
+                self._events.emit("conversation.item.input_audio_transcription.delta", item_id=item_id,
+                                  content_index=0, delta=piece)
         self._events.emit("conversation.item.input_audio_transcription.completed", item_id=item_id, content_index=0,
                           transcript=transcript, usage={"type": "duration", "seconds": round(seconds, 3)})
         self._turns.transcripts_changed()

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.metrics import GatewayMetrics
@@ -31,14 +32,24 @@ class VoiceUnavailable(Exception):
     safe to show the client."""
 
 
+@dataclass(frozen=True)
+class Heard:
+    """A transcript, with the pieces the recognizer decoded it in (they join to ``text``; each
+    becomes a transcription delta)."""
+
+    text: str
+    seconds: float  # of audio
+    segments: tuple[str, ...] = ()
+
+
 class VoiceService(Protocol):
     """Speech in and out for every session of a gateway process."""
 
     hooks: VoiceHooks
 
-    async def transcribe(self, audio: bytes, owner: Hashable = None) -> tuple[str, float]:
-        """PCM16 mono at 24 kHz -> (transcript, seconds of audio), in ``owner``'s (the session's)
-        turn of the shared workers. Raises ``VoiceUnavailable``."""
+    async def transcribe(self, audio: bytes, owner: Hashable = None) -> Heard:
+        """PCM16 mono at 24 kHz -> what was said, in ``owner``'s (the session's) turn of the
+        shared workers. Raises ``VoiceUnavailable``."""
         ...
 
     async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:
@@ -111,14 +122,14 @@ class VoiceLink:
 
     async def _transcribe(self, command: Transcribe) -> None:
         try:
-            text, seconds = await self._service.transcribe(command.audio, owner=self)
+            heard = await self._service.transcribe(command.audio, owner=self)
         except VoiceUnavailable as e:
             self._session.transcription_failed(command.item_id, str(e), command.tag)
         except Exception:
             log.exception("transcribing %s failed", command.item_id)
             self._session.transcription_failed(command.item_id, "the speech could not be transcribed", command.tag)
         else:
-            self._session.transcribed(command.item_id, text, seconds, command.tag)
+            self._session.transcribed(command.item_id, heard.text, heard.seconds, command.tag, heard.segments)
         self._pump()
 
     async def _synthesize(self, command: Synthesize) -> None:

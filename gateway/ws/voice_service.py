@@ -20,7 +20,7 @@ import numpy as np
 from gateway.ws.audio_events import ServerVad
 from gateway.ws.audio_input import SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
 from gateway.ws.voice_input import VoiceHooks
-from gateway.ws.voice_link import VoiceUnavailable
+from gateway.ws.voice_link import Heard, VoiceUnavailable
 from llm_shared.errors import EngineError
 from voice.alignment import Mark
 from voice.config import VoiceConfig
@@ -66,12 +66,12 @@ class GatewayVoice:
         log.info("voice ready in %.1f s: Silero VAD, Whisper (%s), %s", time.perf_counter() - started,
                  service.recognizer.model_dir, config.tts_backend)
 
-    async def transcribe(self, audio: bytes, owner: Hashable = None) -> tuple[str, float]:
+    async def transcribe(self, audio: bytes, owner: Hashable = None) -> Heard:
         try:
             result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner)
         except EngineError as e:  # VoiceBusy, VoiceTimeout: their messages are for the client
             raise VoiceUnavailable(e.message) from e
-        return result.text, result.seconds_of_audio
+        return Heard(result.text, result.seconds_of_audio, result.segments)
 
     async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:
         try:

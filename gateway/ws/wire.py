@@ -107,6 +107,7 @@ def session_wire(s: SessionView, beta: bool) -> dict[str, Any]:
             "output_audio_format": s.audio.output_format.beta,
             "turn_detection": vad.wire() if (vad := s.audio.turn_detection) is not None else None,
             "input_audio_transcription": t.wire() if (t := s.audio.transcription) is not None else None,
+            "input_audio_noise_reduction": n.wire() if (n := s.audio.noise_reduction) is not None else None,
         }
     return {
         "type": "realtime",
@@ -130,7 +131,7 @@ def session_wire(s: SessionView, beta: bool) -> dict[str, Any]:
 def audio_wire(a: AudioSettings) -> dict[str, Any]:
     return {
         "input": {"format": a.input_format.wire(), "transcription": a.transcription.wire() if a.transcription is not None else None,
-                  "noise_reduction": None,
+                  "noise_reduction": a.noise_reduction.wire() if a.noise_reduction is not None else None,
                   "turn_detection": a.turn_detection.wire() if a.turn_detection is not None else None},
         "output": {"format": a.output_format.wire(), "voice": a.voice, "speed": 1.0},
     }

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gateway.ws.audio_events import AudioPatch, ServerVad, Transcription
+from gateway.ws.audio_events import EAGERNESS_SILENCE_MS, AudioPatch, NoiseReduction, ServerVad, Transcription
 from gateway.ws.events import (
     AudioAppend,
     AudioCommit,
@@ -60,6 +60,33 @@ def test_audio_settings_parse_from_ga_and_beta_shapes() -> None:
     response = parse_client_event({"type": "response.create", "response": {
         "output_modalities": ["text"], "audio": {"output": {"voice": "ash"}}}}, LIMITS)
     assert response.audio == AudioPatch(output_audio=False, voice="ash")  # type: ignore[union-attr]
+
+
+def test_framework_voice_settings_parse_with_their_stand_ins() -> None:
+    """semantic_vad runs as server VAD whose silence follows the eagerness; noise reduction and
+    idle_timeout_ms are kept as given (the session echoes them, and acts on the timeout)."""
+    ga = parse_client_event({"type": "session.update", "session": {"audio": {"input": {
+        "noise_reduction": {"type": "near_field"},
+        "turn_detection": {"type": "semantic_vad", "eagerness": "high", "create_response": True,
+                           "interrupt_response": False}}}}}, LIMITS)
+    assert ga.audio == AudioPatch(  # type: ignore[union-attr]
+        noise_reduction=NoiseReduction("near_field"),
+        turn_detection=ServerVad(kind="semantic_vad", eagerness="high", silence_duration_ms=300,
+                                 interrupt_response=False))
+    assert ga.audio.turn_detection.wire() == {  # type: ignore[union-attr]
+        "type": "semantic_vad", "eagerness": "high", "create_response": True, "interrupt_response": False}
+    default = parse_client_event({"type": "session.update", "session": {"turn_detection": {
+        "type": "semantic_vad"}}}, LIMITS)
+    assert default.audio.turn_detection == ServerVad(  # type: ignore[union-attr]
+        kind="semantic_vad", eagerness="auto", silence_duration_ms=EAGERNESS_SILENCE_MS["auto"])
+    beta = parse_client_event({"type": "session.update", "session": {
+        "input_audio_noise_reduction": {"type": "far_field", "strength": 0.5},
+        "turn_detection": {"type": "server_vad", "idle_timeout_ms": 6000}}}, LIMITS)
+    assert beta.audio == AudioPatch(noise_reduction=NoiseReduction("far_field", 0.5),  # type: ignore[union-attr]
+                                    turn_detection=ServerVad(idle_timeout_ms=6000))
+    off = parse_client_event({"type": "session.update", "session": {"audio": {"input": {
+        "noise_reduction": None}}, "include": []}}, LIMITS)
+    assert off.audio == AudioPatch(noise_reduction=None)  # type: ignore[union-attr]
 
 
 def test_audio_arrives_as_base64_or_bytes() -> None:
@@ -139,8 +166,27 @@ BAD: list[tuple[str, object, str, str | None]] = [
         "type": "audio/pcm", "rate": 16000}}}}}, "invalid_value", "session.audio.output.format.rate"),
     ("beta unknown format", {"type": "session.update", "session": {"input_audio_format": "g722"}},
      "invalid_value", "session.input_audio_format"),
-    ("semantic vad", {"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
-        "type": "semantic_vad"}}}}}, "unsupported_feature", "session.audio.input.turn_detection.type"),
+    ("semantic vad eagerness", {"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "semantic_vad", "eagerness": "eager"}}}}}, "invalid_value",
+     "session.audio.input.turn_detection.eagerness"),
+    ("semantic vad with a silence", {"type": "session.update", "session": {"turn_detection": {
+        "type": "semantic_vad", "silence_duration_ms": 300}}}, "invalid_value",
+     "session.turn_detection.silence_duration_ms"),
+    ("unknown vad", {"type": "session.update", "session": {"turn_detection": {"type": "push_to_talk"}}},
+     "invalid_value", "session.turn_detection.type"),
+    ("idle timeout too short", {"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "idle_timeout_ms": 1000}}}}}, "invalid_value",
+     "session.audio.input.turn_detection.idle_timeout_ms"),
+    ("idle timeout too long", {"type": "session.update", "session": {"turn_detection": {
+        "idle_timeout_ms": 60_000}}}, "invalid_value", "session.turn_detection.idle_timeout_ms"),
+    ("noise reduction type", {"type": "session.update", "session": {"audio": {"input": {"noise_reduction": {
+        "type": "studio"}}}}}, "invalid_value", "session.audio.input.noise_reduction.type"),
+    ("beta noise reduction junk", {"type": "session.update", "session": {"input_audio_noise_reduction": {
+        "type": "far_field", "gain": 2}}}, "unknown_parameter", "session.input_audio_noise_reduction.gain"),
+    ("transcription logprobs", {"type": "session.update", "session": {"include": [
+        "item.input_audio_transcription.logprobs"]}}, "unsupported_feature", "session.include[0]"),
+    ("unknown include", {"type": "session.update", "session": {"include": ["usage"]}}, "invalid_value",
+     "session.include[0]"),
     ("vad threshold", {"type": "session.update", "session": {"turn_detection": {"type": "server_vad",
                                                                                "threshold": 1.5}}},
      "invalid_value", "session.turn_detection.threshold"),

@@ -155,10 +155,13 @@ def test_server_vad_commits_the_speech_and_answers_once_it_is_transcribed() -> N
     assert isinstance(transcribe, Transcribe) and transcribe.item_id == item["id"]
     assert len(transcribe.audio) == 1300 * PCM_BYTES_PER_MS  # from the padded start to the end of speech
 
-    session.transcribed(item["id"], "What time is it?", 1.3)
-    completed = drain(session)
-    assert types(completed) == ["conversation.item.input_audio_transcription.completed"]
-    assert completed[0]["transcript"] == "What time is it?"
+    session.transcribed(item["id"], "What time is it?", 1.3, segments=("What time", " is it?"))
+    heard = drain(session)  # one delta per piece the recognizer decoded, then the whole
+    assert types(heard) == ["conversation.item.input_audio_transcription.delta"] * 2 + [
+        "conversation.item.input_audio_transcription.completed"]
+    assert [e["delta"] for e in heard[:2]] == ["What time", " is it?"]
+    assert {e["item_id"] for e in heard} == {item["id"]} and heard[0]["content_index"] == 0
+    assert heard[-1]["transcript"] == "What time is it?"
     (start,) = session.commands()
     assert isinstance(start, StartGeneration)
     assert start.messages[-1] == {"role": "user", "content": "What time is it?"}
@@ -337,6 +340,7 @@ def test_transcription_starts_at_a_pause_and_its_transcript_serves_the_turn() ->
     events = append(session, tone(300, QUIET))
     assert types(events) == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
                              "conversation.item.added", "conversation.item.done",
+                             "conversation.item.input_audio_transcription.delta",  # only now: the cut is known
                              "conversation.item.input_audio_transcription.completed"]
     (admit,) = session.commands()  # no second transcription
     assert isinstance(admit, AdmitResponse)
@@ -355,14 +359,15 @@ def test_speech_that_resumes_after_a_pause_is_transcribed_again() -> None:
     (second,) = session.commands()
     assert second.item_id == first.item_id and second.tag > first.tag
     session.transcribed(first.item_id, "Turn on", 0.4, first.tag)  # late, for the shorter cut: dropped
+    assert drain(session) == []  # and no delta of it ever reaches the client
     events = append(session, tone(400, QUIET))
     assert types(events)[-1] == "conversation.item.done"
     assert [type(c) for c in session.commands()] == [AdmitResponse]
     session.response_admitted(True)
     assert types(drain(session)) == ["response.created"] and session.commands() == []  # waits for the second
     session.transcribed(second.item_id, "Turn on the lights.", 1.0, second.tag)
-    (completed,) = drain(session)
-    assert completed["transcript"] == "Turn on the lights."
+    delta, completed = drain(session)
+    assert delta["delta"] == completed["transcript"] == "Turn on the lights."
     (start,) = session.commands()
     assert isinstance(start, StartGeneration) and start.messages[-1]["content"] == "Turn on the lights."
 
@@ -424,3 +429,36 @@ def test_deleting_an_item_cancels_its_transcription() -> None:
     assert session.commands() == [CancelTranscription(item_id)]
     session.transcribed(item_id, "too late", 0.6)  # the job had already run: its transcript is dropped
     assert drain(session) == []
+
+
+def test_idle_timeout_commits_the_silence_and_answers_it() -> None:
+    """Counted in audio: from the buffer's start, then from where the last answer stopped playing."""
+    session = make(limits=SessionLimits(audio_burst_bytes=10**8))
+    session.receive({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "idle_timeout_ms": 5000}}}}})
+    (updated,) = drain(session)
+    assert updated["session"]["audio"]["input"]["turn_detection"]["idle_timeout_ms"] == 5000
+    assert append(session, tone(4990, QUIET)) == []
+    events = append(session, tone(10, QUIET))
+    assert types(events) == ["input_audio_buffer.timeout_triggered", "input_audio_buffer.committed",
+                             "conversation.item.added", "conversation.item.done"]
+    assert (events[0]["audio_start_ms"], events[0]["audio_end_ms"]) == (0, 5000)
+    item_id = events[0]["item_id"]
+    assert events[1]["item_id"] == item_id
+    transcribe, admit = session.commands()
+    assert isinstance(transcribe, Transcribe) and admit == AdmitResponse(item_id)
+    assert len(transcribe.audio) == 310 * PCM_BYTES_PER_MS  # what the buffer kept: the padding and the chunk
+    session.response_admitted(True)
+    session.transcribed(item_id, "", 0.3)
+    drain(session)
+    (start,) = session.commands()
+    assert append(session, tone(3000, QUIET)) + append(session, tone(3000, QUIET)) == []  # still answering: no count
+    session.engine_event(start.response_id, TokenEvent(token_id=1, text="Still there?", logprob=0.0))
+    session.engine_event(start.response_id, FinishEvent(reason="stop", prompt_tokens=9, completion_tokens=3))
+    assert types(drain(session))[-1] == "response.done"
+    spoken = append(session, tone(3000, LOUD) + tone(600, QUIET))  # the user speaks: their turn, no timeout
+    assert "input_audio_buffer.timeout_triggered" not in types(spoken)
+    session.commands()
+    session.response_admitted(False)  # (the key refused the answer: nothing is answering)
+    assert append(session, tone(4000, QUIET)) == []
+    assert types(append(session, tone(1000, QUIET)))[0] == "input_audio_buffer.timeout_triggered"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from voice_clips import clip, speech
 
-from voice.asr import WhisperRecognizer, find_whisper_tiny_en
+from voice.asr import WhisperRecognizer, find_whisper_tiny_en, joined_exactly
 from voice.errors import VoiceModelError
 from voice.tts import FliteSynthesizer
 
@@ -22,6 +22,13 @@ SENTENCES = [
 
 def normalise(text: str) -> str:
     return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
+
+
+def test_segments_join_to_the_stripped_transcript() -> None:
+    """Each becomes a transcription delta, and the deltas must add up to the transcript."""
+    assert joined_exactly([" Hello there.", " ", " How are you? "]) == ("Hello there.", " How are you?")
+    assert joined_exactly([" Hi. "]) == ("Hi.",)
+    assert joined_exactly([" ", ""]) == ()
 
 
 @pytest.mark.parametrize(("voice", "sentence"), SENTENCES)
