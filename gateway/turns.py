@@ -22,6 +22,7 @@ from typing import Literal
 
 from gateway.cascade.route import RouteInfo
 from gateway.cascade.router import Router, prompt_token_limit
+from gateway.context_fit import PromptCuts, fit
 from gateway.limits import LimitsStore, Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.shaping import Grammars
@@ -71,11 +72,14 @@ class Turn:
         abort_timeout_s: float = ABORT_TIMEOUT_S,
         grammars: Grammars | None = None,
         constraints: OutputConstraints | None = None,
+        cuts: PromptCuts | None = None,
     ) -> None:
         """``session_id`` names the conversation (a Realtime session) so a tier can keep its
         state for the next turn; chat completions name none. ``constraints`` (tools, tool_choice,
         response_format; ``messages`` already list the tools, ``gateway.shaping``) are compiled by
-        ``grammars`` for the chosen engine's tokenizer at ``prepare``."""
+        ``grammars`` for the chosen engine's tokenizer at ``prepare``. ``cuts``: how the prompt
+        may shrink when it would not fit the chosen engine's context (the Realtime session's
+        ``truncation``; ``dropped`` says what was left out); without them such a prompt is refused."""
         self.request_id = request_id
         self.session_id = session_id
         self.finished = False
@@ -103,6 +107,13 @@ class Turn:
         self._grammars = grammars
         self._constraints = constraints
         self.grammar: CompiledGrammar | None = None  # the output's grammar, after prepare (None: free)
+        self._cuts = cuts
+        self.dropped: tuple[str, ...] = ()  # item ids a cut left out of the prompt, after prepare
+
+    @property
+    def sticky_cut(self) -> bool:
+        """The prompt was the session's conversation: what ``dropped`` left out stays out of later turns."""
+        return self._cuts is not None and self._cuts.sticky
 
     @property
     def engine(self) -> Engine:
@@ -138,8 +149,13 @@ class Turn:
             self.grammar = await self._grammars.compile(engine.tokenizer, self._constraints, engine)
             if self.grammar is not None:
                 self._params = replace(self._params, grammar=self.grammar.text)
-        self._prompt_ids = await encode_chat(engine, self._messages,
-                                             prompt_token_limit(engine, self._params.max_tokens))
+        limit = prompt_token_limit(engine, self._params.max_tokens)
+        if self._cuts is not None and limit is not None:
+            room = prompt_token_limit(engine, self._params.max_tokens, with_answer=True)
+            fitted = await fit(engine, self._messages, self._cuts, room or limit)
+            self._prompt_ids, self._messages, self.dropped = fitted.prompt_ids, fitted.messages, fitted.dropped
+        else:
+            self._prompt_ids = await encode_chat(engine, self._messages, limit)
         # The output budget is taken now, before any token: a burst cannot overspend the key.
         self._reservation = await self._limits.reserve(self._key_id, self._params.max_tokens, holder=self.request_id)
         return engine

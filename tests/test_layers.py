@@ -111,6 +111,7 @@ GATEWAY_FLOORS: tuple[tuple[str, ...], ...] = (
     ("auth",),  # API keys and origins
     ("limits", "cascade"),  # per-key limits; routing and the cascade
     ("tiers",),  # building and supervising the engine tiers
+    ("context_fit",),  # a conversation cut to the serving tier's context
     ("turns",),  # one generation, from admission to its last token, for either API
     ("ws",),  # the Realtime session and its connection
     ("http",),  # the aiohttp app: state, OpenAI HTTP routes, demo page, model files

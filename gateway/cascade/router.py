@@ -23,22 +23,24 @@ from llm_shared.errors import EngineUnavailableError, UnknownModelError
 KEYWORD_SCAN_CHARS = 4096  # rules look at the start of the last user message: bounded work per turn
 
 
-def prompt_token_limit(engine: Engine, max_tokens: int) -> int | None:
+def prompt_token_limit(engine: Engine, max_tokens: int, *, with_answer: bool = False) -> int | None:
     """The most prompt tokens ``engine`` could take with ``max_tokens`` of output, from what the
     tier says of its context; None where it says nothing. The torch tier counts the output in
     its context (``max_model_len``); the edge holds the prompt alone (``max_prompt_tokens``: it
     stops at its context with "length"). The cascade takes the larger of its tiers' limits,
     whatever their health: it sends what the edge cannot hold to the torch tier, and a tier that
-    is down now may serve a retry."""
+    is down now may serve a retry. ``with_answer``: leave the edge room for the answer too (a
+    prompt cut to fit, ``gateway.context_fit``, should not leave none), when it has that much room."""
     if isinstance(engine, CascadeEngine):
-        limits = [prompt_token_limit(tier, max_tokens) for tier in (engine.drafter.engine, engine.target.engine)]
+        limits = [prompt_token_limit(tier, max_tokens, with_answer=with_answer)
+                  for tier in (engine.drafter.engine, engine.target.engine)]
         return None if None in limits else max(limit for limit in limits if limit is not None)
     max_model_len = getattr(engine, "max_model_len", 0)
     if isinstance(max_model_len, int) and max_model_len > 0:
         return max_model_len - max_tokens
     max_prompt_tokens = getattr(engine, "max_prompt_tokens", 0)
     if isinstance(max_prompt_tokens, int) and max_prompt_tokens > 0:
-        return max_prompt_tokens
+        return max_prompt_tokens - max_tokens if with_answer and max_prompt_tokens > 2 * max_tokens else max_prompt_tokens
     return None
 
 

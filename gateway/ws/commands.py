@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.context_fit import PromptCuts
 from llm_shared.contract import SamplingParams
 from llm_shared.structured import OutputConstraints
 
@@ -23,6 +24,8 @@ class StartGeneration:
     # The tools the response may call (Turn compiles their grammar at prepare); None when it may
     # call none, so an unconstrained turn compiles nothing.
     constraints: OutputConstraints | None = None
+    # How the prompt may shrink to fit the serving tier's context (the session's truncation); None: disabled.
+    cuts: PromptCuts | None = None
 
 
 @dataclass(frozen=True)

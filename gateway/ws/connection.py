@@ -440,7 +440,7 @@ class RealtimeConnection:
                     priority=Priority.REALTIME, request_id=rid, api="realtime", metrics=self._metrics,
                     limits=self._limits, key_id=self.key_id, session_id=self.session_id,
                     abort_timeout_s=self._config.engine_abort_timeout_s, grammars=self._grammars,
-                    constraints=command.constraints)
+                    constraints=command.constraints, cuts=command.cuts)
         try:
             turn.choose()
         except EngineError as e:
@@ -474,6 +474,8 @@ class RealtimeConnection:
         try:
             try:
                 self._engines_used.add(await turn.prepare())
+                if turn.dropped and turn.sticky_cut:
+                    self.session.context_truncated(turn.dropped)
                 if rid in self._aborted:
                     return
                 await turn.run(lambda event: self._engine_event(turn, event))

@@ -34,6 +34,7 @@ from gateway.ws.audio_events import (
 )
 from gateway.ws.conversation import ROOT, Role
 from gateway.ws.fields import Fields, ProtocolError, is_unicode
+from gateway.ws.truncation import Truncation, parse_truncation
 
 __all__ = [
     "AudioAppend", "AudioClear", "AudioCommit", "ClientEvent", "ItemCreate", "ItemDelete", "ItemReference", "ItemRetrieve", "ItemTruncate", "NewFunctionCall",
@@ -54,7 +55,7 @@ MCP_ITEM_TYPES = frozenset({"mcp_call", "mcp_list_tools", "mcp_approval_request"
 # Fields that only configure tracing or reasoning we do not run: accepted so that stock clients
 # work, and ignored (documented in docs/protocol.md).
 IGNORED_SESSION_FIELDS = frozenset({
-    "tracing", "truncation", "reasoning", "client_secret", "expires_at", "object", "id",
+    "tracing", "reasoning", "client_secret", "expires_at", "object", "id",
 })
 IGNORED_RESPONSE_FIELDS = frozenset({"reasoning"})
 
@@ -149,6 +150,7 @@ class SessionUpdate:
     temperature: float | None = None
     tools: ToolsPatch | None = None  # tools / tool_choice / parallel_tool_calls, when any was given
     audio: AudioPatch | None = None  # modalities, voice, formats, transcription, turn detection
+    truncation: Truncation | None = None
 
 
 @dataclass(frozen=True)
@@ -264,6 +266,7 @@ def _session_update(f: Fields, event_id: str | None, limits: SessionLimits) -> S
         temperature=s.number("temperature", 0.0, 2.0),
         tools=_tools_patch(s),
         audio=session_audio(s),
+        truncation=parse_truncation(s),
     )
     _include(s)
     s.done(IGNORED_SESSION_FIELDS)

@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.shaping import CallStream
 from gateway.ws.commands import AbortGeneration, CancelSpeech, CancelTranscription, Command, StartGeneration
-from gateway.ws.conversation import Conversation, to_history
+from gateway.ws.conversation import AnyItem, Conversation, to_history
 from gateway.ws.events import (
     AudioEvent,
     ClientEvent,
@@ -43,6 +43,7 @@ from gateway.ws.responses import ResponseStream
 from gateway.ws.server_events import Emitter, ServerEvent, TextDelta
 from gateway.ws.settings import SessionSettings
 from gateway.ws.speech_out import SpeechOut
+from gateway.ws.truncation import prompt_cuts
 from gateway.ws.voice_input import VoiceHooks, VoiceInput
 from gateway.ws.wire import item_wire, session_wire
 from llm_shared.contract import FinishEvent, SamplingParams, StreamEvent, TokenEvent
@@ -89,6 +90,7 @@ class RealtimeSession:
         self._settings = SessionSettings(session_id=session_id, model=model, models=models, limits=limits,
                                          family=family, voice=voice is not None)
         self._conversation = Conversation(id=self._ids("conv"))
+        self._out_of_context: set[str] = set()  # items truncation left out of every later prompt
         self._events = Emitter(self._ids, beta)
         self._commands: list[Command] = []  # shared with the items and speech in: emptied in place
         self._active: ResponseStream | None = None
@@ -309,8 +311,14 @@ class RealtimeSession:
             raise ProtocolError("unsupported_feature", "voice is not enabled on this server", "type")
         self._voice_in.receive(event)
 
+    def context_truncated(self, item_ids: Sequence[str]) -> None:
+        """A response's prompt left out these oldest items (``truncation``): so do the next ones,
+        which then share its prefix (see ``gateway.context_fit``)."""
+        self._out_of_context.update(item_ids)
+
     def _item_delete(self, event: ItemDelete) -> None:
         self._items.delete(event.item_id)
+        self._out_of_context.discard(event.item_id)
         if self._voice_in.forget(event.item_id):
             self._commands.append(CancelTranscription(event.item_id))  # its job's work is moot: freed now
         self._release_held()
@@ -341,12 +349,18 @@ class RealtimeSession:
         if event.tools is not None:
             constraints = self._settings.tools(event.tools, "response", constraints)
         audio = self._settings.audio(event.audio, "response")
-        items = list(self._conversation) if event.input is None else self._items.resolve_input(event.input)
+        if event.input is None:  # the conversation, from where truncation last cut it
+            items = [item for item in self._conversation if item.id not in self._out_of_context]
+        else:
+            items = self._items.resolve_input(event.input)
         instructions = settings.instructions if event.instructions is None else event.instructions
 
-        def render() -> list[dict[str, str]]:
+        def prompt(of: Sequence[AnyItem]) -> list[dict[str, str]]:
             # The tools are listed in the system prompt only when they may be called (render_messages).
-            messages = render_messages(to_history(instructions, items), constraints, self._settings.family)
+            return render_messages(to_history(instructions, of), constraints, self._settings.family)
+
+        def render() -> list[dict[str, str]]:
+            messages = prompt(items)
             prompt_chars = sum(len(m["content"]) for m in messages)
             if prompt_chars > self._limits.max_conversation_chars:
                 raise ProtocolError("conversation_limit_exceeded",
@@ -378,10 +392,13 @@ class RealtimeSession:
         response.created()
         model = settings.model
 
+        cuts = prompt_cuts(settings.truncation, items, prompt, sticky=in_conversation and event.input is None)
+
         def start(messages: list[dict[str, str]]) -> None:
             self._commands.append(StartGeneration(response_id=response.id, messages=messages, params=params,
                                                   metadata=dict(event.metadata or {}), model=model,
-                                                  constraints=constraints if family is not None else None))
+                                                  constraints=constraints if family is not None else None,
+                                                  cuts=cuts))
 
         if not waits:
             start(messages)

@@ -37,7 +37,7 @@ class SessionSettings:
         changes: dict[str, object] = {"audio": self.audio(event.audio, "session")}
         if event.tools is not None:
             changes["constraints"] = self.tools(event.tools, "session", view.constraints)
-        for name in ("model", "instructions", "max_output_tokens", "temperature"):  # the model picks later routes
+        for name in ("model", "instructions", "max_output_tokens", "temperature", "truncation"):  # the model picks later routes
             if getattr(event, name) is not None:
                 changes[name] = getattr(event, name)
         self.view = replace(view, **changes)

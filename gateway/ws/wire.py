@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.ws.audio_events import AudioSettings
 from gateway.ws.conversation import AnyItem, FunctionCall, FunctionCallOutput
+from gateway.ws.truncation import AUTO, Truncation
 from llm_shared.structured import OutputConstraints
 
 BETA_EVENT_NAMES = {
@@ -73,6 +74,7 @@ class SessionView:
     temperature: float  # our extension in GA (the beta API has it natively)
     constraints: OutputConstraints  # the session's tools, tool_choice and parallel_tool_calls
     audio: AudioSettings = AudioSettings()  # noqa: RUF009  # frozen: one shared default is safe
+    truncation: Truncation = AUTO  # when the conversation outgrows the context (gateway/ws/truncation.py)
 
 
 def tools_wire(constraints: OutputConstraints) -> list[dict[str, Any]]:
@@ -122,7 +124,7 @@ def session_wire(s: SessionView, beta: bool) -> dict[str, Any]:
         "tool_choice": tool_choice_wire(s.constraints),
         "parallel_tool_calls": s.constraints.parallel_tool_calls,
         "tracing": None,
-        "truncation": "disabled",  # we refuse an oversized conversation instead of dropping items
+        "truncation": s.truncation.wire(),
         "prompt": None,
         "audio": audio_wire(s.audio),
     }

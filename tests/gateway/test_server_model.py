@@ -84,3 +84,46 @@ async def test_user_text_never_becomes_special_tokens() -> None:
         assert prompt == tokenizer.encode_chat([{"role": "user", "content": attack}])
         # The template's own markers only: system (default prompt) and user turns, the assistant opener.
         assert sum(1 for t in prompt if t in specials) == 2 + 2 + 1
+
+
+async def test_a_conversation_twice_the_context_long_keeps_answering_on_the_real_edge_tier() -> None:
+    """``truncation: "auto"`` (the default) on llama.cpp with a 512-token context per sequence:
+    the official SDK's session goes on for twice that, and the edge tier's KV of the session is
+    reused between cuts (``cached_tokens`` grows from turn to turn, except at a cut)."""
+    from dataclasses import replace
+
+    config = make_config()
+    cells = 1024  # 23,040 bytes a cell for the embedded model; a sequence gets half (the other: the drafter's)
+    config = replace(config, edge=replace(config.edge, kv_layout="per_sequence", n_seq_max=1,
+                                          kv_cache_mib=cells * 23_040 / 2**20))
+    tokenizer = Tokenizer.from_gguf(default_gguf_path())
+    async with serving(config) as (server, state):
+        context = state.engines["edge"].max_prompt_tokens + 1
+        assert context <= cells
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        usages: list[tuple[int, int]] = []
+        said = 0
+        async with client, client.realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={"type": "realtime", "instructions": "Answer in a few words."})
+            n = 0
+            while said < 2 * context:
+                n += 1
+                text = f"Fact {n}: the lighthouse was painted in {1900 + n}."
+                await conn.conversation.item.create(item={
+                    "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+                await conn.response.create(response={"max_output_tokens": 8, "temperature": 0})
+                async for event in conn:
+                    if event.type == "error":
+                        raise AssertionError(event.error)
+                    if event.type == "response.done":
+                        response = event.response
+                        break
+                assert response.status in ("completed", "incomplete"), response.status_details
+                details = response.usage.input_token_details
+                usages.append((response.usage.input_tokens, details.cached_tokens))
+                answer = response.output[0].content[0].text if response.output else ""
+                said += len(tokenizer.encode(text)) + len(tokenizer.encode(answer))
+    cuts = [i for i in range(1, len(usages)) if usages[i][0] < usages[i - 1][0]]
+    assert cuts, usages
+    grew = [usages[i][1] > usages[i - 1][1] for i in range(1, len(usages)) if i not in cuts]
+    assert grew and all(grew), usages
