@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
-from typing import Any
 
 from aiohttp import WSMsgType, web
 
@@ -29,12 +27,14 @@ from gateway.limits import LimitsStore, LimitsUnavailableError
 from gateway.metrics import GatewayMetrics
 from gateway.shaping import Grammars
 from gateway.turns import Turn
-from gateway.ws.codec import DecodeError, FrameCodec
+from gateway.ws.client_frames import ClientFrames
+from gateway.ws.codec import FrameCodec
 from gateway.ws.commands import AbortGeneration, AdmitResponse, StartGeneration
 from gateway.ws.frame_gate import FrameGate
 from gateway.ws.outbox import Outbox
 from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent, TextDelta
 from gateway.ws.session import RealtimeSession
+from gateway.ws.transport_writer import TransportWriter
 from gateway.ws.voice_link import VoiceLink, VoiceService
 from llm_shared.contract import Engine, FinishEvent, Priority, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError, InvalidRequestError
@@ -50,42 +50,6 @@ WS_CLOSE_OK = 1000
 WS_CLOSE_GOING_AWAY = 1001
 WS_CLOSE_POLICY = 1008
 WS_CLOSE_INTERNAL_ERROR = 1011
-
-
-def frame_bytes(frame: str | bytes) -> bytes:
-    """One unmasked, unfragmented server frame (RFC 6455 5.2): text for ``str``, binary for ``bytes``."""
-    if isinstance(frame, str):
-        # A text frame must be UTF-8: a lone surrogate (never expected: client strings are checked)
-        # is sent as "?" rather than raising in the middle of a pump.
-        payload, first = frame.encode("utf-8", "replace"), 0x81  # FIN + text
-    else:
-        payload, first = frame, 0x82  # FIN + binary
-    n = len(payload)
-    if n < 126:
-        return bytes((first, n)) + payload
-    if n < 65536:
-        return struct.pack("!BBH", first, 126, n) + payload
-    return struct.pack("!BBQ", first, 127, n) + payload
-
-
-class TransportWriter:
-    """The outbox's fast lane onto one accepted WebSocket: frames written straight to its transport
-    while the kernel takes them at once. aiohttp writes its own control frames (pong, close) to
-    the same transport; each write is a whole frame, so they never interleave inside one. Nothing
-    is written once aiohttp began closing (no data frame may follow a close frame)."""
-
-    def __init__(self, ws: web.WebSocketResponse, transport: asyncio.Transport) -> None:
-        self._ws = ws
-        self._transport = transport
-
-    def writable(self) -> bool:
-        transport = self._transport
-        return not self._ws.closed and not transport.is_closing() and transport.get_write_buffer_size() == 0
-
-    def write(self, frames: list[str | bytes]) -> None:
-        if self._ws.closed or self._transport.is_closing():
-            raise ConnectionResetError("the WebSocket is closing")
-        self._transport.write(b"".join(map(frame_bytes, frames)))
 
 
 class RealtimeConnection:
@@ -120,7 +84,6 @@ class RealtimeConnection:
         self.session_id = session_id
         self.key_id = key_id
         self._ws = ws
-        self._codec = codec
         self._router = router
         self._limits = limits
         self._metrics = metrics
@@ -142,8 +105,9 @@ class RealtimeConnection:
         self._too_slow_cancelled: str | None = None
         self._voice = VoiceLink(voice, session, self._pump_soon, metrics) if voice is not None else None
         self._gate = gate
+        self._frames = ClientFrames(codec, gate, session, metrics, config.max_frame_bytes)
         if gate is not None:
-            gate.on_refused = self._take_refusals
+            gate.on_refused = self._refusals_due
 
     @property
     def outbox(self) -> Outbox:
@@ -302,48 +266,18 @@ class RealtimeConnection:
             await self._pump()
 
     async def _take(self, kind: WSMsgType, data: str | bytes) -> None:
-        """One client frame, through to the session. A large one (the gate reserved bytes of the
-        server's budget for it) must be an append; its bytes go back once the session has it."""
-        gate = self._gate
-        if gate is not None:
-            self._take_refusals()  # frames the gate dropped before this one
-        large = gate.delivered() if gate is not None else 0
+        """One client frame, through to the session (a ``response.create`` once the key admits it)."""
+        event = self._frames.event(kind, data)
         try:
-            event = self._decode(kind, data)
-            if event is None:
-                return
-            if large and event.get("type") != "input_audio_buffer.append":
-                self.session.receive_invalid("frame_too_large", f"only input_audio_buffer.append may be larger "
-                                             f"than {self._config.max_frame_bytes} bytes")
-                return
-            if event.get("type") != "response.create" or await self._admit():
+            if event is not None and (event.get("type") != "response.create" or await self._admit()):
                 self.session.receive(event)
         finally:
-            if gate is not None:
-                gate.handled()
-                self._take_refusals()
+            self._frames.handled()
 
-    def _take_refusals(self) -> None:
-        """Frames the gate dropped (over the budget or the cap), each an ``error`` event in the
-        place it came; called by the gate when nothing before the dropped frame is still to be handled."""
-        if self._gate is None or self._closing:
-            return
-        refusals = self._gate.refusals()
-        for refusal in refusals:
-            self._metrics.large_frames_refused.labels(refusal.code).inc()
-            self.session.receive_invalid(refusal.code, refusal.message)
-        if refusals:
+    def _refusals_due(self) -> None:
+        """The gate dropped a frame and nothing before it is still to be handled: tell the client now."""
+        if not self._closing and self._frames.refusals():
             self._pump_soon()
-
-    def _decode(self, kind: WSMsgType, data: str | bytes) -> dict[str, Any] | None:
-        """The frame's event, or None after telling the session it was not one."""
-        try:
-            if kind == WSMsgType.TEXT:
-                return self._codec.decode_text(str(data))
-            return self._codec.decode_binary(bytes(data))
-        except DecodeError as e:
-            self.session.receive_invalid(e.code, e.message)
-            return None
 
     async def _admit(self) -> bool:
         """A ``response.create`` takes one of the key's requests (a round trip when the limits are

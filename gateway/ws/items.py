@@ -50,6 +50,16 @@ class ItemStore:
         self._events = events
         self._beta = beta
         self._writer = writer
+        self._out_of_context: set[str] = set()  # items truncation left out of every later prompt
+
+    def in_context(self) -> list[AnyItem]:
+        """The conversation from where truncation last cut it: what a response's prompt holds."""
+        return [item for item in self.conversation if item.id not in self._out_of_context]
+
+    def leave_out(self, item_ids: Iterable[str]) -> None:
+        """A response's prompt left out these oldest items (``truncation``): so do the next ones,
+        which then share its prefix (see ``gateway.context_fit``). They stay in the conversation."""
+        self._out_of_context.update(item_ids)
 
     def get(self, item_id: str, param: str) -> AnyItem:
         item = self.conversation.get(item_id)
@@ -84,6 +94,7 @@ class ItemStore:
         self.get(item_id, "item_id")
         self._writer.stop_writing(item_id)
         self.conversation.delete(item_id)
+        self._out_of_context.discard(item_id)
         self._events.emit("conversation.item.deleted", item_id=item_id)
 
     def truncate(self, event: ItemTruncate) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.shaping import CallStream
 from gateway.ws.commands import AbortGeneration, CancelSpeech, CancelTranscription, Command, StartGeneration
-from gateway.ws.conversation import AnyItem, Conversation, to_history
+from gateway.ws.conversation import Conversation
 from gateway.ws.events import (
     AudioEvent,
     ClientEvent,
@@ -39,16 +39,16 @@ from gateway.ws.events import (
 )
 from gateway.ws.ids import SessionIds
 from gateway.ws.items import ItemStore
+from gateway.ws.prompt import ResponsePrompt
 from gateway.ws.responses import ResponseStream
 from gateway.ws.server_events import Emitter, ServerEvent, TextDelta
 from gateway.ws.settings import SessionSettings
 from gateway.ws.speech_out import SpeechOut
-from gateway.ws.truncation import prompt_cuts
 from gateway.ws.voice_input import VoiceHooks, VoiceInput
 from gateway.ws.wire import item_wire, session_wire
 from llm_shared.contract import FinishEvent, SamplingParams, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError
-from llm_shared.structured import SchemaError, ToolCallFamily, render_messages
+from llm_shared.structured import SchemaError, ToolCallFamily
 from voice.alignment import Mark
 
 __all__ = ["AbortGeneration", "Command", "RealtimeSession", "SessionIds", "SessionLimits", "StartGeneration"]
@@ -56,8 +56,6 @@ __all__ = ["AbortGeneration", "Command", "RealtimeSession", "SessionIds", "Sessi
 logger = logging.getLogger(__name__)
 
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing this event."
-NO_DENOISER = ("noise reduction is accepted but not applied: this server has no denoiser, so the audio reaches "
-               "turn detection and transcription as sent")
 
 
 class RealtimeSession:
@@ -90,7 +88,6 @@ class RealtimeSession:
         self._settings = SessionSettings(session_id=session_id, model=model, models=models, limits=limits,
                                          family=family, voice=voice is not None)
         self._conversation = Conversation(id=self._ids("conv"))
-        self._out_of_context: set[str] = set()  # items truncation left out of every later prompt
         self._events = Emitter(self._ids, beta)
         self._commands: list[Command] = []  # shared with the items and speech in: emptied in place
         self._active: ResponseStream | None = None
@@ -98,7 +95,6 @@ class RealtimeSession:
         self._started = False
         self._voice = voice
         self._held: Callable[[], None] | None = None  # starts the active response once transcripts are in
-        self._told_no_denoiser = False  # the x_warnings about noise_reduction is sent once a session
         active = _ActiveResponse(self)
         self._items = ItemStore(self._conversation, limits, self._ids, self._events, beta, writer=active)
         self._voice_in = VoiceInput(limits, voice, self._items, self._ids, self._events, self._commands, turns=active,
@@ -312,13 +308,11 @@ class RealtimeSession:
         self._voice_in.receive(event)
 
     def context_truncated(self, item_ids: Sequence[str]) -> None:
-        """A response's prompt left out these oldest items (``truncation``): so do the next ones,
-        which then share its prefix (see ``gateway.context_fit``)."""
-        self._out_of_context.update(item_ids)
+        """A response's prompt left out these oldest items (``truncation``)."""
+        self._items.leave_out(item_ids)
 
     def _item_delete(self, event: ItemDelete) -> None:
         self._items.delete(event.item_id)
-        self._out_of_context.discard(event.item_id)
         if self._voice_in.forget(event.item_id):
             self._commands.append(CancelTranscription(event.item_id))  # its job's work is moot: freed now
         self._release_held()
@@ -327,12 +321,11 @@ class RealtimeSession:
         self._settings.update(event)
         self._voice_in.configure(self._settings.view.audio)
         session = session_wire(self._settings.view, self._beta)
-        if self._settings.view.audio.noise_reduction is not None and not self._told_no_denoiser:
+        warnings = self._settings.warnings(self._beta)
+        if warnings:
             # Inside session.updated, not an event of its own: Pipecat's parser raises on any server
             # event type it does not know, which would end its session (docs/protocol.md).
-            self._told_no_denoiser = True
-            param = "session.input_audio_noise_reduction" if self._beta else "session.audio.input.noise_reduction"
-            session["x_warnings"] = [{"code": "noise_reduction_not_applied", "message": NO_DENOISER, "param": param}]
+            session["x_warnings"] = warnings
         self._emit("session.updated", session=session)
 
     def _response_create(self, event: ResponseCreate) -> None:
@@ -349,28 +342,12 @@ class RealtimeSession:
         if event.tools is not None:
             constraints = self._settings.tools(event.tools, "response", constraints)
         audio = self._settings.audio(event.audio, "response")
-        if event.input is None:  # the conversation, from where truncation last cut it
-            items = [item for item in self._conversation if item.id not in self._out_of_context]
-        else:
-            items = self._items.resolve_input(event.input)
-        instructions = settings.instructions if event.instructions is None else event.instructions
-
-        def prompt(of: Sequence[AnyItem]) -> list[dict[str, str]]:
-            # The tools are listed in the system prompt only when they may be called (render_messages).
-            return render_messages(to_history(instructions, of), constraints, self._settings.family)
-
-        def render() -> list[dict[str, str]]:
-            messages = prompt(items)
-            prompt_chars = sum(len(m["content"]) for m in messages)
-            if prompt_chars > self._limits.max_conversation_chars:
-                raise ProtocolError("conversation_limit_exceeded",
-                                    f"the prompt has {prompt_chars} characters, more than this server's limit of "
-                                    f"{self._limits.max_conversation_chars}; delete items or shorten the "
-                                    "instructions", "response.input" if event.input is not None else None)
-            return messages
-
+        items = self._items.in_context() if event.input is None else self._items.resolve_input(event.input)
+        prompt = ResponsePrompt(settings.instructions if event.instructions is None else event.instructions, items,
+                                constraints, self._settings.family, max_chars=self._limits.max_conversation_chars,
+                                param="response.input" if event.input is not None else None)
         waits = any(self._voice_in.waits_for(item.id) for item in items)
-        messages = [] if waits else render()
+        messages = [] if waits else prompt.render()
         if in_conversation:
             self._items.check_room(extra_items=1, extra_chars=0, param=None)
         max_output = event.max_output_tokens if event.max_output_tokens is not None else settings.max_output_tokens
@@ -390,13 +367,11 @@ class RealtimeSession:
         self._active = response
         self._active_event_id = event.event_id
         response.created()
-        model = settings.model
-
-        cuts = prompt_cuts(settings.truncation, items, prompt, sticky=in_conversation and event.input is None)
+        cuts = prompt.cuts(settings.truncation, sticky=in_conversation and event.input is None)
 
         def start(messages: list[dict[str, str]]) -> None:
             self._commands.append(StartGeneration(response_id=response.id, messages=messages, params=params,
-                                                  metadata=dict(event.metadata or {}), model=model,
+                                                  metadata=dict(event.metadata or {}), model=settings.model,
                                                   constraints=constraints if family is not None else None,
                                                   cuts=cuts))
 
@@ -408,7 +383,7 @@ class RealtimeSession:
         def release() -> None:  # the transcripts are in: render the prompt now, or fail the response
             response.held = False
             try:
-                messages = render()
+                messages = prompt.render()
             except ProtocolError as e:
                 response.fail({"type": "invalid_request_error", "code": e.code, "message": e.message})
                 self._settle()

@@ -14,6 +14,8 @@ from llm_shared.structured import OutputConstraints, ToolCallFamily, parse_realt
 from llm_shared.structured.parse import REALTIME_DEFAULT
 
 DEFAULT_TEMPERATURE = 0.8  # the Realtime API's default
+NO_DENOISER = ("noise reduction is accepted but not applied: this server has no denoiser, so the audio reaches "
+               "turn detection and transcription as sent")
 
 
 class SessionSettings:
@@ -28,6 +30,16 @@ class SessionSettings:
         self.family = family
         self._models = models | {model}
         self._voice = voice
+        self._told_no_denoiser = False  # the warning about noise_reduction is given once a session
+
+    def warnings(self, beta: bool) -> list[dict[str, str]]:
+        """What the settings in force do differently from what was asked, not said before
+        (``x_warnings`` of ``session.updated``, our extension)."""
+        if self.view.audio.noise_reduction is None or self._told_no_denoiser:
+            return []
+        self._told_no_denoiser = True
+        param = "session.input_audio_noise_reduction" if beta else "session.audio.input.noise_reduction"
+        return [{"code": "noise_reduction_not_applied", "message": NO_DENOISER, "param": param}]
 
     def update(self, event: SessionUpdate) -> None:
         if event.model is not None and event.model not in self._models:

@@ -9,17 +9,14 @@
 - ``"disabled"``: the response fails with ``context_length_exceeded``, as the API's does.
 
 The tokens are counted where the serving tier is known (``gateway.context_fit``); this module
-parses the field and offers the session's cuts: at each user turn, oldest first.
+parses the field, and ``gateway.ws.prompt`` offers a response's cuts: at each user turn, oldest first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.context_fit import Messages, PromptCuts
-from gateway.ws.conversation import AnyItem, Item
 from gateway.ws.fields import Fields, ProtocolError
 
 AUTO_RETENTION = 0.8
@@ -66,18 +63,3 @@ def parse_truncation(s: Fields) -> Truncation | None:
         limits.done()
     t.done()
     return Truncation(type="retention_ratio", retention_ratio=ratio, post_instructions=post)
-
-
-def prompt_cuts(truncation: Truncation, items: Sequence[AnyItem], render: Callable[[Sequence[AnyItem]], Messages],
-                *, sticky: bool) -> PromptCuts | None:
-    """The cuts a prompt of ``items`` may take: at each user turn after the first item, up to the
-    newest (never dropped); None when truncation is disabled. ``render``: the prompt of some items
-    (instructions and tools included)."""
-    if truncation.type == "disabled":
-        return None
-    starts = [i for i, item in enumerate(items) if i > 0 and isinstance(item, Item) and item.role == "user"]
-    instructions = [m for m in render(()) if m["role"] == "system"]
-    return PromptCuts(count=len(starts), render=lambda k: render(items[starts[k - 1]:]),
-                      dropped=lambda k: tuple(item.id for item in items[:starts[k - 1]]),
-                      instructions=instructions, retention_ratio=truncation.retention_ratio,
-                      post_instructions=truncation.post_instructions, sticky=sticky)

@@ -166,7 +166,7 @@ def test_repeated_references_to_a_large_item_are_refused_before_any_string_is_jo
     session.receive({"type": "conversation.item.create", "item": {
         "id": "big", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 600}]}})
     drain(session)
-    import gateway.ws.session as session_module
+    import gateway.ws.prompt as session_module  # where prompts are joined
 
     joined: list[int] = []
     real = session_module.to_history
