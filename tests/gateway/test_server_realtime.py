@@ -151,3 +151,32 @@ async def test_the_engine_hears_which_session_a_turn_continues_and_when_it_ends(
         await gw.wait_sessions_gone()
         assert list(gw.engine.sessions.values()) == [session_id, session_id]
         assert gw.engine.ended_sessions == [session_id]
+
+
+async def test_openai_sdk_out_of_band_response_with_item_references_and_retrieve() -> None:
+    """An out-of-band response (``conversation: "none"``) over referenced items and a new one, with
+    metadata, leaves the conversation as it was; ``conversation.item.retrieve`` reads an item back."""
+    async with running_gateway() as gw:
+        client = AsyncOpenAI(base_url=f"{gw.http}/v1", api_key="unused")
+        async with client.realtime.connect(model=MODEL) as conn:
+            await conn.conversation.item.create(item={"id": "note", "type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Buy milk."}]})
+            await conn.response.create(response={
+                "conversation": "none", "metadata": {"purpose": "classify"}, "output_modalities": ["text"],
+                "input": [{"type": "item_reference", "id": "note"},
+                          {"type": "message", "role": "user",
+                           "content": [{"type": "input_text", "text": "Is that a task?"}]}]})
+            await conn.conversation.item.retrieve(item_id="note")
+            raw: list[dict] = []
+            while {"response.done", "conversation.item.retrieved"} - {e["type"] for e in raw}:
+                raw.append(json.loads(await conn.recv_bytes()))
+        for event in raw:
+            check_server_event(event, beta=False)
+        done = next(e for e in raw if e["type"] == "response.done")["response"]
+        assert done["status"] == "completed" and done["conversation_id"] is None
+        assert done["metadata"]["purpose"] == "classify"
+        prompt = "".join(chr(i) for i in gw.engine.prompts[done["id"]])
+        assert "Buy milk." in prompt and "Is that a task?" in prompt
+        assert not any(e["type"] == "conversation.item.added" and e["item"]["role"] == "assistant" for e in raw)
+        retrieved = next(e for e in raw if e["type"] == "conversation.item.retrieved")["item"]
+        assert retrieved["id"] == "note" and retrieved["content"][0]["text"] == "Buy milk."
