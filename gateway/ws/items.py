@@ -170,7 +170,10 @@ class ItemStore:
 
     def check_room(self, *, extra_items: int, extra_chars: int, param: str | None) -> None:
         """Refuse what would take the conversation past SessionLimits (counting the message an
-        active response has not opened yet, so that it always has room)."""
+        active response has not opened yet, so that it always has room). Items truncation left out
+        of the prompt go first, oldest first (each a ``conversation.item.deleted``): a conversation
+        that outgrew the model's context goes on within the server's bounds."""
+        self._evict_out_of_context(extra_items, extra_chars)
         items = len(self.conversation) + self._writer.reserved_items() + extra_items
         if items > self._limits.max_conversation_items:
             raise ProtocolError("conversation_limit_exceeded",
@@ -181,6 +184,16 @@ class ItemStore:
             raise ProtocolError("conversation_limit_exceeded",
                                 f"the conversation would have {chars} characters, more than this server's limit "
                                 f"of {self._limits.max_conversation_chars}; delete old items first", param)
+
+    def _evict_out_of_context(self, extra_items: int, extra_chars: int) -> None:
+        limits, conversation = self._limits, self.conversation
+        while self._out_of_context and (
+                len(conversation) + self._writer.reserved_items() + extra_items > limits.max_conversation_items
+                or conversation.chars + extra_chars > limits.max_conversation_chars):
+            oldest = next(item.id for item in conversation if item.id in self._out_of_context)
+            self._out_of_context.discard(oldest)
+            conversation.delete(oldest)
+            self._events.emit("conversation.item.deleted", item_id=oldest)
 
     def _added(self, previous_id: str | None, item: AnyItem) -> None:
         self._events.emit("conversation.item.added", previous_item_id=previous_id, item=item_wire(item, self._beta))

@@ -142,3 +142,23 @@ async def test_fit_takes_the_least_cut_within_the_retained_share() -> None:
     assert len(fitted.prompt_ids) <= 16 + 0.5 * (400 - 16) and fitted.dropped == tuple(map(str, range(7)))
     with pytest.raises(PromptTooLongError):
         await fit(engine, messages, cuts, 40)  # not even the newest turn fits
+
+
+async def test_items_left_out_make_room_when_the_conversation_hits_the_servers_bounds() -> None:
+    """Past ``max_conversation_items`` the items truncation left out are deleted, oldest first (a
+    ``conversation.item.deleted`` each), so a long conversation goes on instead of being refused."""
+    engine = FakeEngine(n_ctx=CONTEXT)
+    async with running_gateway(engine, max_conversation_items=12) as gw, websockets.connect(gw.ws_url) as ws:
+        await session(ws)
+        deleted: list[str] = []
+        for n in range(20):  # a turn is about a third of the context: cuts come long before 12 items
+            await send(ws, user_item(f"turn {n:02d}: " + "tell me more about the sea. " * 7))
+            await send(ws, {"type": "response.create", "response": {"max_output_tokens": 8}})
+            events = await recv_until(ws, "response.done")
+            assert not [e for e in events if e["type"] == "error"], events
+            assert events[-1]["response"]["status"] in ("completed", "incomplete")
+            deleted += [e["item_id"] for e in events if e["type"] == "conversation.item.deleted"]
+        assert len(deleted) >= 20 * 2 - 12  # two items a turn, at most 12 kept
+        await send(ws, {"type": "conversation.item.retrieve", "item_id": deleted[0]})
+        error = (await recv_until(ws, "error"))[-1]["error"]
+        assert error["code"] == "item_not_found"
