@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -42,7 +43,9 @@ class Transcription:
 class Recognizer(Protocol):
     """Speech to text. Called from worker threads; implementations must be thread-safe."""
 
-    def transcribe(self, samples_16k: Float32Array) -> Transcription: ...
+    def transcribe(self, samples_16k: Float32Array, on_piece: Callable[[str], None] | None = None) -> Transcription:
+        """``on_piece``: called (on the worker thread) with each piece of text as it is decoded."""
+        ...
 
 
 def find_whisper_tiny_en() -> Path:
@@ -86,7 +89,7 @@ class WhisperRecognizer:
             raise VoiceModelError(f"cannot load the Whisper model in {path}: {e}") from e
         self.load_seconds = time.perf_counter() - started
 
-    def transcribe(self, samples_16k: Float32Array) -> Transcription:
+    def transcribe(self, samples_16k: Float32Array, on_piece: Callable[[str], None] | None = None) -> Transcription:
         seconds = len(samples_16k) / SPEECH_RATE
         if len(samples_16k) == 0:
             return Transcription("", 0.0, 0.0)
@@ -95,7 +98,11 @@ class WhisperRecognizer:
             np.ascontiguousarray(samples_16k, dtype=np.float32), language=self.language, beam_size=self.beam_size,
             temperature=0.0, vad_filter=False,  # we segment with our own VAD first
             without_timestamps=True, condition_on_previous_text=False)
-        pieces = [segment.text for segment in segments]  # the generator does the decoding
+        pieces = []
+        for segment in segments:  # the generator does the decoding, a segment at a time
+            pieces.append(segment.text)
+            if on_piece is not None:
+                on_piece(segment.text)
         return Transcription("".join(pieces).strip(), seconds, time.perf_counter() - started, joined_exactly(pieces))
 
 

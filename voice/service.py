@@ -66,15 +66,22 @@ class VoiceService:
         """One per spoken response."""
         return PhraseSplitter(self.phrase_bounds)
 
-    async def transcribe(self, pcm_24k: Int16Array, owner: Hashable = None) -> Transcription:
+    async def transcribe(self, pcm_24k: Int16Array, owner: Hashable = None,
+                         on_piece: Callable[[str], None] | None = None) -> Transcription:
         """A committed input buffer's text, in ``owner``'s (its session's) turn. It counts against
         the pool's bound as the recognizer's whole window (Whisper encodes 30 s whatever the
-        utterance), its figures as the audio it had. Raises ``VoiceBusy``, ``VoiceTimeout``."""
+        utterance), its figures as the audio it had. ``on_piece``: each piece of text as it is
+        decoded, called on the worker thread. Raises ``VoiceBusy``, ``VoiceTimeout``."""
         pcm = np.array(pcm_24k, np.int16)  # the session's buffer is cleared and reused while this waits
         recognizer = self.recognizer
         seconds = len(pcm) / REALTIME_RATE
-        return await self.pool.run("asr", lambda: recognizer.transcribe(resample(pcm, REALTIME_RATE, SPEECH_RATE)),
-                                   audio_s=max(seconds, ASR_WINDOW_S), measure=lambda _: seconds, owner=owner)
+
+        def job() -> Transcription:
+            samples = resample(pcm, REALTIME_RATE, SPEECH_RATE)
+            return recognizer.transcribe(samples) if on_piece is None else recognizer.transcribe(samples, on_piece)
+
+        return await self.pool.run("asr", job, audio_s=max(seconds, ASR_WINDOW_S), measure=lambda _: seconds,
+                                   owner=owner)
 
     async def speak(self, text: str, voice: str | None = None, owner: Hashable = None) -> SpokenPhrase:
         """One phrase as 24 kHz audio. Each phrase is resampled whole: flite starts and ends every

@@ -228,22 +228,23 @@ class RealtimeSession:
 
     # ----- voice: the adapter reports -----------------------------------------------------------
 
-    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0,
-                    segments: Sequence[str] = ()) -> None:
-        """The transcript of a user item's speech, decoded in ``segments`` (``VoiceInput.transcribed``).
-        Never raises."""
-        try:
-            self._voice_in.transcribed(item_id, transcript, seconds, tag, segments)
-        except Exception:
-            logger.exception("internal error handling the transcript of %s", item_id)
-            self._internal_error(None)
+    def transcription_piece(self, item_id: str, tag: int, text: str) -> None:
+        """A piece of a transcript as the recognizer decodes it (``VoiceInput.piece``). Never raises."""
+        self._voice_report(self._voice_in.piece, item_id, tag, text)
+
+    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0, segments: Sequence[str] = ()) -> None:
+        """The transcript of a user item's speech, decoded in ``segments`` (``VoiceInput.transcribed``). Never raises."""
+        self._voice_report(self._voice_in.transcribed, item_id, transcript, seconds, tag, segments)
 
     def transcription_failed(self, item_id: str, message: str, tag: int = 0) -> None:
         """The item's speech could not be transcribed (``VoiceInput.transcription_failed``). Never raises."""
+        self._voice_report(self._voice_in.transcription_failed, item_id, message, tag)
+
+    def _voice_report(self, handle: Callable[..., None], item_id: str, *args: Any) -> None:
         try:
-            self._voice_in.transcription_failed(item_id, message, tag)
+            handle(item_id, *args)
         except Exception:
-            logger.exception("internal error handling the failed transcription of %s", item_id)
+            logger.exception("internal error handling %s for %s", handle.__name__, item_id)
             self._internal_error(None)
 
     def response_admitted(self, ok: bool) -> None:

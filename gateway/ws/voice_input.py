@@ -7,10 +7,11 @@ response (``interrupt_response``), speech that pauses starts its transcript earl
 end there), and speech that stops is committed as a user item whose transcript the adapter makes
 (``Transcribe``), then answered (``create_response``, once the key is charged: ``AdmitResponse``).
 A transcript reaches the client as ``...input_audio_transcription.delta`` events, one per piece
-the recognizer decoded, then ``.completed``, all at once when it is applied to its item: a job
-started at a pause may be for a cut of the speech that the user then goes on from, and its
-deltas must not reach the client as the item's. So deltas wait for the cut to be known; for
-short turns Whisper decodes one piece, so one delta.
+the recognizer decodes (a Whisper segment), as it decodes them, then ``.completed``. A job started
+at a pause may be for a cut of the speech that the user then goes on from, and its pieces must
+not reach the client as the item's: they are held until the turn ends at that cut, then sent.
+The deltas join to the transcript exactly (the first piece without its leading blank; what the
+final transcript adds, as one last delta). Short turns are one piece, so one delta.
 
 A response whose prompt holds a transcript not made yet waits for it: ``transcribing`` tells the
 session, and ``Turns.transcripts_changed`` tells it when to look again.
@@ -98,6 +99,8 @@ class VoiceInput:
         # transcript if it came before the speech ended.
         self._eager: tuple[str, int] | None = None
         self._early: dict[str, tuple[int, str, float, Sequence[str]]] = {}
+        self._held: tuple[tuple[str, int] | None, list[str]] = (None, [])  # the eager job's pieces so far
+        self._streamed: dict[str, str] = {}  # item id -> the transcript's text sent as deltas so far
         self._admitting = False  # a response server VAD asked for waits for the key's admission
         self._idle_from: int | None = None  # session audio ms the idle timeout counts from (None: not counting)
 
@@ -156,6 +159,7 @@ class VoiceInput:
         """``item_id`` was deleted: its transcript is moot. True when a job for it may be running
         (the adapter frees it)."""
         transcribing = self._transcribing.pop(item_id, None) is not None
+        self._streamed.pop(item_id, None)
         if transcribing or (self._eager is not None and self._eager[0] == item_id):
             self._eager = None
             return True
@@ -235,6 +239,10 @@ class VoiceInput:
         self._eager, self._early = None, {}
         if cut is not None and eager == (item_id, cut):
             self._transcribing[item_id] = (item, cut)
+            held, self._held = self._held, (None, [])
+            if held[0] == eager:
+                for piece in held[1]:
+                    self._delta(item_id, piece)
             if early is not None:
                 self.transcribed(item_id, early[1], early[2], cut, early[3])
         else:
@@ -249,6 +257,27 @@ class VoiceInput:
         self._admitting = False
 
     # ----- the adapter reports ----------------------------------------------------------------
+
+    def piece(self, item_id: str, tag: int, text: str) -> None:
+        """A piece of the transcript of ``item_id``'s speech cut at ``tag``, as the recognizer
+        decodes it: a delta now if the item waits for that cut, held if the job was started at a
+        pause the turn may yet end at, dropped otherwise."""
+        entry = self._transcribing.get(item_id)
+        if entry is not None and entry[1] == tag:
+            self._delta(item_id, text)
+        elif self._eager == (item_id, tag):
+            if self._held[0] != self._eager:
+                self._held = (self._eager, [])
+            self._held[1].append(text)
+
+    def _delta(self, item_id: str, text: str) -> None:
+        sent = self._streamed.get(item_id, "")
+        if not sent:
+            text = text.lstrip()  # the transcript is stripped; so is its start
+        if text:
+            self._streamed[item_id] = sent + text
+            self._events.emit("conversation.item.input_audio_transcription.delta", item_id=item_id,
+                              content_index=0, delta=text)
 
     def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0,
                     segments: Sequence[str] = ()) -> None:
@@ -266,8 +295,11 @@ class VoiceInput:
         del self._transcribing[item_id]
         item.parts[0] = transcript
         item.transcribing = False
-        # The pieces as decoded, if they make the transcript exactly (else the whole as one).
-        pieces = tuple(segments) if "".join(segments) == transcript else (transcript,)
+        sent = self._streamed.pop(item_id, "")
+        if sent:  # what the pieces sent did not say yet (nothing, as a rule)
+            pieces: Sequence[str] = (transcript[len(sent):],) if transcript.startswith(sent) else ()
+        else:  # the pieces as decoded, if they make the transcript exactly (else the whole as one)
+            pieces = tuple(segments) if "".join(segments) == transcript else (transcript,)
         for piece in pieces:
             if piece:
                 self._events.emit("conversation.item.input_audio_transcription.delta", item_id=item_id,
@@ -287,6 +319,7 @@ class VoiceInput:
             return
         item = self._transcribing.pop(item_id)[0]
         item.transcribing = False
+        self._streamed.pop(item_id, None)
         self._events.emit("conversation.item.input_audio_transcription.failed", item_id=item_id, content_index=0,
                           error={"type": "server_error", "code": "transcription_failed", "message": message,
                                  "param": None})

@@ -47,9 +47,11 @@ class VoiceService(Protocol):
 
     hooks: VoiceHooks
 
-    async def transcribe(self, audio: bytes, owner: Hashable = None) -> Heard:
+    async def transcribe(self, audio: bytes, owner: Hashable = None,
+                         on_piece: Callable[[str], None] | None = None) -> Heard:
         """PCM16 mono at 24 kHz -> what was said, in ``owner``'s (the session's) turn of the
-        shared workers. Raises ``VoiceUnavailable``."""
+        shared workers; ``on_piece`` hears each piece as it is decoded (on this event loop).
+        Raises ``VoiceUnavailable``."""
         ...
 
     async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:
@@ -69,6 +71,7 @@ class VoiceLink:
         self._tasks: set[asyncio.Task[None]] = set()
         self._speech: dict[str, set[asyncio.Task[None]]] = {}  # response id -> its phrases being made
         self._transcripts: dict[str, asyncio.Task[None]] = {}  # item id -> its latest transcription
+        self._closed = False  # the connection is over: pieces still coming from a worker are dropped
 
     def run(self, command: Transcribe | CancelTranscription | Synthesize | CancelSpeech) -> None:
         if isinstance(command, CancelTranscription):
@@ -106,6 +109,7 @@ class VoiceLink:
         return False
 
     async def close(self) -> None:
+        self._closed = True
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -120,9 +124,16 @@ class VoiceLink:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def _piece(self, command: Transcribe, text: str) -> None:
+        # (A piece of a job a later one replaced is dropped by the session: its cut is not awaited.)
+        if not self._closed:
+            self._session.transcription_piece(command.item_id, command.tag, text)
+            self._pump()
+
     async def _transcribe(self, command: Transcribe) -> None:
         try:
-            heard = await self._service.transcribe(command.audio, owner=self)
+            heard = await self._service.transcribe(command.audio, owner=self, on_piece=lambda text: self._piece(
+                command, text))
         except VoiceUnavailable as e:
             self._session.transcription_failed(command.item_id, str(e), command.tag)
         except Exception:

@@ -11,6 +11,7 @@ into the session is PCM16 mono at 24 kHz.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Hashable
@@ -66,9 +67,17 @@ class GatewayVoice:
         log.info("voice ready in %.1f s: Silero VAD, Whisper (%s), %s", time.perf_counter() - started,
                  service.recognizer.model_dir, config.tts_backend)
 
-    async def transcribe(self, audio: bytes, owner: Hashable = None) -> Heard:
+    async def transcribe(self, audio: bytes, owner: Hashable = None,
+                         on_piece: Callable[[str], None] | None = None) -> Heard:
+        relay = None
+        if on_piece is not None:  # the recognizer decodes on a worker thread; the session lives on this loop
+            loop = asyncio.get_running_loop()
+
+            def relay(text: str) -> None:
+                loop.call_soon_threadsafe(on_piece, text)
+
         try:
-            result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner)
+            result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner, relay)
         except EngineError as e:  # VoiceBusy, VoiceTimeout: their messages are for the client
             raise VoiceUnavailable(e.message) from e
         return Heard(result.text, result.seconds_of_audio, result.segments)

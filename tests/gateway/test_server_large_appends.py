@@ -34,13 +34,18 @@ def recording(seconds: float) -> bytes:
 
 
 async def turn(conn: Any) -> tuple[str, str]:
-    """Commit, respond, and read until the response is done: (the transcript, the answer)."""
+    """Commit, respond, and read until the response is done: (the transcript, the answer). The
+    transcript's deltas come before it, as Whisper decodes its segments, and join to it."""
     await conn.input_audio_buffer.commit()
     await conn.response.create()
-    transcript, answer = "", ""
+    transcript, answer, deltas = "", "", []
     async for event in conn:
-        if event.type == "conversation.item.input_audio_transcription.completed":
+        if event.type == "conversation.item.input_audio_transcription.delta":
+            assert not transcript
+            deltas.append(event.delta)
+        elif event.type == "conversation.item.input_audio_transcription.completed":
             transcript = event.transcript
+            assert "".join(deltas) == transcript and (len(deltas) > 1 or len(transcript) < 200), deltas
         elif event.type == "error":
             raise AssertionError(event.error)
         elif event.type == "response.done":

@@ -462,3 +462,53 @@ def test_idle_timeout_commits_the_silence_and_answers_it() -> None:
     session.response_admitted(False)  # (the key refused the answer: nothing is answering)
     assert append(session, tone(4000, QUIET)) == []
     assert types(append(session, tone(1000, QUIET)))[0] == "input_audio_buffer.timeout_triggered"
+
+
+def test_transcription_deltas_stream_as_the_recognizer_decodes_them() -> None:
+    """Each piece the recognizer decodes is a delta at once (the first without its leading blank),
+    before ``.completed``; the deltas join to the transcript exactly."""
+    session = make()
+    session.receive({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    drain(session)
+    append(session, tone(800, LOUD))
+    session.receive({"type": "input_audio_buffer.commit"})
+    drain(session)
+    (transcribe,) = session.commands()
+    session.transcription_piece(transcribe.item_id, transcribe.tag, " Turn on")
+    (first,) = drain(session)
+    assert first["type"] == "conversation.item.input_audio_transcription.delta" and first["delta"] == "Turn on"
+    session.transcription_piece(transcribe.item_id, transcribe.tag, " the lights.")
+    assert [e["delta"] for e in drain(session)] == [" the lights."]
+    session.transcribed(transcribe.item_id, "Turn on the lights.", 0.8, transcribe.tag,
+                        segments=(" Turn on", " the lights."))
+    (completed,) = drain(session)  # nothing left to say as a delta
+    assert completed["type"] == "conversation.item.input_audio_transcription.completed"
+    assert completed["transcript"] == first["delta"] + " the lights."
+    session.transcription_piece(transcribe.item_id, transcribe.tag, " late")  # after completed: dropped
+    assert drain(session) == []
+
+
+def test_pieces_of_a_job_started_at_a_pause_wait_for_the_turn_to_end_there() -> None:
+    session = make(hooks=EAGER)
+    append(session, tone(200, QUIET) + tone(600, LOUD) + tone(300, QUIET))  # a pause: transcription starts
+    (eager,) = session.commands()
+    session.transcription_piece(eager.item_id, eager.tag, " Lights")
+    assert drain(session) == []  # the user may go on: not the item's yet
+    events = append(session, tone(300, QUIET))  # the turn ends at that pause
+    deltas = [e["delta"] for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"]
+    assert deltas == ["Lights"]
+    session.transcription_piece(eager.item_id, eager.tag, " on.")
+    assert [e["delta"] for e in drain(session)] == [" on."]
+    session.transcribed(eager.item_id, "Lights on.", 0.8, eager.tag)
+    assert types(drain(session)) == ["conversation.item.input_audio_transcription.completed"]
+
+    resumed = make(hooks=EAGER)
+    append(resumed, tone(200, QUIET) + tone(400, LOUD) + tone(200, QUIET))
+    (first,) = resumed.commands()
+    resumed.transcription_piece(first.item_id, first.tag, " Turn on")
+    append(resumed, tone(400, LOUD) + tone(200, QUIET))  # the user went on: a new job for a later cut
+    (second,) = resumed.commands()
+    events = append(resumed, tone(400, QUIET))
+    assert "conversation.item.input_audio_transcription.delta" not in types(events)  # the first job's piece: never
+    resumed.transcription_piece(second.item_id, second.tag, " Turn on the lights.")
+    assert [e["delta"] for e in drain(resumed)] == ["Turn on the lights."]
