@@ -12,12 +12,11 @@ from typing import Any
 
 import numpy as np
 from session_helpers import drain
-from test_session_voice import LOUD, QUIET, make, tone, types
+from test_session_voice import LOUD, QUIET, make, story_started, tone, types
 
 from gateway.ws.audio_events import PCM_BYTES_PER_MS
 from gateway.ws.commands import Transcribe
 from gateway.ws.session import RealtimeSession, SessionLimits
-from llm_shared.contract import TokenEvent
 from voice.formats import PCMU
 
 with warnings.catch_warnings():
@@ -73,13 +72,7 @@ def test_a_pcmu_turn_is_heard_answered_in_pcmu_and_truncated_at_the_ms_played() 
     loud = audioop.ulaw2lin(audioop.lin2ulaw(struct.pack("<h", LOUD), 2), 2)
     assert set(heard[300 * 24:700 * 24]) == set(struct.unpack("<h", loud))  # the loud level, mu-law's step of it
 
-    session.response_admitted(True)
-    session.transcribed(transcribe.item_id, "Tell me a story.", 1.3)
-    drain(session)
-    (start,) = session.commands()
-    rid = start.response_id
-    session.engine_event(rid, TokenEvent(token_id=1, text="Once upon a time. There was a fox. ", logprob=0.0))
-    session.commands()
+    rid = story_started(session, transcribe)
     # The first phrase one session sample past a whole 8 kHz sample: padded to 24003 samples (8001 sent).
     session.speech_ready(rid, 0, tone(1000, 3000) + struct.pack("<h", 3000))
     session.speech_ready(rid, 1, tone(1000, 3000))

@@ -117,6 +117,19 @@ def speak_turn(session: RealtimeSession) -> tuple[list[dict[str, Any]], list[obj
     return events, session.commands()
 
 
+def story_started(session: RealtimeSession, transcribe: Transcribe) -> str:
+    """The spoken turn is admitted and heard as a request for a story; the engine starts telling
+    it (two sentences, so two phrases). The response id."""
+    session.response_admitted(True)
+    session.transcribed(transcribe.item_id, "Tell me a story.", 1.3)
+    drain(session)
+    (start,) = session.commands()
+    session.engine_event(start.response_id, TokenEvent(token_id=1, text="Once upon a time. There was a fox. ",
+                                                       logprob=0.0))
+    session.commands()
+    return start.response_id
+
+
 def audio_session(**session_fields: Any) -> RealtimeSession:
     session = make()
     session.receive({"type": "session.update", "session": {"output_modalities": ["audio"], **session_fields}})
@@ -207,13 +220,7 @@ def test_speech_during_an_answer_cancels_it_and_truncate_keeps_what_was_heard() 
     session = audio_session()
     _, commands = speak_turn(session)
     transcribe, _ = commands
-    session.response_admitted(True)
-    session.transcribed(transcribe.item_id, "Tell me a story.", 1.3)
-    drain(session)
-    (start,) = session.commands()
-    rid = start.response_id
-    session.engine_event(rid, TokenEvent(token_id=1, text="Once upon a time. There was a fox. ", logprob=0.0))
-    session.commands()
+    rid = story_started(session, transcribe)
     session.speech_ready(rid, 0, tone(1000, 5))
     session.speech_ready(rid, 1, tone(1000, 5))
     item_id = next(e for e in drain(session) if e["type"] == "response.output_item.added")["item"]["id"]
