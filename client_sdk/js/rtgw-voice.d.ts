@@ -52,7 +52,7 @@ export class Microphone {
 
 /** A voice conversation: microphone in, server VAD, spoken answers played, barge-in. */
 export class VoiceSession extends Emitter {
-  constructor(client: RealtimeClient, options?: { voice?: VoiceSettings["voice"]; turnDetection?: TurnDetection | "server_vad";
+  constructor(client: RealtimeClient, options?: { voice?: VoiceSettings["voice"]; turnDetection?: TurnDetection | "server_vad" | "semantic_vad";
     player?: AudioPlayer; microphone?: Microphone; bargeIn?: boolean; instructions?: string });
   readonly client: RealtimeClient;
   readonly player: AudioPlayer;

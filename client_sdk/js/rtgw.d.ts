@@ -55,22 +55,35 @@ export interface SessionSettings {
   parallelToolCalls?: boolean;
 }
 
-export interface TurnDetection {
+export interface ServerVad {
   type: "server_vad";
   threshold?: number; // 0..1, 0.5
   prefix_padding_ms?: number; // 300
   silence_duration_ms?: number; // 500
   create_response?: boolean; // true: the server answers each utterance
   interrupt_response?: boolean; // true: speech over an answer cancels it
+  idle_timeout_ms?: number | null; // 5000..30000: answer a silent user after this much audio
 }
+
+/** The gateway runs it as server VAD whose silence follows the eagerness (low 1000 ms, medium and
+ * auto 600, high 300): there is no turn model yet. */
+export interface SemanticVad {
+  type: "semantic_vad";
+  eagerness?: "low" | "medium" | "high" | "auto"; // "auto"
+  create_response?: boolean;
+  interrupt_response?: boolean;
+}
+
+export type TurnDetection = ServerVad | SemanticVad;
 
 /** Voice settings (sent in the GA session's `audio` object). */
 export interface VoiceSettings {
   /** ["audio"]: answers are spoken (their words stream as the turn's text); ["text"]: written. */
   outputModalities?: ("audio" | "text")[] | "audio" | "text";
   voice?: "alloy" | "ash" | "ballad" | "coral" | "echo" | "sage" | "shimmer" | "verse" | "marin" | "cedar";
-  /** Server VAD ("server_vad" or its settings), or null for push to talk (`commitAudio`, `respond`). */
-  turnDetection?: TurnDetection | "server_vad" | null;
+  /** Server or semantic VAD ("server_vad", "semantic_vad" or their settings), or null for push to
+   * talk (`commitAudio`, `respond`). */
+  turnDetection?: TurnDetection | "server_vad" | "semantic_vad" | null;
   transcription?: { model?: string; language?: string; prompt?: string } | null;
 }
 

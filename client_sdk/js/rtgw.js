@@ -436,7 +436,7 @@ const AUDIO_FIELDS = { voice: ["output", "voice"], speed: ["output", "speed"],
   noiseReduction: ["input", "noise_reduction"] };
 
 /** Session settings as the GA session object: outputModalities ("audio" or ["audio"]), and voice,
- * turnDetection ("server_vad", an object, or null for push to talk) and transcription in `audio`. */
+ * turnDetection ("server_vad", "semantic_vad", an object, or null for push to talk) and transcription in `audio`. */
 export function sessionFields(options) {
   const out = wireFields(options, SESSION_FIELDS);
   if (options.outputModalities !== undefined) {

@@ -71,8 +71,10 @@ class ServerVad:
 
 @dataclass(frozen=True)
 class NoiseReduction:
-    """``audio.input.noise_reduction``: accepted and echoed, but no denoiser is installed here, so
-    the audio reaches VAD and recognition as sent (the session says so once: ``x_warnings``)."""
+    """``audio.input.noise_reduction``: accepted and echoed, but no denoiser runs, so the audio
+    reaches VAD and recognition as sent (the session says so once: ``x_warnings``). Measured
+    (``bench/noise_reduction.py``, docs/voice.md): the CPU denoisers that install here did not
+    lower Whisper's word error at 10-20 dB SNR and raised it on clean speech."""
 
     type: Literal["near_field", "far_field"]
     strength: float | None = None  # newer SDKs send it; echoed only when given

@@ -17,6 +17,9 @@ from rtgw import Backoff, ClientProtocol, GatewayError, OfflineConfig, RealtimeC
 from rtgw.audio import RealTimePlayer, silence
 from rtgw.device_response import DeviceResponse
 from rtgw.device_voice import (
+    EAGERNESS_SILENCE_MS as DEVICE_EAGERNESS_SILENCE_MS,
+)
+from rtgw.device_voice import (
     DeviceVoice,
     InputBuffer,
     SpokenOutput,
@@ -75,11 +78,29 @@ def test_the_sessions_voice_settings_as_the_device_reads_them() -> None:
     assert turn_detection(session_fields({"turn_detection": {"type": "server_vad", "silence_duration_ms": 800,
                                                              "create_response": False}})) == \
         TurnDetection(silence_duration_ms=800, create_response=False)
-    with pytest.raises(OfflineVoiceError, match="server_vad or push to talk"):
-        turn_detection(session_fields({"turn_detection": "semantic_vad"}))
+    # semantic_vad: server VAD whose silence follows the eagerness, as on the gateway
+    assert turn_detection(session_fields({"turn_detection": "semantic_vad"})) == \
+        TurnDetection(silence_duration_ms=600, kind="semantic_vad", eagerness="auto")
+    assert turn_detection(session_fields({"turn_detection": {"type": "semantic_vad", "eagerness": "high",
+                                                             "interrupt_response": False}})) == \
+        TurnDetection(silence_duration_ms=300, interrupt_response=False, kind="semantic_vad", eagerness="high")
+    with pytest.raises(OfflineVoiceError, match="eagerness must be one of"):
+        turn_detection(session_fields({"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}))
+    with pytest.raises(OfflineVoiceError, match="silence_duration_ms apply to server_vad only"):
+        turn_detection(session_fields({"turn_detection": {"type": "semantic_vad", "silence_duration_ms": 200}}))
+    with pytest.raises(OfflineVoiceError, match="server_vad, semantic_vad or push to talk"):
+        turn_detection(session_fields({"turn_detection": "webrtc_vad"}))
     session = session_fields({"output_modalities": "audio", "voice": "ash"})
     assert speaks(session, {}) and not speaks(session, {"output_modalities": ["text"]}) and not speaks({}, {})
     assert voice_name(session, {}) == "ash" and voice_name(session, {"audio": {"output": {"voice": "cedar"}}}) == "cedar"
+
+
+def test_the_devices_eagerness_table_is_the_gateways() -> None:
+    # The SDK keeps its own copy (it cannot import the gateway): the two must not drift apart.
+    from gateway.ws.audio_events import EAGERNESS, EAGERNESS_SILENCE_MS
+
+    assert DEVICE_EAGERNESS_SILENCE_MS == EAGERNESS_SILENCE_MS
+    assert set(DEVICE_EAGERNESS_SILENCE_MS) == set(EAGERNESS)
 
 
 def test_the_input_buffer_takes_a_span_and_drops_what_is_before_it() -> None:

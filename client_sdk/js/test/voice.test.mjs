@@ -39,6 +39,10 @@ test("voice settings go into the GA session's audio object", () => {
     instructions: "Be brief." }), { instructions: "Be brief.", output_modalities: ["audio"],
     audio: { output: { voice: "marin" }, input: { turn_detection: { type: "server_vad" } } } });
   assert.deepEqual(sessionFields({ turnDetection: null }), { audio: { input: { turn_detection: null } } });
+  assert.deepEqual(sessionFields({ turnDetection: "semantic_vad" }),
+    { audio: { input: { turn_detection: { type: "semantic_vad" } } } });
+  assert.deepEqual(sessionFields({ turnDetection: { type: "semantic_vad", eagerness: "high" } }),
+    { audio: { input: { turn_detection: { type: "semantic_vad", eagerness: "high" } } } });
 });
 
 test("PCM16 and base64 round trips", () => {

@@ -36,20 +36,33 @@ MAX_BUFFER_MS = 120_000  # uncommitted input audio (the gateway's default max_in
 MAX_ALIGNMENTS = 16  # spoken items whose alignment is kept for a barge-in (the last ones)
 
 
+# semantic_vad on the device, as on the gateway (gateway/ws/audio_events.py, whose table a test
+# compares with this one): server VAD whose silence that ends a turn follows the eagerness; "auto"
+# is "medium", as in the API. The SDK cannot import the gateway, and the table is too small to
+# make the plain SDK depend on the shared package for it.
+EAGERNESS_SILENCE_MS: dict[str, int] = {"low": 1000, "medium": 600, "auto": 600, "high": 300}
+_SERVER_VAD_ONLY = ("threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms")
+
+
 @dataclass(frozen=True)
 class TurnDetection:
-    """``audio.input.turn_detection`` of type ``server_vad``, with the Realtime API's defaults."""
+    """``audio.input.turn_detection``: ``server_vad`` with the Realtime API's defaults, or
+    ``semantic_vad`` run as server VAD (``kind`` and ``eagerness`` say which, as the gateway's
+    ``ServerVad`` does)."""
 
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
+    kind: str = "server_vad"
+    eagerness: str | None = None  # semantic_vad only: what set silence_duration_ms
 
 
 def turn_detection(session: Mapping[str, Any]) -> TurnDetection | None:
     """The session's turn detection as the SDK keeps it (``rtgw.settings.session_fields``): server VAD
-    unless set, None for push to talk. ``OfflineVoiceError`` for a kind the device does not do."""
+    unless set, None for push to talk, ``semantic_vad`` as server VAD whose silence follows its
+    eagerness. ``OfflineVoiceError`` for a kind the device does not do, or fields the gateway refuses."""
     audio_in = (session.get("audio") or {}).get("input") or {}
     if "turn_detection" not in audio_in:
         return TurnDetection()
@@ -57,12 +70,23 @@ def turn_detection(session: Mapping[str, Any]) -> TurnDetection | None:
     if raw is None:
         return None
     kind = raw.get("type", "server_vad")
-    if kind != "server_vad":
-        raise OfflineVoiceError(f"the on-device voice detects turns with server_vad or push to talk, not {kind!r}")
     defaults = TurnDetection()
+    flags = {name: raw.get(name) if raw.get(name) is not None else getattr(defaults, name)
+             for name in ("create_response", "interrupt_response")}
+    if kind == "semantic_vad":
+        eagerness = raw.get("eagerness") or "auto"
+        if eagerness not in EAGERNESS_SILENCE_MS:
+            raise OfflineVoiceError(f"semantic_vad's eagerness must be one of {list(EAGERNESS_SILENCE_MS)}, "
+                                    f"not {eagerness!r}")
+        if extra := [name for name in _SERVER_VAD_ONLY if raw.get(name) is not None]:
+            raise OfflineVoiceError(f"{', '.join(extra)} apply to server_vad only, not semantic_vad")
+        return TurnDetection(silence_duration_ms=EAGERNESS_SILENCE_MS[eagerness], kind="semantic_vad",
+                             eagerness=eagerness, **flags)
+    if kind != "server_vad":
+        raise OfflineVoiceError(f"the on-device voice detects turns with server_vad, semantic_vad or push to talk, "
+                                f"not {kind!r}")
     return TurnDetection(**{name: raw.get(name) if raw.get(name) is not None else getattr(defaults, name)
-                            for name in ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
-                                         "interrupt_response")})
+                            for name in ("threshold", "prefix_padding_ms", "silence_duration_ms")}, **flags)
 
 
 def speaks(session: Mapping[str, Any], response: Mapping[str, Any]) -> bool:

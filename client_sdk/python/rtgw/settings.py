@@ -17,7 +17,7 @@ _AUDIO_FIELDS = {"voice": ("output", "voice"), "speed": ("output", "speed"),
 
 def session_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
     """``update_session`` keywords as the GA session object: ``voice``, ``speed``,
-    ``turn_detection`` (a dict, ``"server_vad"``, or None for push to talk), ``transcription`` and
+    ``turn_detection`` (a dict, ``"server_vad"``, ``"semantic_vad"``, or None for push to talk), ``transcription`` and
     ``noise_reduction`` go into ``audio``; ``output_modalities="audio"`` becomes ``["audio"]``."""
     out = {k: v for k, v in fields.items() if k not in _AUDIO_FIELDS}
     if isinstance(out.get("output_modalities"), str):
