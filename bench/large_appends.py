@@ -273,7 +273,7 @@ def main() -> None:
     parser.add_argument("--append-mib", type=float, default=15.0, help="base64 in each append")
     parser.add_argument("--budget-mib", type=float, default=64.0, help="server.large_frames_budget_bytes")
     parser.add_argument("--turns", type=int, default=8, help="the healthy session's baseline turns")
-    parser.add_argument("--rounds", type=int, default=3, help="floods, one after another (new sessions each)")
+    parser.add_argument("--rounds", type=int, default=5, help="floods, one after another (new sessions each)")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     args.input_buffer_s = None  # voice.max_input_buffer_s as shipped (120 s)
