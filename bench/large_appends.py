@@ -1,25 +1,28 @@
 """Sixty-four sessions each sending a 15 MiB append at once, beside a healthy session (issue 41).
 
-    .venv/bin/python bench/large_appends.py [--sessions 64] [--append-mib 15] [--budget-mib 64] [--smoke]
+    .venv/bin/python bench/large_appends.py [--sessions 64] [--append-mib 15] [--budget-mib 64]
+                                            [--rounds 5] [--turns 3] [--smoke]
 
 One ``python -m gateway serve`` subprocess on the shipped config (the edge route, voice as
 shipped, the shipped per-key limits: the flood is exactly one key's ``max_sessions_per_key``),
 with ``server.large_frames_budget_bytes`` set to ``--budget-mib`` (64, as shipped). Its RSS (all
-its processes) is sampled every 10 ms from a thread while frames are in flight. In order:
+its processes) is sampled every 10 ms from a thread while frames are in flight. A healthy
+session (the official ``openai`` SDK's Realtime client, text turns: an out-of-band
+``response.create`` of 16 tokens, one after another) stays open throughout. In order:
 
-- **baseline**: a healthy session (the official ``openai`` SDK's Realtime client, text turns:
-  an out-of-band ``response.create`` of 16 tokens, one after another) takes ``--turns`` turns;
 - **one append**: one session sends one ``--append-mib`` append (silence, "A" x 15 MiB: 245 s of
   24 kHz PCM16, refused after decoding with ``input_audio_buffer_full``, the input buffer holding
   120 s). Its RSS peak over the settled RSS before, divided by the frame's bytes, is what one
   admitted frame costs the server at most (``frame_cost_factor``): its bytes in aiohttp and the
   copies its parse, its JSON and its base64 make while it is handled;
-- **flood**, ``--rounds`` times: ``--sessions`` sessions (already open; new ones each round) each
-  send one such frame at once, then an
+- ``--rounds`` times: the healthy session takes ``--turns`` turns (its **baseline**, right before
+  each flood: the machine's load drifts), then the **flood**: ``--sessions`` sessions (already
+  open; new ones each round) each send one such frame at once, then an
   ``input_audio_buffer.clear`` (its ``cleared`` tells that the append was handled: events keep
   their order), while the healthy session keeps taking turns. Each session's answer is recorded:
   ``large_frames_busy`` (dropped at the gate, the budget held), or past the gate
-  (``input_audio_buffer_full`` for a 15 MiB append).
+  (``input_audio_buffer_full`` for a 15 MiB append);
+- the flooding sessions closed, the RSS once a periodic full collection has run.
 
 The bound (``bound_mib``): the frames the budget lets in are held whole (aiohttp's reads of
 them, then their text) until each is handled, and the event loop handles one at a time, so the
@@ -32,12 +35,13 @@ settled RSS before it is under that. docs/reliability.md, "Large appends", has t
 Last line: ``sessions`` (a round's), ``rounds``, ``append_mib``, ``budget_mib``, ``admitted``
 (flood appends past the gate, all rounds), ``refused_busy`` (same), ``rss_before_mib``,
 ``rss_peak_mib`` and ``rss_growth_mib`` (of the round that grew most), ``rss_after_mib``
-(settled after the last round: what was not given back), ``frame_cost_factor``,
+(settled at the end, the flooding sessions closed and a periodic full collection run: what was
+not given back; compare with ``details.single.rss_before_mib``), ``frame_cost_factor``,
 ``bound_mib``, ``within_bound``, ``healthy_turns`` and ``healthy_failed`` (all the healthy
 session's turns), ``healthy_ttft_p50_ratio`` (its time to first token during the flood over the
 baseline's, p50), ``flood_s`` (first byte sent to last answer, the longest round), ``cpu``.
 ``--smoke``: 4 flood sessions of 2 MiB appends under a 4 MiB budget, the input buffer 10 s (so
-that they too are refused once decoded), 2 turns.
+that they too are refused once decoded), one round, 2 turns, no wait for the collection.
 """
 
 from __future__ import annotations
@@ -214,7 +218,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         gw = GatewayProcess(derive_config(directory, budget, args.input_buffer_s), directory / "gateway.log", "127.0.0.1", tree=True)
-        cap = load_config(gw.config_path).server.max_large_frame_bytes
+        served = load_config(gw.config_path).server
+        cap, gc_every_s = served.max_large_frame_bytes, served.gc_full_every_s
         try:
             gw.start()
             progress("gateway starting (the shipped config on the edge route, voice on)")
@@ -227,19 +232,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 healthy = Healthy(conn)
                 for n in range(2):
                     await healthy.turn("warm-up", n)
-                for n in range(args.turns):
-                    await healthy.turn("baseline", n)
-                progress(f"baseline: {args.turns} turns, TTFT p50 {median(healthy.ttfts('baseline')):.0f} ms")
                 single = await one_append(gw, frame, processes)
                 progress(f"one {len(frame) / MIB:.1f} MiB append: {json.dumps(single)}")
                 rounds = []
                 for r in range(args.rounds):
+                    # The baseline right before each flood: the machine's load drifts between rounds.
+                    for n in range(args.turns):
+                        await healthy.turn("baseline", n)
                     progress(f"flood {r + 1}/{args.rounds}: {args.sessions} sessions x {len(frame) / MIB:.1f} MiB "
                              f"at once, budget {budget / MIB:g} MiB")
                     rounds.append(await flood(gw, frame, args.sessions, healthy, processes, r + 1))
                     progress(f"flood {r + 1}: {json.dumps({k: v for k, v in rounds[-1].items() if k != 'rss_trace_mib'})}")
                 for n in range(2):
                     await healthy.turn("after", n)
+                # What stays once every flooding session is gone and a periodic full collection has
+                # run (a closed session's aiohttp objects are cycles; server.gc_full_every_s).
+                wait_s = 0.0 if args.smoke else gc_every_s + 1
+                await asyncio.sleep(wait_s)
+                end = await gw.settled_rss()
+                progress(f"{wait_s:.0f} s later: RSS {end / MIB:.1f} MiB")
         finally:
             gw.stop()
             problems = gw.log_problems()
@@ -253,13 +264,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     busy = outcomes["large_frames_busy"]
     admitted = sum(n for kind, n in outcomes.items() if kind not in ("large_frames_busy", "frame_too_large", "closed"))
     worst = max(rounds, key=lambda r: r["growth_mib"])
-    details = {"single": single, "rounds": rounds, "outcomes": dict(outcomes), "turns": {p: [vars(t) for t in ts] for p, ts in healthy.turns.items()},
+    details = {"single": single, "floods": rounds, "outcomes": dict(outcomes), "turns": {p: [vars(t) for t in ts] for p, ts in healthy.turns.items()},
                "max_large_frame_bytes": cap, "allowance_mib": ALLOWANCE_MIB, "log_problems": problems[:20]}
     return {
         "sessions": args.sessions, "rounds": args.rounds, "append_mib": round(len(frame) / MIB, 2), "budget_mib": round(budget / MIB, 2),
         "admitted": admitted, "refused_busy": busy,
         "rss_before_mib": round(worst["rss_before_mib"], 1), "rss_peak_mib": round(worst["rss_peak_mib"], 1),
-        "rss_growth_mib": round(worst["growth_mib"], 1), "rss_after_mib": round(rounds[-1]["rss_after_mib"], 1),
+        "rss_growth_mib": round(worst["growth_mib"], 1), "rss_after_mib": round(end / MIB, 1),
         "frame_cost_factor": round(k, 2), "bound_mib": round(bound, 1), "within_bound": worst["growth_mib"] <= bound,
         "healthy_turns": len(turns), "healthy_failed": sum(not t.ok for t in turns),
         "healthy_ttft_p50_ratio": round(median(during) / median(base), 2) if base and during else None,
@@ -272,7 +283,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64, help="flooding sessions (one key: at most 64 as shipped)")
     parser.add_argument("--append-mib", type=float, default=15.0, help="base64 in each append")
     parser.add_argument("--budget-mib", type=float, default=64.0, help="server.large_frames_budget_bytes")
-    parser.add_argument("--turns", type=int, default=8, help="the healthy session's baseline turns")
+    parser.add_argument("--turns", type=int, default=3, help="the healthy session's baseline turns before each flood")
     parser.add_argument("--rounds", type=int, default=5, help="floods, one after another (new sessions each)")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
