@@ -258,16 +258,18 @@ class RealtimeConnection:
                 return  # CLOSE, CLOSING, CLOSED or ERROR (aiohttp already sent the close code, e.g. 1009)
             if self._closing:
                 return  # the server is closing: this frame came too late to be taken
-            kind, data = msg.type, msg.data
-            del msg  # a large append's text must not outlive its handling (the budget is given back then)
-            await self._take(kind, data)
-            del data
+            # A large append's text must not outlive its decoding: the frame is handed over, not kept here.
+            frame = [msg.data]
+            kind = msg.type
+            del msg
+            await self._take(kind, frame)
             deadline = loop.time() + idle
             await self._pump()
 
-    async def _take(self, kind: WSMsgType, data: str | bytes) -> None:
-        """One client frame, through to the session (a ``response.create`` once the key admits it)."""
-        event = self._frames.event(kind, data)
+    async def _take(self, kind: WSMsgType, frame: list[str | bytes]) -> None:
+        """One client frame (taken out of ``frame``: its text is let go once decoded), through to
+        the session (a ``response.create`` once the key admits it)."""
+        event = self._frames.event(kind, frame.pop())
         try:
             if event is not None and (event.get("type") != "response.create" or await self._admit()):
                 self.session.receive(event)

@@ -14,8 +14,8 @@ def test_defaults_are_valid_and_derived_bounds_follow() -> None:
     config = build(VoiceConfig, {}, "voice")
     assert config == VoiceConfig()
     assert config.enabled and config.asr_model == "auto" and config.voice == "alloy"
-    assert config.max_input_buffer_bytes == 60 * 48_000
-    assert config.max_append_base64_chars == 349_528  # 262,144 bytes as padded base64
+    assert config.max_input_buffer_bytes == 120 * 48_000
+    assert config.max_append_base64_chars == 15 * 2**20  # 11,796,480 bytes as base64: the API's 15 MiB
 
 
 def test_a_table_loads() -> None:
