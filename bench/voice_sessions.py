@@ -310,9 +310,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         for lv in levels},
         "cpu": cpu["model"],
     }
-    img = figure_path("voice.png", args.smoke)
+    # A run in another format writes files of its own: the 24 kHz run's plot and figures stay.
+    name = "voice" if args.format == "audio/pcm" else f"voice_{args.format.removeprefix('audio/')}"
+    img = figure_path(f"{name}.png", args.smoke)
     plot(levels, cpu, img)
-    write_json(result_path("voice.json", args.smoke), {
+    write_json(result_path(f"{name}.json", args.smoke), {
         "summary": summary, "levels": levels, "truncate": exactness, "cpu": cpu, "plot": str(img),
         "settings": {k: getattr(args, k) for k in ("sessions", "turns", "barge_every", "silence_ms", "tokens",
                                                    "format", "smoke")} | {"chunk_ms": CHUNK_MS}})
