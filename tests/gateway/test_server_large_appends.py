@@ -84,3 +84,36 @@ async def test_recordings_in_one_append_each_through_the_official_sdk(voice: Gat
             await conn.input_audio_buffer.append(audio=base64.b64encode(recording(5)).decode())
             transcript, answer = await turn(conn)
             assert words(QUESTION)[:3] == words(transcript)[:3] and answer == "Done."
+
+
+async def test_a_recording_in_one_msgpack_append_is_heard(voice: GatewayVoice) -> None:
+    """On the msgpack subprotocol an append carries raw bytes: 6 s of PCM16 (288 kB, over the
+    256 KiB every other event is held to) in one binary frame, committed and answered."""
+    import msgpack
+    import websockets
+
+    engine = FakeEngine(reply=lambda prompt, params: ["Done."])
+    async for served in serve(voice, engine):
+        url = f"{served.url.replace('http', 'ws')}/v1/realtime?model={MODEL}"
+        async with websockets.connect(url, subprotocols=["x-openai-realtime-msgpack"]) as ws:
+
+            async def until(kind: str) -> dict[str, Any]:
+                while True:
+                    event = msgpack.unpackb(await ws.recv())
+                    assert event["type"] != "error", event
+                    if event["type"] == kind:
+                        return event
+
+            await until("session.created")
+            await ws.send(msgpack.packb({"type": "session.update",
+                                         "session": {"audio": {"input": {"turn_detection": None}}}}))
+            await until("session.updated")
+            audio = recording(6)
+            assert len(audio) > 256 * 1024
+            await ws.send(msgpack.packb({"type": "input_audio_buffer.append", "audio": audio}))
+            await ws.send(msgpack.packb({"type": "input_audio_buffer.commit"}))
+            await ws.send(msgpack.packb({"type": "response.create"}))
+            completed = await until("conversation.item.input_audio_transcription.completed")
+            assert words(completed["transcript"]).count("kitchen") >= 1
+            done = await until("response.done")
+            assert done["response"]["status"] == "completed"
