@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.shaping import CallStream
+from gateway.ws.active_response import ActiveResponse
 from gateway.ws.commands import AbortGeneration, CancelSpeech, CancelTranscription, Command, StartGeneration
 from gateway.ws.conversation import Conversation
 from gateway.ws.events import (
@@ -60,7 +61,7 @@ INTERNAL_ERROR_MESSAGE = "The server had an error while processing this event."
 
 class RealtimeSession:
     """One session's state, with its items (``ItemStore``) and speech in (``VoiceInput``) in
-    objects of their own that reach back only through ``_ActiveResponse``'s few calls."""
+    objects of their own that reach back only through ``ActiveResponse``'s few calls."""
 
     def __init__(
         self,
@@ -95,7 +96,7 @@ class RealtimeSession:
         self._started = False
         self._voice = voice
         self._held: Callable[[], None] | None = None  # starts the active response once transcripts are in
-        active = _ActiveResponse(self)
+        active = ActiveResponse(lambda: self._active, self._cancel, self._release_held, self._error)
         self._items = ItemStore(self._conversation, limits, self._ids, self._events, beta, writer=active)
         self._voice_in = VoiceInput(limits, voice, self._items, self._ids, self._events, self._commands, turns=active,
                                     clock=clock)
@@ -463,38 +464,3 @@ class RealtimeSession:
 
     def _internal_error(self, event_id: str | None) -> None:
         self._error(ProtocolError("server_error", INTERNAL_ERROR_MESSAGE, type="server_error", event_id=event_id))
-
-
-class _ActiveResponse:
-    """The session's active response as its items (``Writer``) and speech in (``Turns``) see it:
-    the only way they reach back into the session."""
-
-    def __init__(self, session: RealtimeSession) -> None:
-        self._session = session
-
-    def writes(self, item_id: str) -> bool:
-        active = self._session._active
-        return active is not None and active.owns(item_id)
-
-    def reserved_items(self) -> int:
-        active = self._session._active
-        return 1 if active is not None and active.needs_slot else 0
-
-    def stop_writing(self, item_id: str) -> None:
-        active = self._session._active
-        if active is not None and active.owns(item_id):
-            self._session._cancel(active, "client_cancelled")
-
-    def interrupt(self) -> None:
-        active = self._session._active
-        if active is not None and active.in_conversation:
-            self._session._cancel(active, "turn_detected")
-
-    def responding(self) -> bool:
-        return self._session._active is not None
-
-    def transcripts_changed(self) -> None:
-        self._session._release_held()
-
-    def error(self, e: ProtocolError) -> None:
-        self._session._error(e)
