@@ -74,6 +74,8 @@ def derive_config(directory: Path, redis_url: str) -> Path:
     server["api_keys"] = list(KEYS.values())
     server["api_keys_env"] = ""
     raw["limits"] = {"backend": "redis", "url": redis_url, "failure": "fail_open"}
+    # The healthy voice sessions and the hostile one are all admitted: this measures their contention.
+    raw.setdefault("voice", {})["max_sessions"] = 64
     path = directory / "hostile.toml"
     path.write_text(dump_toml(raw), encoding="utf-8")
     return path

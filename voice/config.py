@@ -32,6 +32,10 @@ class VoiceConfig:
     tts_model: str = "auto"  # piper's voice (.onnx); "auto": en_US-joe-medium from its wheel
     voice: str = "alloy"  # audio.output.voice when a session sets none
     pool_threads: int = 2  # worker threads for recognition and synthesis, shared by all sessions
+    # Sessions that may use voice at once (the rest are refused voice_sessions_full and may go on in
+    # text). 0: one per core of this host, what two cores hold within a 1.2 s p99 first audio
+    # (bench/voice_sessions.py's max_voice_sessions; docs/voice.md, "Sizing").
+    max_sessions: int = 0
     # The pool refuses work (voice_busy) past this much audio work outstanding (queued and running;
     # a recognition counts Whisper's whole 30 s window, so 600 s is 20 utterances or ~150 phrases)...
     max_queued_audio_s: float = 600.0
@@ -64,6 +68,7 @@ class VoiceConfig:
         require(1 <= self.asr_threads <= 64, "voice.asr_threads must be in 1..64")
         require(1 <= self.asr_beam_size <= 10, "voice.asr_beam_size must be in 1..10")
         require(1 <= self.pool_threads <= 64, "voice.pool_threads must be in 1..64")
+        require(0 <= self.max_sessions <= 100_000, "voice.max_sessions must be in 0..100000 (0: one per core)")
         require(1 <= self.max_queued_jobs <= 100_000, "voice.max_queued_jobs must be in 1..100000")
         require(1 <= self.max_session_jobs <= self.max_queued_jobs,
                 "voice.max_session_jobs must be in 1..voice.max_queued_jobs")
@@ -83,6 +88,10 @@ class VoiceConfig:
         require(0 <= self.eager_transcribe_ms <= 10_000, "voice.eager_transcribe_ms must be in 0..10000")
         require(16 <= self.first_phrase_max_chars <= self.phrase_max_chars <= 1000 and self.phrase_max_chars >= 40,
                 "need 16 <= voice.first_phrase_max_chars <= voice.phrase_max_chars <= 1000, and phrase_max_chars >= 40")
+
+    def voice_sessions(self, cores: int) -> int:
+        """``max_sessions``, with 0 resolved for a host of ``cores`` cores."""
+        return self.max_sessions or max(1, cores)
 
     @property
     def max_input_buffer_bytes(self) -> int:

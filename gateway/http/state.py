@@ -64,6 +64,9 @@ class GatewayState:
         self.device_models = DeviceModels(self.config.models)
         self.large_frames = LargeFrameBudget(self.config.server.large_frames_budget_bytes)
         self.metrics.large_frames_bytes.set_function(lambda: float(self.large_frames.in_flight))
+        Gauge("gateway_voice_sessions", "Sessions holding a voice seat now (at most [voice] max_sessions)",
+              registry=self.metrics.registry).set_function(
+            lambda: float(seats.in_use) if (seats := getattr(self.voice, "seats", None)) is not None else 0.0)
         Gauge("gateway_limits_degraded", "1 while the shared limits store is unreachable and this process "
               "applies its own limits (fail_open) or refuses (fail_closed)", registry=self.metrics.registry
               ).set_function(lambda: float(self.limits.degraded))

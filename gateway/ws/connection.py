@@ -183,6 +183,7 @@ class RealtimeConnection:
                 await asyncio.shield(self._close_task)
         # Whatever ended the connection, no generation outlives it (nor speech being made for it).
         self.session.cancel_active("client_disconnected")
+        self.session.ended()
         self._outbox.discard()
         await self._pump()
         if self._voice is not None:

@@ -208,6 +208,10 @@ class RealtimeSession:
         response.fail({"type": error.type, "code": error.code, "message": error.message})
         self._settle()
 
+    def ended(self) -> None:
+        """The connection is over: what the session held of the server goes back (its voice seat)."""
+        self._voice_in.release_seat()
+
     def cancel_active(self, reason: str) -> None:
         """Adapter-initiated cancel (``client_too_slow``, ``server_shutdown``, ``client_disconnected``)."""
         if self._active is not None:
@@ -320,7 +324,14 @@ class RealtimeSession:
         self._release_held()
 
     def _session_update(self, event: SessionUpdate) -> None:
+        before = self._settings.view
         self._settings.update(event)
+        if self._settings.view.audio.output_audio:
+            try:
+                self._voice_in.seat("session.output_modalities")
+            except ProtocolError:
+                self._settings.view = before  # refused whole, as any update
+                raise
         self._voice_in.configure(self._settings.view.audio)
         session = session_wire(self._settings.view, self._beta)
         warnings = self._settings.warnings(self._beta)
@@ -344,6 +355,8 @@ class RealtimeSession:
         if event.tools is not None:
             constraints = self._settings.tools(event.tools, "response", constraints)
         audio = self._settings.audio(event.audio, "response")
+        if audio.output_audio:
+            self._voice_in.seat("response.output_modalities")
         items = self._items.in_context() if event.input is None else self._items.resolve_input(event.input)
         prompt = ResponsePrompt(settings.instructions if event.instructions is None else event.instructions, items,
                                 constraints, self._settings.family, max_chars=self._limits.max_conversation_chars,

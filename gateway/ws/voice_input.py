@@ -53,13 +53,40 @@ from voice.formats import PCM16, AudioFormat, InputStream
 logger = logging.getLogger(__name__)
 
 
+class VoiceSeats:
+    """The sessions that may use voice at once, server-wide (``[voice] max_sessions``): recognition
+    and synthesis share the cores with the text turns, so a voice session is admitted, not assumed.
+    A session takes a seat with its first audio (an append, or audio asked of the answers) and
+    holds it until it ends."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: set[object] = set()
+
+    @property
+    def in_use(self) -> int:
+        return len(self._held)
+
+    def take(self, owner: object) -> bool:
+        if owner not in self._held:
+            if len(self._held) >= self.limit:
+                return False
+            self._held.add(owner)
+        return True
+
+    def release(self, owner: object) -> None:
+        self._held.discard(owner)
+
+
 @dataclass(frozen=True)
 class VoiceHooks:
-    """What a session needs of the voice pipeline without doing I/O: a server VAD per session and
-    a phrase splitter per audio response. None where the server has no voice."""
+    """What a session needs of the voice pipeline without doing I/O: a server VAD per session, a
+    phrase splitter per audio response, and the server's voice seats (None: unbounded). None where
+    the server has no voice."""
 
     segmenters: SegmenterFactory
     phrases: Callable[[], PhraseSplitter]
+    seats: VoiceSeats | None = None
 
 
 class Turns(Protocol):
@@ -82,6 +109,8 @@ class VoiceInput:
     def __init__(self, limits: SessionLimits, hooks: VoiceHooks | None, items: ItemStore, ids: Callable[[str], str],
                  events: Emitter, commands: list[Command], turns: Turns, clock: Callable[[], float]) -> None:
         self._input = InputAudio(limits, hooks.segmenters if hooks is not None else None, clock=clock)
+        self._seats = hooks.seats if hooks is not None else None
+        self._seated = False
         self._limits = limits
         self._items = items
         self._ids = ids
@@ -125,8 +154,25 @@ class VoiceInput:
 
     # ----- client events ----------------------------------------------------------------------
 
+    def seat(self, param: str) -> None:
+        """This session uses voice from now on: it takes one of the server's voice seats, held
+        until ``release_seat``; ``voice_sessions_full`` (naming ``param``) when none is free."""
+        if self._seated or self._seats is None:
+            return
+        if not self._seats.take(self):
+            raise ProtocolError("voice_sessions_full", f"this server serves at most {self._seats.limit} voice "
+                                "sessions at once and all are in use; use text (output_modalities [\"text\"], no "
+                                "audio appends), or try again later", param)
+        self._seated = True
+
+    def release_seat(self) -> None:
+        if self._seated and self._seats is not None:
+            self._seats.release(self)
+            self._seated = False
+
     def receive(self, event: AudioEvent) -> None:
         if isinstance(event, AudioAppend):
+            self.seat("type")
             self._check_size(event.audio)
             try:
                 pcm = self._stream.to_session(event.audio)

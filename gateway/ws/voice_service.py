@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Hashable
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from gateway.ws.audio_events import ServerVad
 from gateway.ws.audio_input import SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
-from gateway.ws.voice_input import VoiceHooks
+from gateway.ws.voice_input import VoiceHooks, VoiceSeats
 from gateway.ws.voice_link import Heard, VoiceUnavailable
 from llm_shared.errors import EngineError
 from voice.alignment import Mark
@@ -63,7 +64,9 @@ class GatewayVoice:
     def __init__(self, config: VoiceConfig, observer: Callable[[JobFigures], None] | None = None) -> None:
         started = time.perf_counter()
         self.service = service = VoiceService(config, observer=observer)
-        self.hooks = VoiceHooks(segmenters=lambda vad: _Segmenter(service, vad), phrases=service.phrase_splitter)
+        self.seats = VoiceSeats(config.voice_sessions(len(os.sched_getaffinity(0))))
+        self.hooks = VoiceHooks(segmenters=lambda vad: _Segmenter(service, vad), phrases=service.phrase_splitter,
+                                seats=self.seats)
         log.info("voice ready in %.1f s: Silero VAD, Whisper (%s), %s", time.perf_counter() - started,
                  service.recognizer.model_dir, config.tts_backend)
 
