@@ -89,14 +89,19 @@ class _Response:
     item_id: str | None = None
     done: asyncio.Future[dict[str, Any]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     first_audio: asyncio.Event = field(default_factory=asyncio.Event)
+    commits: int = 0  # input_audio_buffer.committed events seen before it was created
 
 
 class VoiceSession:
     def __init__(self, url: str, model: str, *, silence_ms: int, max_output_tokens: int,
-                 api_key: str | None = None, wire_format: AudioFormat = PCM16) -> None:
+                 api_key: str | None = None, wire_format: AudioFormat = PCM16,
+                 eagerness: str | None = None) -> None:
+        """``eagerness``: turn detection by ``semantic_vad`` with it (else server VAD with ``silence_ms``)."""
         self._url = f"{url.replace('http', 'ws', 1)}/v1/realtime?model={model}"
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._silence_ms = silence_ms
+        self._eagerness = eagerness
+        self._commits = 0  # input_audio_buffer.committed events seen
         self._max_output_tokens = max_output_tokens
         self._format = wire_format
         self._ws: websockets.ClientConnection | None = None
@@ -181,6 +186,24 @@ class VoiceSession:
         await self._wait(self._responses[follow_up].done)
         return result
 
+    async def paused_turn(self, before: bytes, pause_ms: int, after: bytes) -> bool:
+        """One question said with a pause inside it (``before``, ``pause_ms`` of silence, ``after``),
+        then its answer. True when the turn ended inside the pause: a commit came before the rest
+        of the sentence was said (a false endpoint; the answer to the whole sentence is waited for)."""
+        commits = self._commits
+        await self._say(before)
+        await asyncio.sleep(pause_ms / 1000)  # the microphone sends silence meanwhile
+        false_end = self._commits > commits
+        committed = self._expect("input_audio_buffer.committed")
+        await self._say(after)
+        await self._wait(committed)
+        final = self._commits
+        while True:  # answers started by a false endpoint come first in the queue: passed over
+            rid = await self._wait(self._new_response.get())
+            if self._responses[rid].commits >= final:
+                await self._wait(self._responses[rid].done)
+                return false_end
+
     # ----- internals ------------------------------------------------------------------------
 
     async def _wait(self, awaitable: Any) -> Any:
@@ -198,8 +221,10 @@ class VoiceSession:
         return await self._wait(self._expect(kind))
 
     def _vad_update(self, *, create_response: bool) -> dict[str, Any]:
+        vad: dict[str, Any] = ({"type": "semantic_vad", "eagerness": self._eagerness} if self._eagerness else
+                               {"type": "server_vad", "silence_duration_ms": self._silence_ms})
         return {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": {
-            "type": "server_vad", "silence_duration_ms": self._silence_ms, "create_response": create_response}}}}}
+            **vad, "create_response": create_response}}}}}
 
     async def _say(self, pcm: bytes) -> float:
         """Queue ``pcm`` (24 kHz) for the microphone; when its last sample was sent (loop time)."""
@@ -239,7 +264,7 @@ class VoiceSession:
             kind = event["type"]
             if kind == "response.created":
                 rid = event["response"]["id"]
-                self._responses[rid] = _Response()
+                self._responses[rid] = _Response(commits=self._commits)
                 self._new_response.put_nowait(rid)
             elif kind == "response.output_audio.delta":
                 response = self._responses[event["response_id"]]
@@ -256,6 +281,8 @@ class VoiceSession:
                     response.done.set_result(event["response"])
                 if event["response"]["status"] == "failed":
                     self.error = str(event["response"]["status_details"])
+            elif kind == "input_audio_buffer.committed":
+                self._commits += 1
             elif kind == "input_audio_buffer.speech_stopped":
                 self._stopped_at = loop.time()
             elif kind == "conversation.item.input_audio_transcription.completed":
