@@ -43,6 +43,10 @@ EAGERNESS = get_args(Eagerness)
 # the API). The API's turn model waits up to 8/4/2 s on an unfinished sentence; without one, a
 # fixed silence is the honest approximation (docs/protocol.md, "supported with a difference").
 EAGERNESS_SILENCE_MS: dict[str, int] = {"low": 1000, "medium": 600, "auto": 600, "high": 300}
+# semantic_vad with the turn model (the gateway's voice pipeline, voice/semantic.py): the silence
+# after which a turn ends even when the model judges it unfinished. The API waits at most
+# 8/4/2 s; these are shorter (low is Pipecat's 3 s fallback), within the API's bounds.
+EAGERNESS_MAX_WAIT_MS: dict[str, int] = {"low": 3000, "medium": 2000, "auto": 2000, "high": 1000}
 IDLE_TIMEOUT_MS = (5_000, 30_000)  # the API's range for turn_detection.idle_timeout_ms
 
 
