@@ -18,7 +18,8 @@ The preprocessing is Pipecat's (``local_smart_turn_v3._predict_endpoint`` and
    max - 8, then (x + 4) / 4): faster-whisper's ``FeatureExtractor`` computes exactly that
    given no extra padding (checked against Pipecat's numpy code: max |diff| below 1e-4).
 
-Cost here (2-core AMD EPYC, one thread): see docs/voice.md; features ~5 ms, the graph ~20 ms.
+Cost here (2-core AMD EPYC, one thread): features ~2 ms, the graph ~25 ms; ~70 ms while the other
+core's work competes (docs/voice.md). Load 0.24 s, ~115 MiB resident once it has run.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class TurnModel:
     def __init__(self, path: str | Path = "auto") -> None:
         self.path = find_smart_turn() if path == "auto" else Path(path)
         options = ort.SessionOptions()
-        # One thread and no spinning, as for the VAD (voice/vad.py): an inference is ~20 ms and
+        # One thread and no spinning, as for the VAD (voice/vad.py): an inference is ~25 ms and
         # runs beside the engines; idle spinning workers would starve them (FACTS.md).
         options.intra_op_num_threads = 1
         options.inter_op_num_threads = 1

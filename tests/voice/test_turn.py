@@ -8,6 +8,7 @@ so these tests pin clips whose answer is clear rather than claim it judges every
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -133,7 +134,7 @@ def test_an_unfinished_turn_ends_at_the_eagerness_bound(vad_model: SileroVad, sy
     assert isinstance(stopped, SpeechStopped) and stopped.audio_end_ms - stopped.speech_end_ms == 1000
     asked = [ms for ms, _ in segmenter.judgements]  # at the 32 ms window where each wait is reached
     assert asked[0] == 224 and len(asked) == 3
-    assert all(RECHECK_MS <= b - a < RECHECK_MS + 32 for a, b in zip(asked, asked[1:])), asked
+    assert all(RECHECK_MS <= b - a < RECHECK_MS + 32 for a, b in itertools.pairwise(asked)), asked
     assert max(unsure.calls) <= 8 * SPEECH_RATE
 
 
