@@ -15,11 +15,13 @@ The preprocessing is Pipecat's (``local_smart_turn_v3._predict_endpoint`` and
    at the right edge, where the model looks for it);
 2. normalize the whole 8 s buffer, padding included, to zero mean and unit variance;
 3. Whisper's log-mel (n_fft 400, hop 160, 80 Slaney mels, the last frame dropped, floored at
-   max - 8, then (x + 4) / 4): faster-whisper's ``FeatureExtractor`` computes exactly that
-   given no extra padding (checked against Pipecat's numpy code: max |diff| below 1e-4).
+   max - 8, then (x + 4) / 4), in float64 as Pipecat computes it. faster-whisper's
+   ``FeatureExtractor`` computes the same in float32/complex64: within 7e-6, but the int8 graph
+   quantizes its activations, so that much moved one clip's probability from 0.66 to 0.71. In
+   float64 (its mel filters, our STFT) the features equal Pipecat's (tested).
 
-Cost here (2-core AMD EPYC, one thread): features ~2 ms, the graph ~25 ms; ~70 ms while the other
-core's work competes (docs/voice.md). Load 0.24 s, ~115 MiB resident once it has run.
+Cost here (2-core AMD EPYC, one thread): the graph ~25 ms, the features a few ms; 60-100 ms in
+all while the other core's work competes (docs/voice.md). Load 0.24 s, ~115 MiB once it has run.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from numpy.lib.stride_tricks import sliding_window_view
 
 from voice.audio import SPEECH_RATE, Float32Array
 from voice.errors import VoiceModelError
@@ -36,7 +39,9 @@ from voice.errors import VoiceModelError
 WINDOW_S = 8  # the model sees the last 8 s of a turn
 WINDOW_SAMPLES = WINDOW_S * SPEECH_RATE
 N_MELS = 80
-FRAMES = WINDOW_SAMPLES // 160  # 800 frames of 10 ms
+N_FFT = 400
+HOP = 160  # 10 ms frames
+FRAMES = WINDOW_SAMPLES // HOP  # 800
 
 
 def find_smart_turn() -> Path:
@@ -82,19 +87,23 @@ class TurnModel:
         names = [i.name for i in self._session.get_inputs()]
         if names != ["input_features"]:
             raise VoiceModelError(f"{self.path} is not the Smart Turn v3 graph this code drives (inputs {names})")
-        # Lazy like the recognizer's: faster_whisper's package import loads CTranslate2 and PyAV,
-        # but its feature_extractor module is plain numpy.
+        # Slaney mel filters [80, 201], in float64 as Pipecat's: faster_whisper's feature_extractor
+        # module is plain numpy (its package import, which loads CTranslate2, is lazy here too).
         from faster_whisper.feature_extractor import FeatureExtractor
 
-        self._features = FeatureExtractor(feature_size=N_MELS, sampling_rate=SPEECH_RATE, chunk_length=WINDOW_S)
+        self._mel_filters = FeatureExtractor.get_mel_filters(SPEECH_RATE, N_FFT, n_mels=N_MELS)
+        self._window = np.hanning(N_FFT + 1)[:-1]  # periodic Hann, as torch.hann_window
 
     def features(self, samples_16k: Float32Array) -> Float32Array:
         """The model's input for a turn: ``[80, 800]`` log-mel of its last 8 s, normalized."""
         x = last_window(samples_16k)
-        x = (x - x.mean()) / np.sqrt(x.var() + 1e-7)
-        mel = self._features(x, padding=0)  # [80, 800]: the trailing frame is already dropped
-        assert mel.shape == (N_MELS, FRAMES), mel.shape
-        return np.asarray(mel, np.float32)
+        x = (x - x.mean()) / np.sqrt(x.var() + 1e-7)  # in float32, over the padding too, as Pipecat
+        padded = np.pad(x.astype(np.float64), N_FFT // 2, mode="reflect")
+        frames = sliding_window_view(padded, N_FFT)[::HOP]  # [801, 400]
+        power = np.abs(np.fft.rfft(frames * self._window, axis=-1)) ** 2  # [801, 201]
+        log_mel = np.log10(np.maximum(self._mel_filters @ power.T, 1e-10))[:, :-1]  # [80, 800]
+        log_mel = np.maximum(log_mel, log_mel.max() - 8.0)
+        return ((log_mel + 4.0) / 4.0).astype(np.float32)
 
     def end_probability(self, samples_16k: Float32Array) -> float:
         """How likely the turn is over, given its audio so far (16 kHz float32, any length; only
