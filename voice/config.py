@@ -23,6 +23,8 @@ class VoiceConfig:
     asr_model: str = "auto"
     # Silero VAD v6 ONNX file; "auto": the copy in the faster-whisper wheel.
     vad_model: str = "auto"
+    # Smart Turn v3 ONNX file, semantic_vad's turn model; "auto": the copy in the pipecat-ai wheel.
+    turn_model: str = "auto"
     asr_compute_type: Literal["int8", "float32"] = "int8"  # int8 was 25% faster here, same transcripts
     asr_threads: int = 1  # cores one transcription uses; pool_threads of them may run at once
     asr_beam_size: int = 1  # greedy: beams cost time and gain little on short clean utterances
@@ -62,8 +64,9 @@ class VoiceConfig:
                 f"voice.asr_compute_type must be 'int8' or 'float32', got {self.asr_compute_type!r}")
         require(self.tts_backend in ("flite", "piper"),
                 f"voice.tts_backend must be 'flite' or 'piper', got {self.tts_backend!r}")
-        require(bool(self.asr_model) and bool(self.vad_model) and bool(self.tts_binary) and bool(self.tts_model),
-                "voice.asr_model, voice.vad_model, voice.tts_binary and voice.tts_model must not be empty")
+        require(bool(self.asr_model) and bool(self.vad_model) and bool(self.turn_model) and bool(self.tts_binary)
+                and bool(self.tts_model), "voice.asr_model, voice.vad_model, voice.turn_model, voice.tts_binary and "
+                "voice.tts_model must not be empty")
         require(self.voice in OPENAI_VOICES, f"voice.voice must be one of {sorted(OPENAI_VOICES)}, got {self.voice!r}")
         require(1 <= self.asr_threads <= 64, "voice.asr_threads must be in 1..64")
         require(1 <= self.asr_beam_size <= 10, "voice.asr_beam_size must be in 1..10")

@@ -3,13 +3,15 @@ built from a ``VoiceConfig``, speaking the wire's 24 kHz PCM16 on both sides.
 
     service = await asyncio.to_thread(VoiceService, config)   # loads models: ~0.5 s, off the loop
     segmenter = service.segmenter(VadParams(...))             # per session, used on the loop
+    segmenter = service.semantic_segmenter(VadParams(), 2000)  # semantic_vad: the turn model decides
     to_16k = service.input_resampler()                        # per session, used on the loop
     events = segmenter.feed(to_16k.feed(pcm_24k))             # each append
     text = (await service.transcribe(committed_pcm_24k)).text  # on the pool; VoiceBusy past its bound
     phrase = await service.speak("Hello there.", voice)        # 24 kHz PCM16 + alignment marks
 
 Recognition and synthesis (with their resampling) run on the pool's threads, never the loop;
-VAD and input resampling are cheap enough for the loop (``voice.vad``, ``voice.audio``).
+VAD and input resampling are cheap enough for the loop (``voice.vad``, ``voice.audio``); so, at
+~25 ms a judgement made only in a pause, is the turn model (``voice.turn``, ``voice.semantic``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from voice.audio import REALTIME_RATE, SPEECH_RATE, Int16Array, StreamResampler,
 from voice.config import VoiceConfig
 from voice.phrases import PhraseBounds, PhraseSplitter
 from voice.pool import SPOKEN_CHARS_PER_S, JobFigures, VoicePool
+from voice.semantic import SemanticSegmenter
 from voice.tts import FliteSynthesizer, Synthesizer
+from voice.turn import TurnModel
 from voice.vad import SileroVad, SpeechSegmenter, VadParams
 
 ASR_WINDOW_S = 30.0  # Whisper encodes a 30 s window whatever the utterance: what one recognition costs
@@ -46,6 +50,7 @@ class VoiceService:
     def __init__(self, config: VoiceConfig, *, observer: Callable[[JobFigures], None] | None = None) -> None:
         self.config = config
         self.vad = SileroVad(config.vad_model)
+        self.turn = TurnModel(config.turn_model)
         self.recognizer = WhisperRecognizer(config.asr_model, threads=config.asr_threads, workers=config.pool_threads,
                                             beam_size=config.asr_beam_size, compute_type=config.asr_compute_type)
         self.synthesizer = make_synthesizer(config)
@@ -57,6 +62,11 @@ class VoiceService:
 
     def segmenter(self, params: VadParams | None = None) -> SpeechSegmenter:
         return SpeechSegmenter(self.vad, params)
+
+    def semantic_segmenter(self, params: VadParams, max_wait_ms: int) -> SemanticSegmenter:
+        """``semantic_vad``: the VAD proposes an end after a short pause, the turn model decides,
+        and ``max_wait_ms`` of silence ends a turn whatever it says."""
+        return SemanticSegmenter(self.vad, self.turn, params, max_wait_ms)
 
     def input_resampler(self) -> StreamResampler:
         """The wire's 24 kHz to the VAD's 16 kHz, one per session (it keeps the filter's history)."""

@@ -172,6 +172,28 @@ class SpeechSegmenter:
     def ms_fed(self) -> int:
         return (self._windows * WINDOW + len(self._pending)) * 1000 // SPEECH_RATE
 
+    @property
+    def silence_start_ms(self) -> int | None:
+        """Where the silence within speech in progress began; None when there is none."""
+        if self._speaking_since is None or self._silence_since is None:
+            return None
+        return self._silence_since * WINDOW_MS
+
+    @property
+    def windows_ms(self) -> int:
+        """The end of the last whole window scored: where an end decided now would fall."""
+        return self._windows * WINDOW_MS
+
+    def end_speech(self) -> SpeechStopped:
+        """End the speech in progress now, in a silence (a turn model judged it over before
+        ``silence_duration_ms``): the stop reported as if the silence had reached it here."""
+        silence_start_ms = self.silence_start_ms
+        assert silence_start_ms is not None, "only speech in a silence can be ended early"
+        end_ms = self.windows_ms
+        self._speaking_since = self._silence_since = None
+        self._floor_ms = end_ms
+        return SpeechStopped(end_ms, silence_start_ms)
+
     def set_params(self, params: VadParams) -> None:
         """New thresholds from a ``session.update``; take effect from the next window."""
         self.params = params

@@ -15,9 +15,10 @@ that counts audio past this parse counts it on that clock, whatever the wire car
 
 Two input settings are accepted with a difference, because voice frameworks send them by default
 and one refused field fails their whole session: ``noise_reduction`` is echoed but no denoiser
-runs (the session tells the client once, see ``NoiseReduction``), and ``semantic_vad`` runs as
-server VAD whose silence follows its eagerness (``ServerVad.kind`` keeps the type for the turn
-model that will replace it).
+runs (the session tells the client once, see ``NoiseReduction``), and ``semantic_vad`` is judged
+by the gateway's turn model (Smart Turn v3, ``voice.semantic``) after a 200 ms pause, its
+eagerness bounding the wait (``EAGERNESS_MAX_WAIT_MS``); ``silence_duration_ms`` by eagerness
+(``EAGERNESS_SILENCE_MS``) remains the stand-in where no turn model runs (the on-device voice).
 """
 
 from __future__ import annotations
@@ -39,17 +40,22 @@ MAX_TRANSCRIPTION_PROMPT = 4096
 
 Eagerness = Literal["low", "medium", "high", "auto"]
 EAGERNESS = get_args(Eagerness)
-# semantic_vad's stand-in: the silence that ends a turn, by eagerness ("auto" is "medium", as in
-# the API). The API's turn model waits up to 8/4/2 s on an unfinished sentence; without one, a
-# fixed silence is the honest approximation (docs/protocol.md, "supported with a difference").
+# semantic_vad's stand-in where no turn model runs (the client SDK's on-device voice mirrors this
+# table): the silence that ends a turn, by eagerness ("auto" is "medium", as in the API). The
+# API's turn model waits up to 8/4/2 s on an unfinished sentence; without one, a fixed silence is
+# the honest approximation.
 EAGERNESS_SILENCE_MS: dict[str, int] = {"low": 1000, "medium": 600, "auto": 600, "high": 300}
+# semantic_vad with the turn model (the gateway's voice pipeline, voice/semantic.py): the silence
+# after which a turn ends even when the model judges it unfinished. The API waits at most
+# 8/4/2 s; these are shorter (low is Pipecat's 3 s fallback), within the API's bounds.
+EAGERNESS_MAX_WAIT_MS: dict[str, int] = {"low": 3000, "medium": 2000, "auto": 2000, "high": 1000}
 IDLE_TIMEOUT_MS = (5_000, 30_000)  # the API's range for turn_detection.idle_timeout_ms
 
 
 @dataclass(frozen=True)
 class ServerVad:
-    """``turn_detection``: ``server_vad`` with the API's defaults, or ``semantic_vad`` run as server
-    VAD (``kind`` keeps which, so a turn model can later take the semantic kind over)."""
+    """``turn_detection``: ``server_vad`` with the API's defaults, or ``semantic_vad`` (``kind``
+    says which: the gateway's segmenter gives the semantic kind to the turn model)."""
 
     threshold: float = 0.5
     prefix_padding_ms: int = 300

@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
-from gateway.ws.audio_events import ServerVad
+from gateway.ws.audio_events import EAGERNESS_MAX_WAIT_MS, ServerVad
 from gateway.ws.audio_input import SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
 from gateway.ws.voice_input import VoiceHooks, VoiceSeats
 from gateway.ws.voice_link import Heard, VoiceUnavailable
@@ -27,6 +27,7 @@ from llm_shared.errors import EngineError
 from voice.alignment import Mark
 from voice.config import VoiceConfig
 from voice.pool import JobFigures
+from voice.semantic import SemanticSegmenter
 from voice.service import VoiceService
 from voice.vad import SpeechPaused as VadPaused
 from voice.vad import SpeechSegmenter, VadParams
@@ -36,12 +37,20 @@ log = logging.getLogger(__name__)
 
 
 class _Segmenter:
-    """Server VAD over the session's 24 kHz stream: resampled to 16 kHz as it comes."""
+    """Server VAD over the session's 24 kHz stream: resampled to 16 kHz as it comes. For
+    ``semantic_vad``, the turn model ends a turn after a 200 ms pause when it judges it over, else
+    the eagerness's longest wait does (``voice.semantic``); the pause starts the transcription."""
 
     def __init__(self, service: VoiceService, vad: ServerVad) -> None:
         self._resampler = service.input_resampler()
+        self._segmenter: SpeechSegmenter | SemanticSegmenter
+        if vad.kind == "semantic_vad":
+            self._segmenter = service.semantic_segmenter(
+                VadParams(threshold=vad.threshold, prefix_padding_ms=vad.prefix_padding_ms),
+                EAGERNESS_MAX_WAIT_MS[vad.eagerness])
+            return
         eager = service.config.eager_transcribe_ms
-        self._segmenter: SpeechSegmenter = service.segmenter(VadParams(
+        self._segmenter = service.segmenter(VadParams(
             threshold=vad.threshold, prefix_padding_ms=vad.prefix_padding_ms,
             silence_duration_ms=vad.silence_duration_ms,
             pause_ms=eager if eager < vad.silence_duration_ms else 0))

@@ -1,0 +1,106 @@
+"""``semantic_vad``: the VAD proposes an end of turn after a short pause, the turn model decides.
+
+Pipecat's scheme (``SmartTurnParams``: a VAD stop of 0.2 s, then Smart Turn on the turn so far):
+
+- Silero VAD segments speech as for ``server_vad`` (``voice.vad.SpeechSegmenter``), but reports
+  a pause (``SpeechPaused``) after ``PAUSE_MS`` of silence: the session starts transcribing then;
+- at that pause the turn model (``voice.turn``) scores the turn's audio so far (from its reported
+  start, the last 8 s): at ``END_THRESHOLD`` or above, the turn ends at once (``SpeechStopped``,
+  its ``audio_end_ms`` where the decision was made, its ``speech_end_ms`` where the silence began);
+- below, the segmenter waits and asks again every ``RECHECK_MS`` of further silence, and ends the
+  turn anyway once the silence reaches ``max_wait_ms`` (the eagerness's bound);
+- speech that resumes cancels the pending end (the inner segmenter simply goes on).
+
+The model runs inline, on the caller's thread (~25 ms here: docs/voice.md). Audio is fed to the
+inner segmenter one 32 ms window at a time, so the decisions fall on the same windows whatever
+the size of the appends (a 6 s recording in one append is judged as if it had been streamed).
+Not thread-safe (one per session).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from voice.audio import SPEECH_RATE, Float32Array, Int16Array, to_float32
+from voice.turn import WINDOW_SAMPLES, TurnModel
+from voice.vad import WINDOW, SileroVad, SpeechPaused, SpeechSegmenter, SpeechStarted, VadEvent, VadParams
+
+PAUSE_MS = 200  # the VAD's proposal: Pipecat's stop_secs
+RECHECK_MS = 300  # ask the model again after this much more silence
+END_THRESHOLD = 0.5  # Smart Turn's own: "complete" above it
+
+
+class SemanticSegmenter:
+    """One session's ``semantic_vad``: ``feed`` as ``SpeechSegmenter.feed`` (16 kHz samples in,
+    events out, ms since the first sample). ``max_wait_ms``: the silence after which a turn ends
+    whatever the model says. ``probabilities`` records each judgement (silence ms, probability)
+    of the current or last turn, for tests and logs."""
+
+    def __init__(self, vad: SileroVad, turn: TurnModel, params: VadParams, max_wait_ms: int) -> None:
+        assert max_wait_ms > PAUSE_MS
+        self.turn = turn
+        self._segmenter = SpeechSegmenter(vad, VadParams(
+            threshold=params.threshold, prefix_padding_ms=params.prefix_padding_ms,
+            silence_duration_ms=max_wait_ms, min_speech_ms=params.min_speech_ms, pause_ms=PAUSE_MS))
+        self._recent = np.zeros(0, np.float32)  # the last samples fed (up to 8 s and one feed's worth)
+        self._recent_start = 0  # sample index of _recent[0] since the first sample fed
+        self._fed = 0  # samples fed to the inner segmenter
+        self._turn_start = 0  # sample index the current turn's audio begins at (its reported start)
+        self._next_check_ms: int | None = None  # silence length at which to ask the model next
+        self.judgements: list[tuple[int, float]] = []
+
+    @property
+    def in_speech(self) -> bool:
+        return self._segmenter.in_speech
+
+    def feed(self, samples: Float32Array | Int16Array) -> list[VadEvent]:
+        chunk = to_float32(samples) if samples.dtype == np.int16 else samples.astype(np.float32, copy=False)
+        self._remember(chunk)
+        events: list[VadEvent] = []
+        # Window by window, so that a decision falls where the silence reached its length.
+        pos = 0
+        while pos < len(chunk):
+            end = min(pos + WINDOW - self._fed % WINDOW, len(chunk))
+            for event in self._segmenter.feed(chunk[pos:end]):
+                events.append(event)
+                if isinstance(event, SpeechStarted):
+                    self._turn_start = event.audio_start_ms * SPEECH_RATE // 1000
+                    self.judgements = []
+                elif isinstance(event, SpeechPaused):
+                    self._next_check_ms = PAUSE_MS
+            self._fed += end - pos
+            pos = end
+            stopped = self._judge()
+            if stopped is not None:
+                events.append(stopped)
+        return events
+
+    def _judge(self) -> VadEvent | None:
+        silence_start = self._segmenter.silence_start_ms
+        if silence_start is None or self._next_check_ms is None:
+            if silence_start is None:
+                self._next_check_ms = None  # speech resumed (or ended): nothing pending
+            return None
+        silent_ms = self._segmenter.windows_ms - silence_start
+        if silent_ms < self._next_check_ms:
+            return None
+        p = self.turn.end_probability(self._turn_audio())
+        self.judgements.append((silent_ms, p))
+        if p >= END_THRESHOLD:
+            self._next_check_ms = None
+            return self._segmenter.end_speech()
+        self._next_check_ms = silent_ms + RECHECK_MS
+        return None
+
+    def _remember(self, chunk: Float32Array) -> None:
+        keep = WINDOW_SAMPLES + WINDOW  # the model's 8 s, and the window not yet scored
+        joined = np.concatenate([self._recent, chunk])
+        cut = max(len(joined) - keep - len(chunk), 0)
+        self._recent = joined[cut:]
+        self._recent_start += cut
+
+    def _turn_audio(self) -> Float32Array:
+        """The turn so far, up to the last sample scored (at most the last 8 s of it)."""
+        end = self._segmenter.windows_ms * SPEECH_RATE // 1000
+        start = max(self._turn_start, end - WINDOW_SAMPLES, self._recent_start)
+        return self._recent[start - self._recent_start:end - self._recent_start]
