@@ -16,6 +16,7 @@ VAD and input resampling are cheap enough for the loop (``voice.vad``, ``voice.a
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -26,12 +27,15 @@ from voice.alignment import Mark, scale_marks
 from voice.asr import Transcription, WhisperRecognizer
 from voice.audio import REALTIME_RATE, SPEECH_RATE, Int16Array, StreamResampler, resample, to_int16
 from voice.config import VoiceConfig
+from voice.errors import VoiceModelError
 from voice.phrases import PhraseBounds, PhraseSplitter
 from voice.pool import SPOKEN_CHARS_PER_S, JobFigures, VoicePool
 from voice.semantic import SemanticSegmenter
 from voice.tts import FliteSynthesizer, Synthesizer
 from voice.turn import TurnModel
 from voice.vad import SileroVad, SpeechSegmenter, VadParams
+
+log = logging.getLogger(__name__)
 
 ASR_WINDOW_S = 30.0  # Whisper encodes a 30 s window whatever the utterance: what one recognition costs
 
@@ -50,7 +54,11 @@ class VoiceService:
     def __init__(self, config: VoiceConfig, *, observer: Callable[[JobFigures], None] | None = None) -> None:
         self.config = config
         self.vad = SileroVad(config.vad_model)
-        self.turn = TurnModel(config.turn_model)
+        try:
+            self.turn: TurnModel | None = TurnModel(config.turn_model)
+        except VoiceModelError as e:  # semantic_vad can do without it: server VAD with its eagerness's silence
+            log.warning("no turn model (%s): semantic_vad runs as server VAD, its silence by eagerness", e.message)
+            self.turn = None
         self.recognizer = WhisperRecognizer(config.asr_model, threads=config.asr_threads, workers=config.pool_threads,
                                             beam_size=config.asr_beam_size, compute_type=config.asr_compute_type)
         self.synthesizer = make_synthesizer(config)
@@ -65,7 +73,8 @@ class VoiceService:
 
     def semantic_segmenter(self, params: VadParams, max_wait_ms: int) -> SemanticSegmenter:
         """``semantic_vad``: the VAD proposes an end after a short pause, the turn model decides,
-        and ``max_wait_ms`` of silence ends a turn whatever it says."""
+        and ``max_wait_ms`` of silence ends a turn whatever it says. Only with a turn model."""
+        assert self.turn is not None, "no turn model: semantic_vad runs as server VAD (see __init__)"
         return SemanticSegmenter(self.vad, self.turn, params, max_wait_ms)
 
     def input_resampler(self) -> StreamResampler:

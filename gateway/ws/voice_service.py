@@ -44,7 +44,7 @@ class _Segmenter:
     def __init__(self, service: VoiceService, vad: ServerVad) -> None:
         self._resampler = service.input_resampler()
         self._segmenter: SpeechSegmenter | SemanticSegmenter
-        if vad.kind == "semantic_vad":
+        if vad.kind == "semantic_vad" and service.turn is not None:  # without it: server VAD, silence by eagerness
             self._segmenter = service.semantic_segmenter(
                 VadParams(threshold=vad.threshold, prefix_padding_ms=vad.prefix_padding_ms),
                 EAGERNESS_MAX_WAIT_MS[vad.eagerness])

@@ -159,3 +159,18 @@ def test_one_append_is_judged_as_the_same_audio_streamed(
     streamed = feed(SemanticSegmenter(vad_model, turn_model, VadParams(), 2000), audio, chunk_ms=20)
     whole = SemanticSegmenter(vad_model, turn_model, VadParams(), 2000).feed(audio)
     assert whole == streamed
+
+
+def test_without_the_turn_model_voice_still_runs_and_semantic_vad_falls_back_to_silence(caplog) -> None:
+    """A missing turn model (pipecat-ai not installed) costs semantic_vad its model, not the
+    server its voice: the service loads, and says so."""
+    from voice.config import VoiceConfig
+    from voice.service import VoiceService
+
+    with caplog.at_level("WARNING"):
+        service = VoiceService(VoiceConfig(turn_model="/nonexistent/smart-turn.onnx", pool_threads=1))
+    try:
+        assert service.turn is None and "semantic_vad runs as server VAD" in caplog.text
+        assert service.segmenter() is not None
+    finally:
+        service.close()
