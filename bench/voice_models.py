@@ -10,8 +10,9 @@ client's audio would be, with 0.3 s of silence around it. Measured, in this proc
   one call (``vad_us_per_window_batched``).
 - Recognition (Whisper tiny.en, faster-whisper, int8): load time; real-time factor on ~5 s of
   speech with 1 and 2 threads (``asr_rtf``, ``asr_rtf_2_threads``); seconds for a ~1.5 s
-  utterance (Whisper encodes a 30 s window whatever the length: short utterances have a worse
-  real-time factor); the share of transcripts that match the sentence once normalised.
+  utterance (in the gateway's default window, at least 12 s of encoder whatever the length:
+  short utterances have a worse real-time factor; bench/asr_window.py compares the windows); the
+  share of transcripts that match the sentence once normalised.
 - Synthesis (flite): real-time factor over the sentences (``tts_rtf``) and the time to speak a
   short first phrase (``tts_phrase_ms``).
 - piper, where it is installed (optional, ``make voice-piper``): its real-time factor after its

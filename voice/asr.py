@@ -5,25 +5,34 @@ The weights are the CTranslate2 conversion of Whisper tiny.en shipped in the
 is given the model folder's path: given a model *name* it would download from the Hugging Face
 hub, which these machines cannot reach (``HF_HUB_OFFLINE=1`` is set as a second guard).
 
-Whisper always encodes a 30 s window, so a call costs about the same for 1 s as for 10 s of
-speech: ~0.3 s here (2-core AMD EPYC, int8, one thread). CTranslate2 releases the GIL while it
-runs, so recognition belongs on the worker pool's threads (``voice.pool``), never the event loop.
+Whisper was trained on 30 s windows and faster-whisper pads every utterance to one, so a 1.5 s
+question would cost as much encoder as 30 s of speech (~0.3 s here, 2-core AMD EPYC, int8, one
+thread). CTranslate2's encoder accepts fewer frames, so with ``window="auto"`` an utterance that
+fits is encoded in a window of its own length rounded up (``encoder_window_s``) and decoded by
+faster-whisper's own segment loop; longer audio takes faster-whisper's 30 s windowing unchanged.
+docs/voice.md has the measurement. CTranslate2 releases the GIL while it runs, so recognition
+belongs on the worker pool's threads (``voice.pool``), never the event loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
 from voice.audio import SPEECH_RATE, Float32Array
 from voice.errors import VoiceModelError
+
+if TYPE_CHECKING:
+    from faster_whisper.transcribe import Segment
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,31 @@ def find_whisper_tiny_en() -> Path:
 
 
 ComputeType = Literal["int8", "float32"]
+AsrWindow = Literal["auto", "full"]
+
+FULL_WINDOW_S = 30.0  # what Whisper was trained on, and faster-whisper's window
+# A shortened window is the utterance plus a margin, rounded up to a whole step, and never under
+# MIN_WINDOW_S. Measured (bench/asr_window.py, docs/voice.md): windows of 4-8 s made tiny.en
+# repeat itself on noisy 2 s questions ("Turn on the light. Turn on the light. ..."), 10x the
+# word errors; from 12 s on it made no more errors than the 30 s window, and 13-15 s utterances
+# in windows of 14-16 s (little padding) no more either. whisper.cpp's audio_ctx degrades alike.
+WINDOW_MARGIN_S = 1.0
+WINDOW_STEP_S = 2.0
+MIN_WINDOW_S = 12.0
+FRAMES_PER_S = 100  # log-mel frames (hop of 160 samples at 16 kHz)
+# More words than this for the audio's length is a decoder loop, not speech (fast English is ~4
+# words a second): such a shortened-window transcript is decoded again in the full window.
+MAX_WORDS_PER_S = 5.0
+SLACK_WORDS = 3
+
+
+def encoder_window_s(seconds_of_audio: float, window: AsrWindow = "auto") -> float:
+    """The seconds of audio Whisper's encoder sees for an utterance of this length: the full 30 s,
+    or (``"auto"``) the utterance with a margin, rounded up to a step, when that is shorter."""
+    if window == "full":
+        return FULL_WINDOW_S
+    rounded = math.ceil((seconds_of_audio + WINDOW_MARGIN_S) / WINDOW_STEP_S) * WINDOW_STEP_S
+    return min(FULL_WINDOW_S, max(MIN_WINDOW_S, rounded))
 
 
 class WhisperRecognizer:
@@ -66,10 +100,12 @@ class WhisperRecognizer:
     ``workers`` is how many transcriptions may run at once (CTranslate2's inter-op replicas; set
     it to the pool's thread count), ``threads`` the cores each one uses. Greedy at one
     temperature: the default fallback to higher temperatures re-decodes hard audio up to six
-    times, which would make a job's cost unbounded for the pool's accounting."""
+    times, which would make a job's cost unbounded for the pool's accounting. ``window``: "auto"
+    encodes an utterance shorter than 30 s in a window of its own length (``encoder_window_s``),
+    "full" always pads to 30 s as faster-whisper does."""
 
     def __init__(self, model_dir: str | Path = "auto", *, threads: int = 1, workers: int = 1, beam_size: int = 1,
-                 compute_type: ComputeType = "int8", language: str = "en") -> None:
+                 compute_type: ComputeType = "int8", language: str = "en", window: AsrWindow = "auto") -> None:
         path = find_whisper_tiny_en() if model_dir == "auto" else Path(model_dir)
         # faster-whisper treats anything that is not a folder as a hub name to download.
         if not (path / "model.bin").is_file():
@@ -88,22 +124,65 @@ class WhisperRecognizer:
         except (RuntimeError, ValueError, OSError) as e:
             raise VoiceModelError(f"cannot load the Whisper model in {path}: {e}") from e
         self.load_seconds = time.perf_counter() - started
+        self.window: AsrWindow = window
+        # The decoding options and tokenizer faster-whisper builds for our arguments, taken once from
+        # a call whose (lazy) segments are never decoded, for the shortened-window path to reuse.
+        # clip_timestamps as a list: generate_segments rewrites a string in place, and the options
+        # are shared by every thread.
+        from faster_whisper.tokenizer import Tokenizer
+
+        _unused, info = self._model.transcribe(np.zeros(SPEECH_RATE // 10, np.float32), **self._arguments())
+        self._options = dataclasses.replace(info.transcription_options, clip_timestamps=[0.0])
+        self._tokenizer = Tokenizer(self._model.hf_tokenizer, self._model.model.is_multilingual, task="transcribe",
+                                    language=info.language)
+
+    def _arguments(self) -> dict[str, object]:
+        return {"language": self.language, "beam_size": self.beam_size, "temperature": 0.0,
+                "vad_filter": False,  # we segment with our own VAD first
+                "without_timestamps": True, "condition_on_previous_text": False}
 
     def transcribe(self, samples_16k: Float32Array, on_piece: Callable[[str], None] | None = None) -> Transcription:
         seconds = len(samples_16k) / SPEECH_RATE
         if len(samples_16k) == 0:
             return Transcription("", 0.0, 0.0)
         started = time.perf_counter()
-        segments, _info = self._model.transcribe(
-            np.ascontiguousarray(samples_16k, dtype=np.float32), language=self.language, beam_size=self.beam_size,
-            temperature=0.0, vad_filter=False,  # we segment with our own VAD first
-            without_timestamps=True, condition_on_previous_text=False)
+        audio = np.ascontiguousarray(samples_16k, dtype=np.float32)
+        segments: Iterable[Segment] | None = None
+        window_s = encoder_window_s(seconds, self.window)
+        if window_s < FULL_WINDOW_S:
+            # One window: one segment (no timestamps), so holding it back before on_piece delays
+            # nothing. A transcript that looks like a loop is decoded again in the full window.
+            decoded = list(self._short_window_segments(audio, window_s))
+            if not self._looks_like_a_loop(decoded, seconds):
+                segments = decoded
+        if segments is None:
+            segments, _info = self._model.transcribe(audio, **self._arguments())
         pieces = []
         for segment in segments:  # the generator does the decoding, a segment at a time
             pieces.append(segment.text)
             if on_piece is not None:
                 on_piece(segment.text)
         return Transcription("".join(pieces).strip(), seconds, time.perf_counter() - started, joined_exactly(pieces))
+
+    def _looks_like_a_loop(self, segments: list[Segment], seconds: float) -> bool:
+        """Too many words for the audio, or text that compresses like a repetition (faster-whisper's
+        own test, which only sees long loops: "What time is it?" four times passes it)."""
+        words = sum(len(s.text.split()) for s in segments)
+        threshold = self._options.compression_ratio_threshold or float("inf")
+        return (words > MAX_WORDS_PER_S * seconds + SLACK_WORDS
+                or any(s.compression_ratio > threshold for s in segments))
+
+    def _short_window_segments(self, audio: Float32Array, window_s: float) -> Iterator[Segment]:
+        """faster-whisper's own segment loop over an utterance that fits one window, handed an
+        encoder output of ``window_s`` instead of 30 s: for audio shorter than its 30 s window,
+        generate_segments runs once from the start and uses the encoder output it is given (it
+        encodes itself only when given none or past the first window)."""
+        from faster_whisper.audio import pad_or_trim
+
+        features = self._model.feature_extractor(audio)  # no chunk_length: that would rewrite the shared extractor
+        content = features[:, :features.shape[-1] - 1]  # generate_segments' content_frames
+        encoded = self._model.encode(pad_or_trim(content, round(window_s * FRAMES_PER_S)))
+        return self._model.generate_segments(features, self._tokenizer, self._options, False, encoded)
 
 
 def joined_exactly(pieces: list[str]) -> tuple[str, ...]:

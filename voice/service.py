@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from voice.alignment import Mark, scale_marks
-from voice.asr import Transcription, WhisperRecognizer
+from voice.asr import Transcription, WhisperRecognizer, encoder_window_s
 from voice.audio import REALTIME_RATE, SPEECH_RATE, Int16Array, StreamResampler, resample, to_int16
 from voice.config import VoiceConfig
 from voice.errors import VoiceModelError
@@ -36,8 +36,6 @@ from voice.turn import TurnModel
 from voice.vad import SileroVad, SpeechSegmenter, VadParams
 
 log = logging.getLogger(__name__)
-
-ASR_WINDOW_S = 30.0  # Whisper encodes a 30 s window whatever the utterance: what one recognition costs
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,8 @@ class VoiceService:
             log.warning("no turn model (%s): semantic_vad runs as server VAD, its silence by eagerness", e.message)
             self.turn = None
         self.recognizer = WhisperRecognizer(config.asr_model, threads=config.asr_threads, workers=config.pool_threads,
-                                            beam_size=config.asr_beam_size, compute_type=config.asr_compute_type)
+                                            beam_size=config.asr_beam_size, compute_type=config.asr_compute_type,
+                                            window=config.asr_window)
         self.synthesizer = make_synthesizer(config)
         self.pool = VoicePool(threads=config.pool_threads, max_outstanding_audio_s=config.max_queued_audio_s,
                               max_outstanding_jobs=config.max_queued_jobs, job_timeout_s=config.job_timeout_s,
@@ -88,8 +87,9 @@ class VoiceService:
     async def transcribe(self, pcm_24k: Int16Array, owner: Hashable = None,
                          on_piece: Callable[[str], None] | None = None) -> Transcription:
         """A committed input buffer's text, in ``owner``'s (its session's) turn. It counts against
-        the pool's bound as the recognizer's whole window (Whisper encodes 30 s whatever the
-        utterance), its figures as the audio it had. ``on_piece``: each piece of text as it is
+        the pool's bound as the window Whisper encodes for it (``encoder_window_s``: 30 s, or
+        with asr_window "auto" the utterance's own length rounded up, at least 12 s; audio longer
+        than a window counts as itself), its figures as the audio it had. ``on_piece``: each piece of text as it is
         decoded, called on the worker thread. Raises ``VoiceBusy``, ``VoiceTimeout``."""
         pcm = np.array(pcm_24k, np.int16)  # the session's buffer is cleared and reused while this waits
         recognizer = self.recognizer
@@ -99,8 +99,8 @@ class VoiceService:
             samples = resample(pcm, REALTIME_RATE, SPEECH_RATE)
             return recognizer.transcribe(samples) if on_piece is None else recognizer.transcribe(samples, on_piece)
 
-        return await self.pool.run("asr", job, audio_s=max(seconds, ASR_WINDOW_S), measure=lambda _: seconds,
-                                   owner=owner)
+        window_s = encoder_window_s(seconds, self.config.asr_window)
+        return await self.pool.run("asr", job, audio_s=max(seconds, window_s), measure=lambda _: seconds, owner=owner)
 
     async def speak(self, text: str, voice: str | None = None, owner: Hashable = None) -> SpokenPhrase:
         """One phrase as 24 kHz audio. Each phrase is resampled whole: flite starts and ends every

@@ -8,9 +8,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from voice_clips import clip, speech
+from voice_clips import clip, noise, speech
 
-from voice.asr import WhisperRecognizer, find_whisper_tiny_en, joined_exactly
+from voice.asr import (
+    FULL_WINDOW_S,
+    MIN_WINDOW_S,
+    WhisperRecognizer,
+    encoder_window_s,
+    find_whisper_tiny_en,
+    joined_exactly,
+)
 from voice.errors import VoiceModelError
 from voice.tts import FliteSynthesizer
 
@@ -40,6 +47,77 @@ def test_the_transcript_matches_the_sentence(recognizer: WhisperRecognizer, synt
     assert result.seconds_of_audio == pytest.approx(len(audio) / 16_000)
     assert 0 < result.seconds_taken < 30
     assert result.real_time_factor == pytest.approx(result.seconds_taken / result.seconds_of_audio)
+
+
+def test_the_encoder_window_is_the_utterance_rounded_up_never_under_12_s() -> None:
+    assert encoder_window_s(1.5) == MIN_WINDOW_S == 12.0
+    assert encoder_window_s(11.2) == 14.0  # 11.2 s + 1 s of margin, rounded up to 2 s
+    assert encoder_window_s(20.0) == 22.0
+    assert encoder_window_s(29.5) == encoder_window_s(45.0) == FULL_WINDOW_S
+    assert encoder_window_s(1.5, "full") == FULL_WINDOW_S
+
+
+@pytest.fixture(scope="module")
+def full_window() -> WhisperRecognizer:
+    return WhisperRecognizer(threads=1, workers=1, window="full")
+
+
+QUESTIONS = [("alloy", "What time is it?"), ("ash", "Turn on the lights."), ("cedar", "Where did I leave my keys?")]
+
+
+@pytest.mark.parametrize(("voice", "sentence"), QUESTIONS)
+def test_a_short_utterance_is_heard_the_same_in_the_shortened_window(
+        recognizer: WhisperRecognizer, full_window: WhisperRecognizer, synthesizer: FliteSynthesizer,
+        voice: str, sentence: str) -> None:
+    assert recognizer.window == "auto"
+    audio = clip(0.5, speech(synthesizer, sentence, voice), 0.3).samples
+    pieces: list[str] = []
+    short = recognizer.transcribe(audio, pieces.append)
+    # The same words (punctuation may differ: "lights." against "lights").
+    assert normalise(short.text) == normalise(full_window.transcribe(audio).text) == normalise(sentence)
+    assert "".join(pieces).strip() == short.text and short.segments == (short.text,)
+
+
+def test_noise_that_makes_a_short_window_repeat_itself_is_decoded_in_the_full_one(
+        recognizer: WhisperRecognizer, full_window: WhisperRecognizer, synthesizer: FliteSynthesizer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4 s window made tiny.en loop on this noisy question (bench/asr_window.py): more words
+    than 2.1 s can hold, so the full window decodes it again."""
+    import voice.asr
+
+    audio = clip(0.5, speech(synthesizer, "What time is it?"), 0.3).samples
+    audio = audio + noise(len(audio) / 16_000, float(np.sqrt(np.mean(audio ** 2))) / 10 ** (10 / 20))
+    looping = "".join(s.text for s in recognizer._short_window_segments(audio, 4.0))
+    assert len(normalise(looping).split()) > 3 * 4  # the loop this test is about
+    monkeypatch.setattr(voice.asr, "MIN_WINDOW_S", 4.0)
+    assert voice.asr.encoder_window_s(len(audio) / 16_000) == 4.0
+    assert recognizer.transcribe(audio).text == full_window.transcribe(audio).text
+
+
+def test_forty_seconds_are_transcribed_whole_in_30_s_windows(recognizer: WhisperRecognizer,
+                                                              synthesizer: FliteSynthesizer) -> None:
+    """Audio past one window (a push-to-talk recording) goes through faster-whisper's own
+    windowing, a piece per window, as before the shortened window."""
+    lines = ["The quick brown fox jumps over the lazy dog near the river bank.",
+             "Please book a table for two people at seven tonight near the window.",
+             "The train leaves early in the morning from the north platform.",
+             "She painted the fence blue and then decided she liked it better green."]
+    spoken = [speech(synthesizer, line, ("alloy", "ash")[i % 2]) for i, line in enumerate(lines)]
+    parts: list[np.ndarray | float] = []
+    said: list[str] = []
+    while sum(len(p) for p in parts if not isinstance(p, float)) < 40 * 16_000:
+        for line, samples in zip(lines, spoken, strict=True):
+            parts += [samples, 0.4]
+            said += normalise(line).split()
+    audio = clip(*parts).samples
+    assert len(audio) >= 40 * 16_000
+    pieces: list[str] = []
+    result = recognizer.transcribe(audio, pieces.append)
+    heard = normalise(result.text).split()
+    assert len(pieces) >= 2 and "".join(pieces).strip() == result.text
+    # Every line of every repeat: the word count within 10%, and the last line's words at the end.
+    assert abs(len(heard) - len(said)) <= 0.1 * len(said)
+    assert heard[-4:] == said[-4:]
 
 
 def test_no_audio_is_no_text(recognizer: WhisperRecognizer) -> None:
