@@ -193,9 +193,9 @@ class VoiceSession:
         commits = self._commits
         await self._say(before)
         await asyncio.sleep(pause_ms / 1000)  # the microphone sends silence meanwhile
-        false_end = self._commits > commits
-        committed = self._expect("input_audio_buffer.committed")
         await self._say(after)
+        false_end = self._commits > commits  # a commit before the last word was said
+        committed = self._expect("input_audio_buffer.committed")  # the whole sentence's (after a silence)
         await self._wait(committed)
         final = self._commits
         while True:  # answers started by a false endpoint come first in the queue: passed over

@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench._common import (
     SMOKE_HELP,
     BenchError,
@@ -70,7 +72,7 @@ from bench._common import (
     write_json,
 )
 from bench._gateway_server import GatewayProcess
-from bench._voice_client import CHUNK_MS, Cut, VoiceSession, speech_clips
+from bench._voice_client import CHUNK_MS, ONSET_LEVEL, Cut, VoiceSession, speech_clips
 from gateway.config import DEFAULT_CONFIG
 from voice.formats import FORMATS
 
@@ -156,12 +158,20 @@ async def false_endpoints(url: str, model: str, args: argparse.Namespace, clips:
                           count: int) -> tuple[int, int]:
     """(questions cut off inside their pause, questions said) under ``semantic_vad``, one session."""
     cut_off = said = 0
+    quiet = 2 * ONSET_LEVEL  # flite ends a clip with silence: the pause is exactly pause_ms of it
+
+    def voiced(pcm: bytes) -> bytes:
+        samples = np.frombuffer(pcm, "<i2")
+        loud = np.flatnonzero(np.abs(samples.astype(np.int32)) > quiet)
+        return samples[:loud[-1] + 1].tobytes() if loud.size else pcm
+
     async with VoiceSession(url, model, silence_ms=args.silence_ms, max_output_tokens=args.tokens,
                             wire_format=FORMATS[args.format], eagerness="auto") as session:
         for n in range(count):
             before, after = PAUSED[n % len(PAUSED)]
             try:
-                cut_off += await session.paused_turn(clips[before], PAUSES_MS[n % len(PAUSES_MS)], clips[after])
+                cut_off += await session.paused_turn(voiced(clips[before]), PAUSES_MS[n % len(PAUSES_MS)],
+                                                     clips[after])
             except BenchError as e:
                 progress(f"  a paused question failed: {e}")
                 continue
@@ -263,7 +273,8 @@ def rtf(gw: GatewayProcess, kind: str) -> float | None:
     return round(gw.metric(f'gateway_voice_compute_seconds_total{{kind="{kind}"}}') / audio, 3) if audio else None
 
 
-def plot(levels: list[dict[str, Any]], cpu: dict[str, Any], path: Path) -> None:
+def plot(levels: list[dict[str, Any]], cpu: dict[str, Any], path: Path,
+         semantic: list[dict[str, Any]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -271,8 +282,11 @@ def plot(levels: list[dict[str, Any]], cpu: dict[str, Any], path: Path) -> None:
 
     xs = [lv["sessions"] for lv in levels]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for key, style in (("speech_to_first_audio_ms_p50", "o-"), ("speech_to_first_audio_ms_p99", "s--")):
-        ax.plot(xs, [lv[key] for lv in levels], style, label=key.replace("speech_to_first_audio_ms_", ""))
+    for name, arm, color in (("server_vad", levels, "C0"), ("semantic_vad", semantic or [], "C1")):
+        for key, style in (("speech_to_first_audio_ms_p50", "o-"), ("speech_to_first_audio_ms_p99", "s--")):
+            if arm:
+                ax.plot([lv["sessions"] for lv in arm], [lv[key] for lv in arm], style, color=color,
+                        label=f"{name} {key.replace('speech_to_first_audio_ms_', '')}")
     ax.axhline(LATENCY_GOAL_MS, color="grey", lw=0.8, ls=":", label="p99 goal 1.2 s")
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
@@ -362,7 +376,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     # A run in another format writes files of its own: the 24 kHz run's plot and figures stay.
     name = "voice" if args.format == "audio/pcm" else f"voice_{args.format.removeprefix('audio/')}"
     img = figure_path(f"{name}.png", args.smoke)
-    plot(levels, cpu, img)
+    plot(levels, cpu, img, semantic)
     write_json(result_path(f"{name}.json", args.smoke), {
         "summary": summary, "levels": levels, "semantic_levels": semantic, "truncate": exactness, "cpu": cpu, "plot": str(img),
         "settings": {k: getattr(args, k) for k in ("sessions", "turns", "barge_every", "silence_ms", "tokens",
