@@ -30,11 +30,11 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from numpy.lib.stride_tricks import sliding_window_view
 
 from voice.audio import SPEECH_RATE, Float32Array
 from voice.errors import VoiceModelError
+from voice.onnx_session import one_thread_session
 
 WINDOW_S = 8  # the model sees the last 8 s of a turn
 WINDOW_SAMPLES = WINDOW_S * SPEECH_RATE
@@ -72,21 +72,8 @@ class TurnModel:
 
     def __init__(self, path: str | Path = "auto") -> None:
         self.path = find_smart_turn() if path == "auto" else Path(path)
-        options = ort.SessionOptions()
-        # One thread and no spinning, as for the VAD (voice/vad.py): an inference is ~25 ms and
-        # runs beside the engines; idle spinning workers would starve them (FACTS.md).
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.log_severity_level = 3
-        try:
-            self._session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
-        except Exception as e:  # onnxruntime raises its own exception types for a bad or missing file
-            raise VoiceModelError(f"cannot load the Smart Turn model {self.path}: {e}") from e
-        names = [i.name for i in self._session.get_inputs()]
-        if names != ["input_features"]:
-            raise VoiceModelError(f"{self.path} is not the Smart Turn v3 graph this code drives (inputs {names})")
+        # One thread, no spinning, as the VAD (voice/onnx_session.py): an inference is ~25 ms.
+        self._session = one_thread_session(self.path, "Smart Turn v3", ["input_features"], sequential=True)
         # Slaney mel filters [80, 201], in float64 as Pipecat's: faster_whisper's feature_extractor
         # module is plain numpy (its package import, which loads CTranslate2, is lazy here too).
         from faster_whisper.feature_extractor import FeatureExtractor

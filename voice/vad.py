@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from voice.audio import SPEECH_RATE, Float32Array, Int16Array, to_float32
 from voice.errors import VoiceModelError
+from voice.onnx_session import one_thread_session
 
 WINDOW = 512  # samples at 16 kHz: 32 ms, the only window size the v6 graph takes
 CONTEXT = 64  # samples of the previous window the graph sees before each window
@@ -58,21 +58,7 @@ class SileroVad:
 
     def __init__(self, path: str | Path = "auto") -> None:
         self.path = find_silero_vad() if path == "auto" else Path(path)
-        options = ort.SessionOptions()
-        # One thread: a window is ~60 us of work, and more threads would only contend with the
-        # engines. Spinning off: onnxruntime's idle workers otherwise spin after every run and
-        # starve the other compute in this process (FACTS.md).
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.log_severity_level = 3
-        try:
-            self._session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
-        except Exception as e:  # onnxruntime raises its own exception types for a bad or missing file
-            raise VoiceModelError(f"cannot load the Silero VAD model {self.path}: {e}") from e
-        names = [i.name for i in self._session.get_inputs()]
-        if names != ["input", "h", "c"]:
-            raise VoiceModelError(f"{self.path} is not the Silero v6 graph this code drives (inputs {names})")
+        self._session = one_thread_session(self.path, "Silero VAD", ["input", "h", "c"])
 
     def probabilities(self, samples: Float32Array, state: VadState) -> Float32Array:
         """Speech probability of each whole 512-sample window in ``samples`` (its length a multiple
