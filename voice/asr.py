@@ -40,9 +40,6 @@ class Transcription:
     text: str  # stripped; "" for no speech
     seconds_of_audio: float
     seconds_taken: float  # wall time of the recognition itself, not the queue wait
-    # The text as the recognizer decoded it, segment by segment (joined, exactly ``text``): the
-    # Realtime session sends one transcription delta per segment.
-    segments: tuple[str, ...] = ()
 
     @property
     def real_time_factor(self) -> float:
@@ -162,7 +159,7 @@ class WhisperRecognizer:
             pieces.append(segment.text)
             if on_piece is not None:
                 on_piece(segment.text)
-        return Transcription("".join(pieces).strip(), seconds, time.perf_counter() - started, joined_exactly(pieces))
+        return Transcription("".join(pieces).strip(), seconds, time.perf_counter() - started)
 
     def _looks_like_a_loop(self, segments: list[Segment], seconds: float) -> bool:
         """Too many words for the audio, or text that compresses like a repetition (faster-whisper's
@@ -183,13 +180,3 @@ class WhisperRecognizer:
         content = features[:, :features.shape[-1] - 1]  # generate_segments' content_frames
         encoded = self._model.encode(pad_or_trim(content, round(window_s * FRAMES_PER_S)))
         return self._model.generate_segments(features, self._tokenizer, self._options, False, encoded)
-
-
-def joined_exactly(pieces: list[str]) -> tuple[str, ...]:
-    """The non-empty pieces, the first without its leading and the last without its trailing
-    blanks, so that they join to the stripped text."""
-    kept = [p for p in pieces if p.strip()]
-    if kept:
-        kept[0] = kept[0].lstrip()
-        kept[-1] = kept[-1].rstrip()  # (after: with one piece, both ends of it)
-    return tuple(kept)

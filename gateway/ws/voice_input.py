@@ -26,7 +26,7 @@ client that stops sending audio stops the count (documented).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -127,7 +127,7 @@ class VoiceInput:
         # The job started at the latest pause of the speech in progress (item id, cut), and its
         # transcript if it came before the speech ended.
         self._eager: tuple[str, int] | None = None
-        self._early: dict[str, tuple[int, str, float, Sequence[str]]] = {}
+        self._early: dict[str, tuple[int, str, float]] = {}
         self._held: tuple[tuple[str, int] | None, list[str]] = (None, [])  # the eager job's pieces so far
         self._streamed: dict[str, str] = {}  # item id -> the transcript's text sent as deltas so far
         self._admitting = False  # a response server VAD asked for waits for the key's admission
@@ -290,7 +290,7 @@ class VoiceInput:
                 for piece in held[1]:
                     self._delta(item_id, piece)
             if early is not None:
-                self.transcribed(item_id, early[1], early[2], cut, early[3])
+                self.transcribed(item_id, early[1], early[2], cut)
         else:
             self._transcribing[item_id] = (item, 0)
             self._commands.append(Transcribe(item_id=item_id, audio=audio))
@@ -325,15 +325,14 @@ class VoiceInput:
             self._events.emit("conversation.item.input_audio_transcription.delta", item_id=item_id,
                               content_index=0, delta=text)
 
-    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0,
-                    segments: Sequence[str] = ()) -> None:
+    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0) -> None:
         """The transcript of a user item's speech (``seconds`` of audio) cut at ``tag`` (its
         ``Transcribe``'s): applied if the item waits for that cut, kept if the speech it was started
         for at a pause has not ended yet, dropped if the user went on."""
         entry = self._transcribing.get(item_id)
         if entry is None:
             if self._eager == (item_id, tag):
-                self._early = {item_id: (tag, transcript, seconds, segments)}  # the turn may end at this pause
+                self._early = {item_id: (tag, transcript, seconds)}  # the turn may end at this pause
             return
         item, expected = entry
         if tag != expected:
@@ -342,14 +341,11 @@ class VoiceInput:
         item.parts[0] = transcript
         item.transcribing = False
         sent = self._streamed.pop(item_id, "")
-        if sent:  # what the pieces sent did not say yet (nothing, as a rule)
-            pieces: Sequence[str] = (transcript[len(sent):],) if transcript.startswith(sent) else ()
-        else:  # the pieces as decoded, if they make the transcript exactly (else the whole as one)
-            pieces = tuple(segments) if "".join(segments) == transcript else (transcript,)
-        for piece in pieces:
-            if piece:
-                self._events.emit("conversation.item.input_audio_transcription.delta", item_id=item_id,
-                                  content_index=0, delta=piece)
+        # What the pieces sent did not say yet: nothing as a rule, the whole when no piece came.
+        rest = transcript[len(sent):] if transcript.startswith(sent) else ""
+        if rest:
+            self._events.emit("conversation.item.input_audio_transcription.delta", item_id=item_id,
+                              content_index=0, delta=rest)
         self._events.emit("conversation.item.input_audio_transcription.completed", item_id=item_id, content_index=0,
                           transcript=transcript, usage={"type": "duration", "seconds": round(seconds, 3)})
         self._turns.transcripts_changed()

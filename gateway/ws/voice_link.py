@@ -34,12 +34,10 @@ class VoiceUnavailable(Exception):
 
 @dataclass(frozen=True)
 class Heard:
-    """A transcript, with the pieces the recognizer decoded it in (they join to ``text``; each
-    becomes a transcription delta)."""
+    """A transcript (its pieces reached ``on_piece`` as they were decoded)."""
 
     text: str
     seconds: float  # of audio
-    segments: tuple[str, ...] = ()
 
 
 class VoiceService(Protocol):
@@ -140,7 +138,7 @@ class VoiceLink:
             log.exception("transcribing %s failed", command.item_id)
             self._session.transcription_failed(command.item_id, "the speech could not be transcribed", command.tag)
         else:
-            self._session.transcribed(command.item_id, heard.text, heard.seconds, command.tag, heard.segments)
+            self._session.transcribed(command.item_id, heard.text, heard.seconds, command.tag)
         self._pump()
 
     async def _synthesize(self, command: Synthesize) -> None:

@@ -92,7 +92,7 @@ class GatewayVoice:
             result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner, relay)
         except EngineError as e:  # VoiceBusy, VoiceTimeout: their messages are for the client
             raise VoiceUnavailable(e.message) from e
-        return Heard(result.text, result.seconds_of_audio, result.segments)
+        return Heard(result.text, result.seconds_of_audio)
 
     async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:
         try:

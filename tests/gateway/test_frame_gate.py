@@ -6,10 +6,8 @@ the parser behind it; the server's tests send real frames to a real gateway."""
 
 import asyncio
 import json
-import os
 import struct
 
-import pytest
 import websockets
 from gateway_harness import MODEL, recv_json, recv_until, running_gateway, send, user_item
 from hypothesis import given, settings
@@ -227,7 +225,6 @@ async def test_frames_sent_with_the_handshake_go_through_the_gate() -> None:
         writer.close()
 
 
-@pytest.mark.skipif(os.environ.get("CI_FAST") == "1", reason="sends 64 x 15 MiB over loopback")
 async def test_many_sessions_of_large_appends_hold_at_most_the_budget() -> None:
     """Every session sends a 15 MiB append at once: the server holds at most its budget of them
     (the others are told to send again), and a text session beside them is served."""

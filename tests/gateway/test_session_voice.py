@@ -168,7 +168,9 @@ def test_server_vad_commits_the_speech_and_answers_once_it_is_transcribed() -> N
     assert isinstance(transcribe, Transcribe) and transcribe.item_id == item["id"]
     assert len(transcribe.audio) == 1300 * PCM_BYTES_PER_MS  # from the padded start to the end of speech
 
-    session.transcribed(item["id"], "What time is it?", 1.3, segments=("What time", " is it?"))
+    session.transcription_piece(item["id"], transcribe.tag, "What time")
+    session.transcription_piece(item["id"], transcribe.tag, " is it?")
+    session.transcribed(item["id"], "What time is it?", 1.3)
     heard = drain(session)  # one delta per piece the recognizer decoded, then the whole
     assert types(heard) == ["conversation.item.input_audio_transcription.delta"] * 2 + [
         "conversation.item.input_audio_transcription.completed"]
@@ -486,8 +488,7 @@ def test_transcription_deltas_stream_as_the_recognizer_decodes_them() -> None:
     assert first["type"] == "conversation.item.input_audio_transcription.delta" and first["delta"] == "Turn on"
     session.transcription_piece(transcribe.item_id, transcribe.tag, " the lights.")
     assert [e["delta"] for e in drain(session)] == [" the lights."]
-    session.transcribed(transcribe.item_id, "Turn on the lights.", 0.8, transcribe.tag,
-                        segments=(" Turn on", " the lights."))
+    session.transcribed(transcribe.item_id, "Turn on the lights.", 0.8, transcribe.tag)
     (completed,) = drain(session)  # nothing left to say as a delta
     assert completed["type"] == "conversation.item.input_audio_transcription.completed"
     assert completed["transcript"] == first["delta"] + " the lights."

@@ -16,7 +16,6 @@ from voice.asr import (
     WhisperRecognizer,
     encoder_window_s,
     find_whisper_tiny_en,
-    joined_exactly,
 )
 from voice.errors import VoiceModelError
 from voice.tts import FliteSynthesizer
@@ -29,13 +28,6 @@ SENTENCES = [
 
 def normalise(text: str) -> str:
     return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
-
-
-def test_segments_join_to_the_stripped_transcript() -> None:
-    """Each becomes a transcription delta, and the deltas must add up to the transcript."""
-    assert joined_exactly([" Hello there.", " ", " How are you? "]) == ("Hello there.", " How are you?")
-    assert joined_exactly([" Hi. "]) == ("Hi.",)
-    assert joined_exactly([" ", ""]) == ()
 
 
 @pytest.mark.parametrize(("voice", "sentence"), SENTENCES)
@@ -75,7 +67,7 @@ def test_a_short_utterance_is_heard_the_same_in_the_shortened_window(
     short = recognizer.transcribe(audio, pieces.append)
     # The same words (punctuation may differ: "lights." against "lights").
     assert normalise(short.text) == normalise(full_window.transcribe(audio).text) == normalise(sentence)
-    assert "".join(pieces).strip() == short.text and short.segments == (short.text,)
+    assert "".join(pieces).strip() == short.text and len(pieces) == 1  # one window, one segment
 
 
 def test_noise_that_makes_a_short_window_repeat_itself_is_decoded_in_the_full_one(
