@@ -111,6 +111,7 @@ class FrameGate:
         self._message: _Message | None = None  # a data message under way (its frames not all read)
         self._held = bytearray()  # frames of a fragmented message not decided yet (at most ``small``)
         self._out: list[bytes | memoryview] = []  # what this read passes to aiohttp, in order
+        self._refused = False  # this read completed a dropped message: the connection is told
         self._failed = False
 
     # ----- the protocol's side --------------------------------------------------------------
@@ -121,7 +122,6 @@ class FrameGate:
         out = self._out
         view = memoryview(data)
         pos, end = 0, len(data)
-        known = len(self.messages)
         while pos < end:
             if not self._in_payload:
                 pos = self._read_header(view, pos)
@@ -132,7 +132,8 @@ class FrameGate:
             pos += take
             if self._left == 0:
                 self._frame_done()
-        if any(isinstance(m, Refused) for m in list(self.messages)[known:]):
+        if self._refused:
+            self._refused = False
             self.on_refused()
         if not out:
             return NO_DATA
@@ -278,6 +279,7 @@ class FrameGate:
         if message.mode == "skip":
             assert message.refusal is not None
             self.messages.append(message.refusal)
+            self._refused = True
             return
         if message.mode == "hold":
             self._out.append(bytes(self._held))
