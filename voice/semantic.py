@@ -19,6 +19,8 @@ Not thread-safe (one per session).
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from voice.audio import SPEECH_RATE, Float32Array, Int16Array, to_float32
@@ -42,8 +44,11 @@ class SemanticSegmenter:
         self._segmenter = SpeechSegmenter(vad, VadParams(
             threshold=params.threshold, prefix_padding_ms=params.prefix_padding_ms,
             silence_duration_ms=max_wait_ms, min_speech_ms=params.min_speech_ms, pause_ms=PAUSE_MS))
-        self._recent = np.zeros(0, np.float32)  # the last samples fed (up to 8 s and one feed's worth)
-        self._recent_start = 0  # sample index of _recent[0] since the first sample fed
+        # The last samples fed, as the chunks they came in (up to 8 s and one feed's worth): joined
+        # only when the model judges, at a pause, not copied on every feed.
+        self._recent: deque[Float32Array] = deque()
+        self._recent_len = 0
+        self._recent_start = 0  # sample index of the first sample in _recent since the first sample fed
         self._fed = 0  # samples fed to the inner segmenter
         self._turn_start = 0  # sample index the current turn's audio begins at (its reported start)
         self._next_check_ms: int | None = None  # silence length at which to ask the model next
@@ -93,14 +98,17 @@ class SemanticSegmenter:
         return None
 
     def _remember(self, chunk: Float32Array) -> None:
-        keep = WINDOW_SAMPLES + WINDOW  # the model's 8 s, and the window not yet scored
-        joined = np.concatenate([self._recent, chunk])
-        cut = max(len(joined) - keep - len(chunk), 0)
-        self._recent = joined[cut:]
-        self._recent_start += cut
+        keep = WINDOW_SAMPLES + WINDOW + len(chunk)  # the model's 8 s, the window not yet scored, this feed
+        self._recent.append(chunk)
+        self._recent_len += len(chunk)
+        while self._recent_len - len(self._recent[0]) >= keep:  # whole chunks no judgement can reach
+            dropped = self._recent.popleft()
+            self._recent_len -= len(dropped)
+            self._recent_start += len(dropped)
 
     def _turn_audio(self) -> Float32Array:
         """The turn so far, up to the last sample scored (at most the last 8 s of it)."""
         end = self._segmenter.windows_ms * SPEECH_RATE // 1000
         start = max(self._turn_start, end - WINDOW_SAMPLES, self._recent_start)
-        return self._recent[start - self._recent_start:end - self._recent_start]
+        recent = np.concatenate(self._recent) if self._recent else np.zeros(0, np.float32)
+        return recent[start - self._recent_start:end - self._recent_start]
