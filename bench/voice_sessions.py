@@ -220,7 +220,10 @@ class ForcedAligner:
         self._decoder.start_utt()
         self._decoder.process_raw(audio.astype("<i2").tobytes(), full_utt=True)
         self._decoder.end_utt()
-        segments = [seg for seg in self._decoder.seg() if seg.word not in ("<s>", "</s>", "<sil>", "(NULL)")]
+        found = self._decoder.seg()  # None when no path through the text fits the audio
+        if found is None:
+            return None
+        segments = [seg for seg in found if seg.word not in ("<s>", "</s>", "<sil>", "(NULL)")]
         if len(segments) != len(spoken):
             return None
         return [(seg.end_frame + 1) * 10.0 for seg in segments]
