@@ -227,8 +227,10 @@ async def run_arm(name: str, gw: GatewayProcess, args: argparse.Namespace, clips
     background = [asyncio.create_task(text_streams(gw.url, arm, args.streams, stop)),
                   asyncio.create_task(watch_degraded(gw, flips, stop))]
     if name == "hostile":
-        background += [asyncio.create_task(hostile_push_to_talk(gw.url, arm, stop)),
-                       asyncio.create_task(hostile_schemas(gw.url, arm, stop))]
+        if args.hostile in ("both", "ptt"):
+            background.append(asyncio.create_task(hostile_push_to_talk(gw.url, arm, stop)))
+        if args.hostile in ("both", "schema"):
+            background.append(asyncio.create_task(hostile_schemas(gw.url, arm, stop)))
         await asyncio.sleep(2.0)  # the hostile clients are at it before the healthy voice turns start
     try:
         await voice_sessions(gw.url, arm, args.voice, args.turns, clips)
@@ -284,6 +286,8 @@ def main() -> None:
     parser.add_argument("--voice", type=int, default=4)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--hostile", choices=("both", "ptt", "schema"), default="both",
+                        help="which hostile clients the hostile arm runs (default both: the issue's figures)")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     if args.smoke:
