@@ -11,7 +11,11 @@ The API adapters parse the request's fields into ``OutputConstraints`` and its h
   Compiles run on threads of their own (``COMPILE_THREADS``, a quarter of the cores), never on the event loop: a client
   sending a new, hard schema per request (128 tools, a failed compile that names each one) costs
   those threads, not every session's streams, Redis calls and timers; a compile (with its wait for
-  a thread) past ``compile_timeout_s`` is refused (``grammar_too_complex``);
+  a thread) past ``compile_timeout_s`` is refused (``grammar_too_complex``). Each key has a budget
+  of compile time (``compile_s_per_minute``, a bucket of thread seconds charged after each
+  compile, holding ten seconds' worth): a key past it is refused with ``rate_limit_exceeded`` before its compile queues, so
+  one key's flood holds the compile thread for its share and another key's next schema waits for
+  at most the compile running;
 - ``CallStream``: one response's output split into answer text and tool calls (with the ids the
   APIs give them), for adapters to turn into SSE chunks or session events.
 """
@@ -22,9 +26,12 @@ import asyncio
 import concurrent.futures
 import os
 import secrets
+import time
+from collections.abc import Callable
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gateway.auth import RateLimitedError
 from llm_shared.content import ContentPart
 from llm_shared.errors import InvalidRequestError
 from llm_shared.structured import (
@@ -42,12 +49,15 @@ from llm_shared.structured import (
     get_family,
     grammar_source,
 )
+from llm_shared.token_bucket import TokenBucket
 from llm_shared.tokenizer import Tokenizer
 
 # Grammar compiles at once per process, more wait for one (within the time cap): a quarter of the
 # cores, at least one, so a flood of hard schemas cannot take the cores that stream tokens.
 COMPILE_THREADS = max(1, (os.cpu_count() or 1) // 4)
 COMPILE_TIMEOUT_S = 5.0  # a turn's compile, its wait for a thread included (llguidance's fuel bounds the rest)
+COMPILE_S_PER_MINUTE = 6.0  # a key's compile thread time a minute: a tenth of a thread, hundreds of new schemas
+COMPILE_BURST_S = 10.0  # ...of which it may spend this many seconds' worth at once (1 s at the default)
 
 
 def new_call_id() -> str:
@@ -58,9 +68,13 @@ class Grammars:
     """The gateway's grammar compilers, one per tokenizer object (every tier of one served model
     shares a tokenizer family; each engine process compiles the text again with its own)."""
 
-    def __init__(self, family: str, *, compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+    def __init__(self, family: str, *, compile_timeout_s: float = COMPILE_TIMEOUT_S,
+                 compile_s_per_minute: float = COMPILE_S_PER_MINUTE, clock: Callable[[], float] = time.monotonic) -> None:
         self.family = get_family(family) if family else None
         self.compile_timeout_s = compile_timeout_s
+        self.compile_s_per_minute = compile_s_per_minute  # 0: no budget per key
+        self._clock = clock
+        self._budgets: dict[str, TokenBucket] = {}  # key id -> its compile time (keys are configured: bounded)
         self._compilers: dict[int, tuple[Tokenizer, GrammarCompiler]] = {}
         self._building: dict[int, asyncio.Future[GrammarCompiler]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
@@ -95,17 +109,37 @@ class Grammars:
         return GrammarCompiler(tokenizer, family=self.family)
 
     async def compile(self, tokenizer: Tokenizer, constraints: OutputConstraints,
-                      provider: object = None) -> CompiledGrammar | None:
+                      provider: object = None, key_id: str = "") -> CompiledGrammar | None:
         """The turn's compiled grammar (None: nothing constrains it); raises SchemaError naming the
-        field that cannot be enforced, or InvalidRequestError when the model cannot call tools.
-        ``provider``: the turn's engine, whose compiler the gateway shares where it has one."""
+        field that cannot be enforced, InvalidRequestError when the model cannot call tools, or
+        RateLimitedError when ``key_id`` has used its compile time. ``provider``: the turn's
+        engine, whose compiler the gateway shares where it has one."""
         source = grammar_source(constraints, self.family)
         if source is None:  # nothing constrains the output: no compiler needed
             return None
+        budget = self._budget(key_id)
         compiler = await self.compiler(tokenizer, provider)
-        work = asyncio.get_running_loop().run_in_executor(self._pool, compiler.compile_source, source)
+        loop = asyncio.get_running_loop()
+        spent: list[float] = []
+
+        def timed() -> CompiledGrammar:
+            started = time.perf_counter()
+            try:
+                return compiler.compile_source(source)
+            finally:
+                spent.append(time.perf_counter() - started)
+
+        def charge(_: concurrent.futures.Future[CompiledGrammar]) -> None:
+            if budget is not None and spent:
+                try:
+                    loop.call_soon_threadsafe(lambda: budget.debit(spent[0], self._clock()))
+                except RuntimeError:  # the loop closed while the thread compiled: nothing to charge
+                    pass
+
+        submitted = self._pool.submit(timed)
+        submitted.add_done_callback(charge)  # when it ends, even after this turn stopped waiting
         try:
-            return await asyncio.wait_for(work, self.compile_timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(submitted, loop=loop), self.compile_timeout_s)
         except TimeoutError:
             # The thread finishes its compile (it cannot be stopped) and its result is cached;
             # this turn is refused now, so its key learns at once.
@@ -113,6 +147,22 @@ class Grammars:
                 f"the output grammar did not compile within {self.compile_timeout_s:g} s (the server's compile "
                 "threads are busy, or the schemas are too large); simplify them or retry",
                 code="grammar_too_complex", param="tools" if source.calls else "response_format") from None
+
+    def _budget(self, key_id: str) -> TokenBucket | None:
+        """``key_id``'s compile budget, or RateLimitedError while it is in debt."""
+        if self.compile_s_per_minute <= 0:
+            return None
+        budget = self._budgets.get(key_id)
+        if budget is None:
+            rate = self.compile_s_per_minute / 60.0
+            budget = self._budgets[key_id] = TokenBucket(rate, rate * COMPILE_BURST_S, self._clock())
+        if not budget.take(0.0, self._clock()):
+            wait = budget.retry_after_s(0.0)
+            raise RateLimitedError(
+                f"this key's grammar compiles used the {self.compile_s_per_minute:g} s of compile time it has a "
+                f"minute (new schemas, or ones that fail to compile, each cost one); retry in {wait:.1f}s",
+                bucket="requests", retry_after_s=wait)
+        return budget
 
 
 @dataclass

@@ -146,7 +146,7 @@ class Turn:
         engine = self.choose()
         if self._constraints is not None and self._grammars is not None:
             # A schema that cannot be enforced is refused here, naming its field, before any work.
-            self.grammar = await self._grammars.compile(engine.tokenizer, self._constraints, engine)
+            self.grammar = await self._grammars.compile(engine.tokenizer, self._constraints, engine, self._key_id)
             if self.grammar is not None:
                 self._params = replace(self._params, grammar=self.grammar.text)
         limit = prompt_token_limit(engine, self._params.max_tokens)

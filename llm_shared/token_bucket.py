@@ -1,31 +1,58 @@
-"""A session's audio rate bound: a token bucket of bytes, sans-I/O (the caller passes the clock).
+"""A token bucket, sans-I/O (the caller passes the clock), for the bounds on work one client can
+make a process do:
 
-Audio arriving faster than ``bytes_per_s`` for longer than the burst allows is refused append by
-append (``take`` returns False), so one client cannot make the server resample, score and buffer
-audio at any speed it likes; the session answers with an error event and lives on.
+- a session's audio rate (``gateway.ws.audio_input``): bytes of appended audio,
+  ``max_audio_bytes_per_s`` with a burst, so one client cannot make the server resample, score
+  and buffer audio at any speed it likes;
+- a session's recognition budget (``voice.pool``): seconds of recognizer work (the window Whisper
+  encodes, what a job costs), so a session committing tiny clips many times a second gets about
+  one recognition a second, not the workers;
+- a key's grammar compiles (``gateway.shaping``): seconds of compile thread, charged after each
+  compile (``debit``: the bucket may go into debt), refused while in debt.
+
+What ``take`` refuses is refused whole and nothing is counted for it; the client gets an error
+event or status and its session lives on.
 """
 
 from __future__ import annotations
 
 
-class AudioRateLimiter:
-    def __init__(self, bytes_per_s: float, burst_bytes: float, now: float) -> None:
-        if bytes_per_s <= 0 or burst_bytes <= 0:
-            raise ValueError("bytes_per_s and burst_bytes must be > 0")
-        self.bytes_per_s = bytes_per_s
-        self.burst_bytes = burst_bytes
-        self._tokens = float(burst_bytes)  # a new session may send its burst at once
+class TokenBucket:
+    def __init__(self, rate_per_s: float, burst: float, now: float) -> None:
+        if rate_per_s <= 0 or burst <= 0:
+            raise ValueError("rate_per_s and burst must be > 0")
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self._tokens = float(burst)  # a new session may use its burst at once
         self._at = now
 
-    def take(self, n_bytes: int, now: float) -> bool:
-        """Whether ``n_bytes`` more may be accepted at time ``now`` (seconds, monotonic); if so, they are counted."""
-        self._tokens = min(self.burst_bytes, self._tokens + max(now - self._at, 0.0) * self.bytes_per_s)
+    def _refill(self, now: float) -> None:
+        self._tokens = min(self.burst, self._tokens + max(now - self._at, 0.0) * self.rate_per_s)
         self._at = max(now, self._at)
-        if n_bytes > self._tokens:
+
+    def take(self, amount: float, now: float) -> bool:
+        """Whether ``amount`` more may be used at time ``now`` (seconds, monotonic); if so, it is counted."""
+        self._refill(now)
+        if amount > self._tokens:
             return False
-        self._tokens -= n_bytes
+        self._tokens -= amount
         return True
 
-    def retry_after_s(self, n_bytes: int) -> float:
-        """How long until ``n_bytes`` would be accepted (for the error message)."""
-        return max(n_bytes - self._tokens, 0.0) / self.bytes_per_s
+    def debit(self, amount: float, now: float) -> None:
+        """Count work done whose cost was known only after it ran: the bucket may go into debt,
+        and ``take`` refuses until it has refilled past it."""
+        self._refill(now)
+        self._tokens -= amount
+
+    def give_back(self, amount: float) -> None:
+        """Return what was taken for work that never ran (up to the burst)."""
+        self._tokens = min(self.burst, self._tokens + amount)
+
+    def full(self, now: float) -> bool:
+        """Whether the bucket has refilled to its burst (nothing taken is still counted)."""
+        self._refill(now)
+        return self._tokens >= self.burst
+
+    def retry_after_s(self, amount: float) -> float:
+        """How long until ``amount`` would be accepted (for the error message)."""
+        return max(amount - self._tokens, 0.0) / self.rate_per_s

@@ -77,7 +77,7 @@ TORCH_FREE = [
     "engine_gpu.config", "engine_gpu.client", "engine_gpu.scheduler", "gateway.config",
     "engine_cluster.config", "engine_cluster.policy", "engine_cluster.pool", "gateway.tiers.build",
     "voice.config", "voice.audio", "voice.vad", "voice.asr", "voice.tts", "voice.pool", "voice.phrases", "voice.alignment",
-    "voice.limits", "voice.service", "voice.tts_piper",
+    "llm_shared.token_bucket", "voice.service", "voice.tts_piper",
 ]
 
 
@@ -107,8 +107,9 @@ MODULE_PACKAGES = (*sorted(OURS - {"client_sdk"}), "rtgw")
 # nothing points up to it; the process side (start, workers, drain) is at the top.
 GATEWAY_FLOORS: tuple[tuple[str, ...], ...] = (
     ("config",),  # every [table] of the gateway's config
-    ("metrics", "json_wire", "shaping"),  # leaves: Prometheus series, JSON on the wire, grammars for turns
+    ("metrics", "json_wire"),  # leaves: Prometheus series, JSON on the wire
     ("auth",),  # API keys and origins
+    ("shaping",),  # grammars and tool-call parsing for turns (a key's compile budget refuses as auth's limits do)
     ("limits", "cascade"),  # per-key limits; routing and the cascade
     ("tiers",),  # building and supervising the engine tiers
     ("context_fit",),  # a conversation cut to the serving tier's context

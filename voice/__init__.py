@@ -10,7 +10,6 @@ imports the gateway, and nothing in it needs torch.
     phrases    streamed answer text cut into phrases to speak
     alignment  which text was heard by a point of the audio
     pool       the bounded worker pool recognition and synthesis run on
-    limits     a session's audio rate bound
     config     the [voice] table
     service    the models, the pool and the per-session pieces, built from the config
 """

@@ -49,6 +49,13 @@ class VoiceConfig:
     max_queued_jobs: int = 64  # ... or this many jobs
     max_session_jobs: int = 4  # ... or a session with this many (the workers serve sessions in turn)
     job_timeout_s: float = 30.0  # one utterance's recognition or one phrase's synthesis
+    # Recognition one session may ask for, in seconds of recognizer work as the bound above counts
+    # them: sustained, one short utterance a second (12 s/s), with a burst of ten (or one long
+    # recording: a job past the burst is served from a full budget). Past it a commit is not
+    # transcribed (transcription.failed, "recognition_rate_limited"), so a client committing tiny
+    # clips many times a second cannot keep the workers to itself. 0: no per-session budget.
+    recognition_rate_s: float = 12.0
+    recognition_burst_s: float = 120.0
     max_input_buffer_s: float = 120.0  # uncommitted input audio per session
     # Decoded audio in one input_audio_buffer.append: 15 MiB of base64, the API's limit (a recording
     # sent whole; the input buffer still bounds what one append may add).
@@ -82,6 +89,8 @@ class VoiceConfig:
         require(1 <= self.max_session_jobs <= self.max_queued_jobs,
                 "voice.max_session_jobs must be in 1..voice.max_queued_jobs")
         require(0 < self.job_timeout_s <= 600, "voice.job_timeout_s must be in (0, 600]")
+        require(0 <= self.recognition_rate_s <= 3600, "voice.recognition_rate_s must be in 0..3600 (0: no budget)")
+        require(0 < self.recognition_burst_s <= 86_400, "voice.recognition_burst_s must be in (0, 86400]")
         require(0 < self.max_input_buffer_s <= 3600, "voice.max_input_buffer_s must be in (0, 3600]")
         # A committed buffer is one recognition job: one the pool could never admit is a dead config.
         require(self.max_input_buffer_s <= self.max_queued_audio_s,

@@ -25,6 +25,13 @@ class VoiceBusy(OverloadedError):
     code = "voice_busy"
 
 
+class VoiceRateLimited(OverloadedError):
+    """A session asked for recognition faster than its budget refills (``voice.pool``): this job
+    is refused, the session's others and every other session's go on."""
+
+    code = "recognition_rate_limited"
+
+
 class VoiceTimeout(EngineError):
     """A recognition or synthesis job did not finish within its timeout."""
 

@@ -10,6 +10,11 @@ while text sessions wait for the cores.
 Fair between sessions: each job has an ``owner`` (its session), each owner at most
 ``max_jobs_per_owner`` jobs outstanding, and the workers take the owners' queues in turn (round
 robin), so one session's backlog delays another session's next job by at most one job per worker.
+With ``recognition_rate_s`` each owner also has a budget of recognition work (a ``TokenBucket``
+of seconds, as the bound counts them: a short utterance is its recognizer's whole window), so one
+session that commits tiny clips many times a second gets what the rate allows, not the workers
+whenever the others pause; a job refused for it raises ``VoiceRateLimited`` and costs nothing, a
+job that never ran is given back.
 
 A job is one unit the caller awaits: one utterance to transcribe, one phrase to speak. Cancelling
 the awaiting task (a barge-in, a closed session) takes a queued job off the queue before it runs;
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,7 +44,8 @@ import numpy as np
 
 from voice.asr import Recognizer, Transcription
 from voice.audio import SPEECH_RATE, Float32Array
-from voice.errors import VoiceBusy, VoiceTimeout
+from voice.errors import VoiceBusy, VoiceRateLimited, VoiceTimeout
+from llm_shared.token_bucket import TokenBucket
 from voice.tts import Speech, Synthesizer
 
 T = TypeVar("T")
@@ -95,6 +102,7 @@ class _Job:
     completed: bool = False  # fn returned: real work, counted in the real-time factor whatever the caller did
     measured_audio_s: float | None = None
     owner: Hashable = None
+    budget: TokenBucket | None = None  # the owner's recognition budget it was charged to
 
 
 @dataclass
@@ -111,10 +119,19 @@ class VoicePool:
 
     def __init__(self, *, threads: int = 2, max_outstanding_audio_s: float = 600.0, max_outstanding_jobs: int = 64,
                  job_timeout_s: float = 30.0, max_jobs_per_owner: int = 4,
-                 observer: Callable[[JobFigures], None] | None = None) -> None:
+                 recognition_rate_s: float | None = None, recognition_burst_s: float = 0.0,
+                 observer: Callable[[JobFigures], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if (threads < 1 or max_outstanding_jobs < 1 or max_jobs_per_owner < 1 or max_outstanding_audio_s <= 0
                 or job_timeout_s <= 0):
             raise ValueError("threads and the job bounds must be >= 1, the audio bound and timeout > 0")
+        if recognition_rate_s is not None and (recognition_rate_s <= 0 or recognition_burst_s <= 0):
+            raise ValueError("recognition_rate_s and recognition_burst_s must be > 0")
+        self.recognition_rate_s = recognition_rate_s
+        self.recognition_burst_s = recognition_burst_s
+        self._clock = clock
+        # owner -> its recognition budget, for as long as the owner (a session) lives
+        self._budgets: weakref.WeakKeyDictionary[object, TokenBucket] = weakref.WeakKeyDictionary()
         self.threads = threads
         self.max_outstanding_audio_s = max_outstanding_audio_s
         self.max_outstanding_jobs = max_outstanding_jobs
@@ -154,7 +171,7 @@ class VoicePool:
         if self._closed:
             raise VoiceBusy("voice is shutting down")
         self._admit(kind, audio_s, owner)
-        job = _Job(kind, audio_s, time.perf_counter(), owner=owner)
+        job = _Job(kind, audio_s, time.perf_counter(), owner=owner, budget=self._charge(kind, audio_s, owner))
         self._audio_s += audio_s
         self._jobs += 1
         self._owned[owner] = self._owned.get(owner, 0) + 1
@@ -197,6 +214,23 @@ class VoicePool:
             self._kinds[kind].refused += 1
             raise VoiceBusy(f"this session has {self._owned[owner]} voice jobs outstanding (at most "
                             f"{self.max_jobs_per_owner}); wait for them")
+
+    def _charge(self, kind: Kind, audio_s: float, owner: Hashable) -> TokenBucket | None:
+        """Take a recognition's cost from its owner's budget, or refuse it (``VoiceRateLimited``)."""
+        if kind != "asr" or owner is None or self.recognition_rate_s is None:
+            return None
+        budget = self._budgets.get(owner)
+        if budget is None:
+            budget = self._budgets[owner] = TokenBucket(self.recognition_rate_s, self.recognition_burst_s,
+                                                        self._clock())
+        cost = min(audio_s, self.recognition_burst_s)  # the longest recording a session may send always fits
+        if not budget.take(cost, self._clock()):
+            self._kinds[kind].refused += 1
+            raise VoiceRateLimited(
+                f"this session asks for speech recognition faster than it is served ({self.recognition_rate_s:g} s "
+                f"of recognizer work a second, this one {cost:g} s): it was not transcribed; retry in "
+                f"{budget.retry_after_s(cost):.1f}s")
+        return budget
 
     def _dispatch(self) -> None:
         """Hand queued jobs to free workers, the owners in turn."""
@@ -256,7 +290,9 @@ class VoicePool:
         self._finish_unstarted(queued.job)
 
     def _finish_unstarted(self, job: _Job) -> None:
-        """Account for a job no worker ran: it ends as cancelled."""
+        """Account for a job no worker ran: it ends as cancelled, its cost given back."""
+        if job.budget is not None:
+            job.budget.give_back(min(job.audio_s, self.recognition_burst_s))
         never: Future[object] = Future()
         never.cancel()
         self._finish(job, never)

@@ -63,7 +63,9 @@ class VoiceService:
         self.synthesizer = make_synthesizer(config)
         self.pool = VoicePool(threads=config.pool_threads, max_outstanding_audio_s=config.max_queued_audio_s,
                               max_outstanding_jobs=config.max_queued_jobs, job_timeout_s=config.job_timeout_s,
-                              max_jobs_per_owner=config.max_session_jobs, observer=observer)
+                              max_jobs_per_owner=config.max_session_jobs,
+                              recognition_rate_s=config.recognition_rate_s or None,
+                              recognition_burst_s=config.recognition_burst_s, observer=observer)
         self.phrase_bounds = PhraseBounds(first_max_chars=config.first_phrase_max_chars,
                                           max_chars=config.phrase_max_chars)
 

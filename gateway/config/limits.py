@@ -81,17 +81,19 @@ class Limits:
     max_running_per_key: int = 64  # generations running at once
     max_sessions_per_key: int = 64  # open Realtime sessions
     max_sessions: int = 50_000  # this process's capacity (all keys), counted locally by every backend
+    audio_seconds_per_minute: int = 3600  # speech recognized and spoken: charged as it is asked for
 
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "tokens_per_minute", "max_running_per_key", "max_sessions_per_key",
-                     "max_sessions"):
+                     "max_sessions", "audio_seconds_per_minute"):
             require(getattr(self, name) >= 1, f"limits: {name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
     def from_server(cls, server: ServerConfig) -> Limits:
         return cls(requests_per_minute=server.requests_per_minute, tokens_per_minute=server.tokens_per_minute,
                    max_running_per_key=server.max_concurrent_requests_per_key,
-                   max_sessions_per_key=server.max_sessions_per_key, max_sessions=server.max_sessions)
+                   max_sessions_per_key=server.max_sessions_per_key, max_sessions=server.max_sessions,
+                   audio_seconds_per_minute=server.audio_seconds_per_minute)
 
     def per_key_cap(self, kind: LeaseKind) -> int:
         return self.max_sessions_per_key if kind == "session" else self.max_running_per_key

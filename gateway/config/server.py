@@ -36,6 +36,15 @@ class ServerConfig:
     requests_per_minute: int = 600  # per key; token bucket
     tokens_per_minute: int = 200_000  # per key; output tokens, reserved at admission (max_tokens), refunded at the end
     max_concurrent_requests_per_key: int = 64  # generations running at once per key, both APIs
+    # per key; token bucket of voice work: each utterance recognized (its length) and each phrase
+    # spoken (its estimated length) is charged when asked for; past it, it is refused (the
+    # transcription or the spoken answer fails with rate_limit_exceeded). 3600: sixty sessions
+    # talking without a pause, all minute long.
+    audio_seconds_per_minute: int = 3600
+    # Per key and process: seconds of grammar compile thread a minute (tools, response_format), a
+    # tenth of the thread, ten seconds' worth at once; past it, requests needing a compile are
+    # refused (429) until it refills. A known schema is a cache hit and costs next to nothing; 0: no budget.
+    grammar_compile_s_per_minute: float = 6.0
     send_queue_high: int = 256  # outgoing events queued before deltas are coalesced
     send_queue_limit: int = 4096  # past this the response is cancelled (slow consumer)
     send_queue_max_bytes: int = 4 * 1024 * 1024  # same, in queued bytes (coalesced deltas grow); half pauses the reader
@@ -81,13 +90,16 @@ class ServerConfig:
                 "need server.max_frame_bytes <= server.max_large_frame_bytes <= 268435456")
         require(self.large_frames_budget_bytes >= 0, "server.large_frames_budget_bytes must be >= 0 (0: none)")
         for name in ("max_conversation_items", "max_conversation_chars", "max_sessions_per_key", "max_sessions",
-                     "requests_per_minute", "tokens_per_minute", "max_concurrent_requests_per_key", "send_queue_high", "send_queue_limit", "send_queue_max_bytes",
+                     "requests_per_minute", "tokens_per_minute", "audio_seconds_per_minute",
+                     "max_concurrent_requests_per_key", "send_queue_high", "send_queue_limit", "send_queue_max_bytes",
                      "default_max_output_tokens", "max_output_tokens"):
             require(getattr(self, name) >= 1, f"server.{name} must be >= 1")
         for name in ("idle_timeout_s", "ping_interval_s", "ping_timeout_s", "shutdown_grace_s", "slow_client_timeout_s",
                      "engine_abort_timeout_s", "sse_write_timeout_s"):
             require(getattr(self, name) > 0, f"server.{name} must be > 0")
         require(0 <= self.drain_timeout_s <= 3600, "server.drain_timeout_s must be in 0..3600")
+        require(0 <= self.grammar_compile_s_per_minute <= 3600,
+                "server.grammar_compile_s_per_minute must be in 0..3600 (0: no budget)")
         require(1 <= self.gc_full_after <= 10_000, "server.gc_full_after must be in 1..10000")
         require(0 <= self.gc_full_every_s <= 3600, "server.gc_full_every_s must be in 0..3600")
         require(0 <= self.drain_reconnect_spread_ms <= 600_000, "server.drain_reconnect_spread_ms must be in 0..600000")

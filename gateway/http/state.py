@@ -60,7 +60,8 @@ class GatewayState:
     def __post_init__(self) -> None:
         self.metrics = GatewayMetrics(lambda: self.engines)
         # The tiers of one gateway share a tokenizer family (Config checks it): one tool-call syntax.
-        self.grammars = Grammars(self.config.models[self.config.edge.model].family)
+        self.grammars = Grammars(self.config.models[self.config.edge.model].family,
+                                 compile_s_per_minute=self.config.server.grammar_compile_s_per_minute)
         self.device_models = DeviceModels(self.config.models)
         self.large_frames = LargeFrameBudget(self.config.server.large_frames_budget_bytes)
         self.metrics.large_frames_bytes.set_function(lambda: float(self.large_frames.in_flight))

@@ -116,6 +116,12 @@ def tokens_refused(limits: Limits, wait_s: float) -> RateLimitedError:
                             f"retry in {wait_s:.1f}s", bucket="tokens", retry_after_s=wait_s)
 
 
+def audio_refused(limits: Limits, wait_s: float) -> RateLimitedError:
+    return RateLimitedError(f"rate limit reached: {limits.audio_seconds_per_minute} seconds of audio (speech "
+                            f"recognized and spoken) per minute; retry in {wait_s:.1f}s", bucket="audio",
+                            retry_after_s=wait_s)
+
+
 def budget_refused(limits: Limits, max_tokens: int, remaining: int, wait_s: float) -> RateLimitedError:
     return RateLimitedError(
         f"rate limit reached: {limits.tokens_per_minute} tokens per minute, {max_tokens} requested with "
@@ -162,6 +168,12 @@ class LimitsStore(ABC):
     async def admit(self, key_id: str) -> Snapshot:
         """Take one request from the key's bucket (refused while its token bucket is empty or in
         debt); the key's buckets after it, for the response headers."""
+
+    @abstractmethod
+    async def spend_audio(self, key_id: str, seconds: float) -> None:
+        """Charge ``seconds`` of speech work (an utterance to recognize, a phrase to speak) to the
+        key's audio bucket: refused while it holds less than a second (empty or in debt), else
+        charged whole (a long recording may leave a debt that refuses the next until repaid)."""
 
     @abstractmethod
     async def reserve(self, key_id: str, max_tokens: int, holder: str = "") -> Reservation:

@@ -139,6 +139,10 @@ class FailoverStore(LimitsStore):
     async def admit(self, key_id: str) -> Snapshot:
         return await self._admission(lambda: self.shared.admit(key_id), lambda: self.local.admit(key_id))
 
+    async def spend_audio(self, key_id: str, seconds: float) -> None:
+        await self._admission(lambda: self.shared.spend_audio(key_id, seconds),
+                              lambda: self.local.spend_audio(key_id, seconds))
+
     async def reserve(self, key_id: str, max_tokens: int, holder: str = "") -> Reservation:
         return await self._admission(lambda: self.shared.reserve(key_id, max_tokens, holder),
                                      lambda: self.local.reserve(key_id, max_tokens, holder))

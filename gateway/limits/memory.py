@@ -19,6 +19,7 @@ from gateway.limits.base import (
     LimitsStore,
     Reservation,
     Snapshot,
+    audio_refused,
     budget_refused,
     lease_refused,
     process_full,
@@ -33,6 +34,7 @@ from gateway.limits.leases import LeaseBook
 class _KeyBuckets:
     requests: TokenBucket
     tokens: TokenBucket
+    audio: TokenBucket
 
 
 class InProcessStore(LimitsStore):
@@ -52,7 +54,8 @@ class InProcessStore(LimitsStore):
         buckets = self._buckets.get(key_id)
         if buckets is None:
             buckets = _KeyBuckets(TokenBucket(self.limits.requests_per_minute, self._clock),
-                                  TokenBucket(self.limits.tokens_per_minute, self._clock))
+                                  TokenBucket(self.limits.tokens_per_minute, self._clock),
+                                  TokenBucket(self.limits.audio_seconds_per_minute, self._clock))
             self._buckets[key_id] = buckets
         return buckets
 
@@ -88,6 +91,12 @@ class InProcessStore(LimitsStore):
         if not b.requests.take(1):
             raise requests_refused(self.limits, b.requests.seconds_until(1))
         return self.peek(key_id)
+
+    async def spend_audio(self, key_id: str, seconds: float) -> None:
+        audio = self._get(key_id).audio
+        if audio.remaining() < 1:
+            raise audio_refused(self.limits, audio.seconds_until(1))
+        audio.charge(seconds)
 
     async def reserve(self, key_id: str, max_tokens: int, holder: str = "") -> Reservation:
         b = self._get(key_id)

@@ -6,7 +6,7 @@ Time is Redis's own (``TIME``), never a gateway's: gateways with skewed clocks a
 bucket and every lease expiry. Layout, per key id (in braces: one key's data stays in one hash
 slot):
 
-- ``<prefix>{<key>}:req`` and ``:tok``: a token bucket as a hash, ``l`` (level, may be negative:
+- ``<prefix>{<key>}:req``, ``:tok`` and ``:aud`` (seconds of audio): a token bucket as a hash, ``l`` (level, may be negative:
   a debt of tokens streamed beyond a reservation) and ``t`` (the server time of ``l``), refilled
   at its capacity per minute, continuously. A full bucket is an absent key: each write sets the
   key to expire when the bucket would be full again.
@@ -105,6 +105,19 @@ local tok = math.min(tpm, level(KEYS[2], tpm, now) - tonumber(ARGV[3]))
 store(KEYS[2], tpm, tok, now)
 redis.call('ZREM', KEYS[3], ARGV[4])
 return {num(req), num(tok)}
+"""
+
+# KEYS: aud. ARGV: audio seconds per minute, seconds to charge. -> {charged, level after}
+SPEND = _PRELUDE + """
+local now = now_s()
+local cap = tonumber(ARGV[1])
+local aud = level(KEYS[1], cap, now)
+if aud < 1 then
+  return {0, num(aud)}
+end
+aud = aud - tonumber(ARGV[2])
+store(KEYS[1], cap, aud, now)
+return {1, num(aud)}
 """
 
 # KEYS: req, tok. ARGV: rpm, tpm. -> {req level, tok level}

@@ -29,6 +29,7 @@ from gateway.limits.base import (
     LimitsUnavailableError,
     Reservation,
     Snapshot,
+    audio_refused,
     budget_refused,
     full_snapshot,
     lease_refused,
@@ -62,6 +63,7 @@ class RedisStore(LimitsStore):
         self._redis = Redis(connection_pool=pool)
         self._lua_admit = self._redis.register_script(redis_lua.ADMIT)
         self._lua_reserve = self._redis.register_script(redis_lua.RESERVE)
+        self._lua_spend = self._redis.register_script(redis_lua.SPEND)
         self._lua_settle = self._redis.register_script(redis_lua.SETTLE)
         self._lua_snapshot = self._redis.register_script(redis_lua.SNAPSHOT)
         self._lua_acquire = self._redis.register_script(redis_lua.ACQUIRE)
@@ -112,6 +114,12 @@ class RedisStore(LimitsStore):
                 raise tokens_refused(limits, self._wait(limits.tokens_per_minute, 1, float(tok)))
             raise requests_refused(limits, self._wait(limits.requests_per_minute, 1, float(req)))
         return snap
+
+    async def spend_audio(self, key_id: str, seconds: float) -> None:
+        cap = self.limits.audio_seconds_per_minute
+        ok, aud = await self._call("spend", self._lua_spend(keys=[self._key(key_id, "aud")], args=[cap, seconds]))
+        if not ok:
+            raise audio_refused(self.limits, self._wait(cap, 1, float(aud)))
 
     async def reserve(self, key_id: str, max_tokens: int, holder: str = "") -> Reservation:
         limits = self.limits

@@ -17,7 +17,7 @@ from typing import Protocol
 from gateway.ws.audio_events import PCM_BYTES_PER_MS, ServerVad
 from gateway.ws.events import SessionLimits
 from gateway.ws.fields import ProtocolError
-from voice.limits import AudioRateLimiter
+from llm_shared.token_bucket import TokenBucket
 
 MIN_COMMIT_MS = 100  # the API refuses to commit less audio than this
 
@@ -66,7 +66,7 @@ class InputAudio:
         self._segmenter_origin = 0  # session ms of the current segmenter's first sample
         self._vad: ServerVad | None = None
         self.speech_start_ms: int | None = None  # speech in progress (server VAD), from its start
-        self._rate = AudioRateLimiter(limits.max_audio_bytes_per_s, limits.audio_burst_bytes, clock())
+        self._rate = TokenBucket(limits.max_audio_bytes_per_s, limits.audio_burst_bytes, clock())
 
     @property
     def buffered_ms(self) -> int:

@@ -103,7 +103,9 @@ class RealtimeConnection:
         self._pump_lock = asyncio.Lock()
         self._pump_task: asyncio.Task[None] | None = None  # a pump asked for by synchronous code
         self._too_slow_cancelled: str | None = None
-        self._voice = VoiceLink(voice, session, self._pump_soon, metrics) if voice is not None else None
+        self._voice = (VoiceLink(voice, session, self._pump_soon, metrics,
+                                 spend=lambda seconds: limits.spend_audio(key_id, seconds))
+                       if voice is not None else None)
         self._gate = gate
         self._frames = ClientFrames(codec, gate, session, metrics, config.max_frame_bytes)
         if gate is not None:

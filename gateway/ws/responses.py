@@ -200,8 +200,8 @@ class ResponseStream:
                 speech.flush()  # the engine finished while these waited: its last text is a phrase now
         self._end_when_spoken()
 
-    def speech_failed(self, message: str) -> None:
-        self.fail({"type": "server_error", "code": "speech_failed", "message": message})
+    def speech_failed(self, message: str, code: str = "speech_failed") -> None:
+        self.fail({"type": "server_error", "code": code, "message": message})
 
     def _end_when_spoken(self) -> None:
         final = self._final

@@ -241,9 +241,9 @@ class RealtimeSession:
         """The transcript of a user item's speech (``VoiceInput.transcribed``). Never raises."""
         self._voice_report(self._voice_in.transcribed, item_id, transcript, seconds, tag)
 
-    def transcription_failed(self, item_id: str, message: str, tag: int = 0) -> None:
+    def transcription_failed(self, item_id: str, message: str, tag: int = 0, code: str = "transcription_failed") -> None:
         """The item's speech could not be transcribed (``VoiceInput.transcription_failed``). Never raises."""
-        self._voice_report(self._voice_in.transcription_failed, item_id, message, tag)
+        self._voice_report(self._voice_in.transcription_failed, item_id, message, tag, code)
 
     def _voice_report(self, handle: Callable[..., None], item_id: str, *args: Any) -> None:
         try:
@@ -279,12 +279,12 @@ class RealtimeSession:
             self._abandon(response)
         self._settle()
 
-    def speech_failed(self, response_id: str, message: str) -> None:
+    def speech_failed(self, response_id: str, message: str, code: str = "speech_failed") -> None:
         response = self._active
         if response is None or response.id != response_id:
             return
         self._commands.append(AbortGeneration(response.id))
-        response.speech_failed(message)
+        response.speech_failed(message, code)
         self._settle()
 
     # ----- client events ----------------------------------------------------------------

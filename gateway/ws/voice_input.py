@@ -350,7 +350,7 @@ class VoiceInput:
                           transcript=transcript, usage={"type": "duration", "seconds": round(seconds, 3)})
         self._turns.transcripts_changed()
 
-    def transcription_failed(self, item_id: str, message: str, tag: int = 0) -> None:
+    def transcription_failed(self, item_id: str, message: str, tag: int = 0, code: str = "transcription_failed") -> None:
         """The item's speech could not be transcribed: it stays in the conversation without a
         transcript (the model does not hear it). A job started at a pause that fails is forgotten:
         the end of the turn starts a new one."""
@@ -363,6 +363,6 @@ class VoiceInput:
         item.transcribing = False
         self._streamed.pop(item_id, None)
         self._events.emit("conversation.item.input_audio_transcription.failed", item_id=item_id, content_index=0,
-                          error={"type": "server_error", "code": "transcription_failed", "message": message,
+                          error={"type": "server_error", "code": code, "message": message,
                                  "param": None})
         self._turns.transcripts_changed()

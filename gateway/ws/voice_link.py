@@ -5,6 +5,10 @@ recognition and synthesis on its own bounded workers); each reports to the sessi
 asks the connection to pump. ``CancelSpeech`` cancels a response's phrases still queued, so a
 barge-in frees the synthesis workers within the phrase being made. Nothing here outlives the
 connection: ``close`` cancels and awaits every task.
+
+Each job is charged to the session's key first (``spend``: the key's audio seconds a minute,
+``LimitsStore.spend_audio``): an utterance by its length, a phrase by the length its text will
+take to say. A refusal fails that transcription or that spoken answer with the limit's error.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,14 +26,22 @@ from gateway.ws.commands import CancelSpeech, CancelTranscription, Synthesize, T
 from gateway.ws.server_events import AudioDelta, OtherEvent, ServerEvent
 from gateway.ws.session import RealtimeSession
 from gateway.ws.voice_input import VoiceHooks
+from llm_shared.errors import EngineError
 from voice.alignment import Mark
 
 log = logging.getLogger(__name__)
 
+WIRE_BYTES_PER_S = 48_000  # PCM16 mono at 24 kHz
+SPOKEN_CHARS_PER_S = 15.0  # a phrase is charged before it is made, at about flite's pace
+
 
 class VoiceUnavailable(Exception):
     """The voice service refused or failed the job (busy, timed out, broken): the reason is
-    safe to show the client."""
+    safe to show the client, ``code`` the error's (``voice_busy``, ``recognition_rate_limited``...)."""
+
+    def __init__(self, message: str, code: str = "transcription_failed") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -60,8 +72,9 @@ class VoiceService(Protocol):
 
 class VoiceLink:
     def __init__(self, service: VoiceService, session: RealtimeSession, pump: Callable[[], None],
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, spend: Callable[[float], Awaitable[None]]) -> None:
         self._service = service
+        self._spend = spend
         self._session = session
         self._pump = pump
         self._metrics = metrics
@@ -130,10 +143,13 @@ class VoiceLink:
 
     async def _transcribe(self, command: Transcribe) -> None:
         try:
+            await self._spend(len(command.audio) / WIRE_BYTES_PER_S)
             heard = await self._service.transcribe(command.audio, owner=self, on_piece=lambda text: self._piece(
                 command, text))
+        except EngineError as e:  # the key's audio is spent (or its limits store is away and the policy refuses)
+            self._session.transcription_failed(command.item_id, e.message, command.tag, e.code)
         except VoiceUnavailable as e:
-            self._session.transcription_failed(command.item_id, str(e), command.tag)
+            self._session.transcription_failed(command.item_id, str(e), command.tag, e.code)
         except Exception:
             log.exception("transcribing %s failed", command.item_id)
             self._session.transcription_failed(command.item_id, "the speech could not be transcribed", command.tag)
@@ -143,7 +159,10 @@ class VoiceLink:
 
     async def _synthesize(self, command: Synthesize) -> None:
         try:
+            await self._spend(max(len(command.text.strip()), 1) / SPOKEN_CHARS_PER_S)
             audio, marks = await self._service.synthesize(command.text, command.voice, owner=self)
+        except EngineError as e:
+            self._session.speech_failed(command.response_id, e.message, e.code)
         except VoiceUnavailable as e:
             self._session.speech_failed(command.response_id, str(e))
         except Exception:

@@ -91,14 +91,14 @@ class GatewayVoice:
         try:
             result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner, relay)
         except EngineError as e:  # VoiceBusy, VoiceTimeout: their messages are for the client
-            raise VoiceUnavailable(e.message) from e
+            raise VoiceUnavailable(e.message, e.code) from e
         return Heard(result.text, result.seconds_of_audio)
 
     async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:
         try:
             phrase = await self.service.speak(text, voice, owner)
         except EngineError as e:
-            raise VoiceUnavailable(e.message) from e
+            raise VoiceUnavailable(e.message, e.code) from e
         return phrase.pcm.astype("<i2", copy=False).tobytes(), phrase.marks
 
     def close(self) -> None:

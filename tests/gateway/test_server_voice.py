@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 import websockets
 from fake_engine import FakeEngine
@@ -24,6 +25,7 @@ from voice_serving import question_pcm as make_question_pcm
 from gateway.ws.voice_service import GatewayVoice
 from llm_shared.contract import SamplingParams
 from voice.audio import encode_pcm16
+from voice.config import VoiceConfig
 from voice.formats import PCMU
 
 pytestmark = pytest.mark.timeout(300)
@@ -207,6 +209,75 @@ async def test_push_to_talk_and_hostile_audio(voice: GatewayVoice, question_pcm:
             done = await next_event(ws, {"response.done"})
             assert done["response"]["status"] == "completed"  # text: the session's default modality
             assert done["response"]["output"][0]["content"][0]["text"] == "".join(ANSWER)
+
+
+async def test_a_session_committing_clips_faster_than_its_budget_is_refused_and_others_are_heard(
+        question_pcm: bytes) -> None:
+    """Issue 39, item 2: a push-to-talk client committing clip after clip gets the recognitions its
+    budget allows (here two, the budget refilling once in ~10 minutes), then
+    ``transcription.failed`` with ``recognition_rate_limited``; another session's speech is heard
+    as ever, and the flooding session goes on."""
+    voice = GatewayVoice(VoiceConfig(pool_threads=2, recognition_rate_s=0.02, recognition_burst_s=24.0))
+    tone = encode_pcm16((np.sin(np.arange(4800) * 0.1) * 8000).astype(np.int16))  # 200 ms
+    try:
+        async for served in serve(voice, FakeEngine(reply=answer)):
+            url = f"{served.url.replace('http', 'ws')}/v1/realtime"
+            async with websockets.connect(url) as flood, websockets.connect(url) as other:
+                for ws in (flood, other):
+                    await next_event(ws, {"session.created"})
+                    await send(ws, {"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+                    await next_event(ws, {"session.updated"})
+                outcomes = []
+                for _ in range(3):  # each committed once the previous one is answered: the job bound is not hit
+                    await send(flood, {"type": "input_audio_buffer.append",
+                                       "audio": base64.b64encode(tone).decode()})
+                    await send(flood, {"type": "input_audio_buffer.commit"})
+                    outcomes.append(await next_event(flood, {"conversation.item.input_audio_transcription.completed",
+                                                             "conversation.item.input_audio_transcription.failed"}))
+                assert [o["type"].rsplit(".", 1)[1] for o in outcomes] == ["completed", "completed", "failed"]
+                refusal = outcomes[2]["error"]
+                assert refusal["code"] == "recognition_rate_limited" and "retry in" in refusal["message"]
+                for chunk in chunks(question_pcm, 500):
+                    await send(other, {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})
+                await send(other, {"type": "input_audio_buffer.commit"})
+                heard = await next_event(other, {"conversation.item.input_audio_transcription.completed"})
+                assert words(heard["transcript"]) == words(QUESTION)
+                await send(flood, {"type": "conversation.item.create", "item": {
+                    "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello?"}]}})
+                await send(flood, {"type": "response.create"})
+                assert (await next_event(flood, {"response.done"}))["response"]["status"] == "completed"
+    finally:
+        voice.close()
+
+
+async def test_speech_is_charged_to_the_keys_audio_seconds(voice: GatewayVoice, question_pcm: bytes) -> None:
+    """Issue 39: recognition is charged to the key (``audio_seconds_per_minute``, here 2): the
+    first question is heard and leaves the bucket in debt, the second is not transcribed
+    (``rate_limit_exceeded``, with when to retry); text goes on."""
+    async for served in serve(voice, FakeEngine(reply=answer), audio_seconds_per_minute=2):
+        async with websockets.connect(f"{served.url.replace('http', 'ws')}/v1/realtime") as ws:
+            await next_event(ws, {"session.created"})
+            await send(ws, {"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+            await next_event(ws, {"session.updated"})
+            outcomes = []
+            for _ in range(2):
+                for chunk in chunks(question_pcm, 500):
+                    await send(ws, {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})
+                await send(ws, {"type": "input_audio_buffer.commit"})
+                outcomes.append(await next_event(ws, {"conversation.item.input_audio_transcription.completed",
+                                                      "conversation.item.input_audio_transcription.failed"}))
+            assert words(outcomes[0]["transcript"]) == words(QUESTION)
+            refusal = outcomes[1]["error"]
+            assert refusal["code"] == "rate_limit_exceeded" and "seconds of audio" in refusal["message"]
+            assert "retry in" in refusal["message"]
+            await send(ws, {"type": "response.create"})
+            done = await next_event(ws, {"response.done"})
+            assert done["response"]["status"] == "completed"
+            # speaking is charged too: the bucket is in debt, so a spoken answer fails with the limit
+            await send(ws, {"type": "response.create", "response": {"output_modalities": ["audio"]}})
+            spoken_done = await next_event(ws, {"response.done"})
+            assert spoken_done["response"]["status"] == "failed"
+            assert spoken_done["response"]["status_details"]["error"]["code"] == "rate_limit_exceeded"
 
 
 async def test_turns_that_server_vad_ends_are_charged_to_the_key(voice: GatewayVoice, question_pcm: bytes) -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
+from gateway.auth import RateLimitedError
 from gateway.shaping import COMPILE_THREADS, Grammars
 from llm_shared.errors import InvalidRequestError
 from llm_shared.modelfile import default_gguf_path
@@ -85,6 +87,34 @@ async def test_a_compile_past_its_cap_is_refused_and_the_loop_goes_on(tokenizer:
     monkeypatch.setattr(GrammarCompiler, "compile_source", compile_source)
     grammars.compile_timeout_s = 60
     assert await grammars.compile(tokenizer, constraints(weather("later"))) is not None
+
+
+async def test_a_key_past_its_compile_time_is_refused_before_compiling_and_other_keys_are_not(
+        tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39: one key sending a new hard schema per request gets its share of the compile
+    thread (``compile_s_per_minute``), then 429s that cost no compile, until its budget refills;
+    another key's schemas compile as ever."""
+    compiled: list[str] = []
+    compile_source = GrammarCompiler.compile_source
+
+    def costly(self: GrammarCompiler, source: object) -> object:
+        time.sleep(0.05)  # a compile that takes 50 ms of the thread, whatever this machine's speed
+        compiled.append("x")
+        return compile_source(self, source)
+
+    monkeypatch.setattr(GrammarCompiler, "compile_source", costly)
+    now = [0.0]
+    grammars = Grammars("smollm2", compile_s_per_minute=0.18, clock=lambda: now[0])  # 0.03 s at once
+    assert await grammars.compile(tokenizer, constraints(weather("first")), key_id="flood") is not None
+    with pytest.raises(RateLimitedError) as refused:
+        await grammars.compile(tokenizer, constraints(weather("second")), key_id="flood")
+    assert refused.value.code == "rate_limit_exceeded" and "0.18 s of compile time" in refused.value.message
+    assert refused.value.retry_after_s > 0
+    assert len(compiled) == 1  # the refusal compiled nothing
+    assert await grammars.compile(tokenizer, constraints(weather("theirs")), key_id="other") is not None
+    now[0] += 60.0  # a minute refills the budget
+    assert await grammars.compile(tokenizer, constraints(weather("second")), key_id="flood") is not None
+    assert len(compiled) == 3
 
 
 async def test_the_gateway_shares_the_in_process_edge_tiers_compiler(tokenizer: Tokenizer) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from voice.asr import Transcription
-from voice.errors import VoiceBusy, VoiceTimeout
+from voice.errors import VoiceBusy, VoiceRateLimited, VoiceTimeout
 from voice.pool import JobFigures, VoicePool
 from voice.tts import FliteSynthesizer
 
@@ -239,4 +239,75 @@ async def test_a_session_past_its_job_bound_is_refused_and_others_are_not() -> N
         await asyncio.wait_for(asyncio.gather(*held), WAIT)
     finally:
         gate.release.set()
+        pool.close()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Owner:
+    """A session: the pool keeps its budget for as long as it lives."""
+
+
+async def test_a_session_flooding_recognitions_gets_its_rate_and_the_others_theirs() -> None:
+    clock = Clock()
+    pool = VoicePool(threads=1, max_outstanding_audio_s=600.0, max_outstanding_jobs=64, job_timeout_s=WAIT,
+                     max_jobs_per_owner=64, recognition_rate_s=12.0, recognition_burst_s=36.0, clock=clock)
+    flood, quiet = Owner(), Owner()
+    try:
+        for _ in range(3):  # its burst: three short utterances at once
+            assert await pool.run("asr", lambda: "heard", audio_s=12.0, owner=flood) == "heard"
+        with pytest.raises(VoiceRateLimited) as info:
+            await pool.run("asr", lambda: "heard", audio_s=12.0, owner=flood)
+        assert info.value.code == "recognition_rate_limited" and "retry in 1.0s" in info.value.message
+        assert pool.stats().by_kind["asr"].refused == 1
+        assert await pool.run("asr", lambda: "mine", audio_s=12.0, owner=quiet) == "mine"  # a budget of its own
+        assert await pool.run("tts", lambda: "spoken", audio_s=12.0, owner=flood) == "spoken"  # speech is not counted
+        clock.now = 1.0  # a second refills one short utterance
+        assert await pool.run("asr", lambda: "heard", audio_s=12.0, owner=flood) == "heard"
+        with pytest.raises(VoiceRateLimited):
+            await pool.run("asr", lambda: "heard", audio_s=12.0, owner=flood)
+    finally:
+        pool.close()
+
+
+async def test_a_recording_longer_than_the_burst_is_served_from_a_full_budget() -> None:
+    clock = Clock()
+    pool = VoicePool(threads=1, max_outstanding_audio_s=600.0, job_timeout_s=WAIT, recognition_rate_s=12.0,
+                     recognition_burst_s=120.0, clock=clock)
+    owner = Owner()
+    try:
+        assert await pool.run("asr", lambda: "long", audio_s=150.0, owner=owner) == "long"
+        with pytest.raises(VoiceRateLimited):
+            await pool.run("asr", lambda: "more", audio_s=12.0, owner=owner)
+    finally:
+        pool.close()
+
+
+async def test_a_recognition_cancelled_before_it_ran_costs_the_session_nothing() -> None:
+    clock = Clock()
+    pool = VoicePool(threads=1, max_outstanding_audio_s=600.0, job_timeout_s=WAIT, recognition_rate_s=12.0,
+                     recognition_burst_s=24.0, clock=clock)
+    owner, other = Owner(), Owner()
+    running = Gate()
+    try:
+        first = asyncio.create_task(pool.run("asr", running, audio_s=12.0, owner=other))
+        await started(running)
+        moot = asyncio.create_task(pool.run("asr", Gate(), audio_s=12.0, owner=owner))
+        kept = asyncio.create_task(pool.run("asr", lambda: "kept", audio_s=12.0, owner=owner))
+        await asyncio.sleep(0)  # both queued behind the running job: the budget is spent
+        with pytest.raises(VoiceRateLimited):
+            await pool.run("asr", lambda: "refused", audio_s=12.0, owner=owner)
+        moot.cancel()  # the user went on speaking: that cut is moot
+        with pytest.raises(asyncio.CancelledError):
+            await moot
+        running.release.set()
+        assert await first == "done" and await kept == "kept"
+        assert await pool.run("asr", lambda: "again", audio_s=12.0, owner=owner) == "again"  # the moot job's share
+    finally:
         pool.close()

@@ -81,6 +81,10 @@ async def test_a_cut_in_the_second_phrase_keeps_the_first_and_whole_words(
     assert kept[-1].isalpha()  # cut after a whole word
 
 
+class Session:
+    """An owner of pool jobs, as a Realtime session is (the pool keeps a budget per owner)."""
+
+
 async def test_a_short_utterance_costs_the_recognizers_whole_window(
         service: tuple[VoiceService, list[JobFigures]]) -> None:
     """Admission counts the window Whisper encodes, not the utterance (issue 39, item 2): the
@@ -93,7 +97,7 @@ async def test_a_short_utterance_costs_the_recognizers_whole_window(
     s, figures = service
     assert s.config.asr_window == "auto"
     one_second = np.zeros(24_000, np.int16)
-    job = asyncio.ensure_future(s.transcribe(one_second, owner="session"))
+    job = asyncio.ensure_future(s.transcribe(one_second, owner=Session()))
     await asyncio.sleep(0)
     assert s.pool.stats().outstanding_audio_s == MIN_WINDOW_S
     await asyncio.wait_for(job, 60)

@@ -57,6 +57,24 @@ async def test_tokens_are_reserved_then_refunded_or_charged(env: Env) -> None:
     assert 5 <= await remaining_tokens(store, "k") <= 5 + env.drift(60)
 
 
+async def test_a_keys_audio_seconds_are_charged_and_refused_past_the_bucket(env: Env) -> None:
+    """Speech recognized and spoken is charged to the key's audio bucket (60 s a minute here): a
+    long recording is served from what is left and leaves a debt; the next is refused until it is
+    repaid; another key is not affected."""
+    limits = Limits(requests_per_minute=3, tokens_per_minute=60, audio_seconds_per_minute=60)
+    store = env.store(limits)
+    await store.spend_audio("k", 50.0)
+    await store.spend_audio("k", 30.0)  # 10 s left: served, 20 s of debt
+    with pytest.raises(RateLimitedError) as refused:
+        await store.spend_audio("k", 1.0)
+    e = refused.value
+    assert (e.code, e.type) == ("rate_limit_exceeded", "audio") and "60 seconds of audio" in e.message
+    # a second a second: 21 s until one second is there again, less what refilled since
+    assert 21.0 - env.elapsed() - 1e-6 <= e.retry_after_s <= 21.0 + 1e-6
+    await store.spend_audio("other", 5.0)
+    assert (await store.snapshot("k")).requests.remaining == 3  # audio is a bucket of its own
+
+
 async def test_a_debt_refuses_admissions_until_repaid(env: Env) -> None:
     store = env.store(SLOW)
     big = await store.reserve("k", 10_000)  # more than a minute's budget: reserves all of it
