@@ -27,8 +27,7 @@ import concurrent.futures
 import os
 import secrets
 import time
-from collections.abc import Callable
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.auth import RateLimitedError

@@ -42,10 +42,10 @@ from typing import Literal, TypeVar
 
 import numpy as np
 
+from llm_shared.token_bucket import TokenBucket
 from voice.asr import Recognizer, Transcription
 from voice.audio import SPEECH_RATE, Float32Array
 from voice.errors import VoiceBusy, VoiceRateLimited, VoiceTimeout
-from llm_shared.token_bucket import TokenBucket
 from voice.tts import Speech, Synthesizer
 
 T = TypeVar("T")
