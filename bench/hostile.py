@@ -265,6 +265,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 progress(f"arm {name}: {json.dumps(arms[name].summary())}")
         finally:
             gw.stop()
+            # why the store was marked down, as the gateway logged it (its log goes with the directory)
+            outages = [line for line in gw.log_problems() if "limits store" in line][:5]
             redis.stop()
     base, hostile = arms["baseline"].summary(), arms["hostile"].summary()
 
@@ -275,6 +277,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "healthy_first_audio_p99_ratio": ratio("first_audio_ms_p99"),
         "healthy_itl_p99_ratio": ratio("itl_ms_p99"),
         "limits_store_down_events": len(flips["baseline"]) + len(flips["hostile"]),
+        "limits_store_down_logged": outages,
         "healthy_failed": hostile["voice_failed"] + hostile["text_failed"],
         "baseline": base, "hostile": hostile,
         "voice_sessions": args.voice, "text_streams": args.streams, "turns": args.turns, "cpu": cpu_facts(),
@@ -286,8 +289,9 @@ def main() -> None:
     parser.add_argument("--voice", type=int, default=4)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--hostile", choices=("both", "ptt", "schema"), default="both",
-                        help="which hostile clients the hostile arm runs (default both: the issue's figures)")
+    parser.add_argument("--hostile", choices=("both", "ptt", "schema", "none"), default="both",
+                        help="which hostile clients the hostile arm runs (default both: the issue's figures; "
+                             "none: the baseline twice, for the ratios' run-to-run noise)")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     if args.smoke:

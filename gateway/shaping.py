@@ -12,10 +12,12 @@ The API adapters parse the request's fields into ``OutputConstraints`` and its h
   sending a new, hard schema per request (128 tools, a failed compile that names each one) costs
   those threads, not every session's streams, Redis calls and timers; a compile (with its wait for
   a thread) past ``compile_timeout_s`` is refused (``grammar_too_complex``). Each key has a budget
-  of compile time (``compile_s_per_minute``, a bucket of thread seconds charged after each
-  compile, holding ten seconds' worth): a key past it is refused with ``rate_limit_exceeded`` before its compile queues, so
+  of compile time (``compile_s_per_minute``, a bucket of the compile thread's CPU seconds charged
+  after each compile, holding ten seconds' worth): a key past it is refused with ``rate_limit_exceeded`` before its compile queues, so
   one key's flood holds the compile thread for its share and another key's next schema waits for
-  at most the compile running;
+  at most the compile running. The compile threads run at a lower CPU priority (``COMPILE_NICE``)
+  than the loop and the engines' threads: a compile is paid once per schema, a token stream's step
+  every few milliseconds, so under contention the compiles wait;
 - ``CallStream``: one response's output split into answer text and tool calls (with the ids the
   APIs give them), for adapters to turn into SSE chunks or session events.
 """
@@ -26,6 +28,7 @@ import asyncio
 import concurrent.futures
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,8 +58,19 @@ from llm_shared.tokenizer import Tokenizer
 # cores, at least one, so a flood of hard schemas cannot take the cores that stream tokens.
 COMPILE_THREADS = max(1, (os.cpu_count() or 1) // 4)
 COMPILE_TIMEOUT_S = 5.0  # a turn's compile, its wait for a thread included (llguidance's fuel bounds the rest)
-COMPILE_S_PER_MINUTE = 6.0  # a key's compile thread time a minute: a tenth of a thread, hundreds of new schemas
-COMPILE_BURST_S = 10.0  # ...of which it may spend this many seconds' worth at once (1 s at the default)
+COMPILE_S_PER_MINUTE = 3.0  # a key's compile CPU a minute: 5% of a thread, hundreds of new schemas (1-35 ms each)
+COMPILE_BURST_S = 10.0  # ...of which it may spend this many seconds' worth at once (0.5 s at the default)
+COMPILE_NICE = 10  # added to the compile threads' nice value (Linux: per thread)
+
+
+def lower_priority() -> None:
+    """Make the calling thread yield the CPU to the others under contention (``COMPILE_NICE``);
+    where a thread's priority cannot be set, it stays as it is."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def new_call_id() -> str:
@@ -76,7 +90,8 @@ class Grammars:
         self._budgets: dict[str, TokenBucket] = {}  # key id -> its compile time (keys are configured: bounded)
         self._compilers: dict[int, tuple[Tokenizer, GrammarCompiler]] = {}
         self._building: dict[int, asyncio.Future[GrammarCompiler]] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile",
+                                                           initializer=lower_priority)
 
     async def compiler(self, tokenizer: Tokenizer, provider: object = None) -> GrammarCompiler:
         """The compiler for ``tokenizer``; the first call builds it in a thread (~0.1 s), or takes
@@ -122,11 +137,11 @@ class Grammars:
         spent: list[float] = []
 
         def timed() -> CompiledGrammar:
-            started = time.perf_counter()
+            started = time.thread_time()  # the CPU it takes: a lowered thread waits longer under load, unpaid
             try:
                 return compiler.compile_source(source)
             finally:
-                spent.append(time.perf_counter() - started)
+                spent.append(time.thread_time() - started)
 
         def charge(_: concurrent.futures.Future[CompiledGrammar]) -> None:
             if budget is not None and spent:

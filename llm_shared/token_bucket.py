@@ -30,10 +30,11 @@ class TokenBucket:
         self._tokens = min(self.burst, self._tokens + max(now - self._at, 0.0) * self.rate_per_s)
         self._at = max(now, self._at)
 
-    def take(self, amount: float, now: float) -> bool:
-        """Whether ``amount`` more may be used at time ``now`` (seconds, monotonic); if so, it is counted."""
+    def take(self, amount: float, now: float, keep: float = 0.0) -> bool:
+        """Whether ``amount`` more may be used at time ``now`` (seconds, monotonic) leaving at least
+        ``keep`` (work that may be skipped leaves room for work that may not); if so, it is counted."""
         self._refill(now)
-        if amount > self._tokens:
+        if amount + keep > self._tokens:
             return False
         self._tokens -= amount
         return True

@@ -14,7 +14,9 @@ With ``recognition_rate_s`` each owner also has a budget of recognition work (a 
 of seconds, as the bound counts them: a short utterance is its recognizer's whole window), so one
 session that commits tiny clips many times a second gets what the rate allows, not the workers
 whenever the others pause; a job refused for it raises ``VoiceRateLimited`` and costs nothing, a
-job that never ran is given back.
+job that never ran is given back. A ``speculative`` recognition (one started at a pause, which the
+user may make moot by going on) runs only while it leaves half the burst, so a long turn's early
+jobs never spend what its final one needs.
 
 A job is one unit the caller awaits: one utterance to transcribe, one phrase to speak. Cancelling
 the awaiting task (a barge-in, a closed session) takes a queued job off the queue before it runs;
@@ -150,11 +152,12 @@ class VoicePool:
         self._closed = False
 
     async def transcribe(self, recognizer: Recognizer, samples_16k: Float32Array,
-                         timeout_s: float | None = None, owner: Hashable = None) -> Transcription:
+                         timeout_s: float | None = None, owner: Hashable = None,
+                         speculative: bool = False) -> Transcription:
         audio_s = len(samples_16k) / SPEECH_RATE
         samples = np.array(samples_16k, np.float32)  # the caller's buffer may change while the job waits
         return await self.run("asr", lambda: recognizer.transcribe(samples), audio_s=audio_s, timeout_s=timeout_s,
-                              owner=owner)
+                              owner=owner, speculative=speculative)
 
     async def synthesize(self, synthesizer: Synthesizer, text: str, voice: str | None = None,
                          timeout_s: float | None = None, owner: Hashable = None) -> Speech:
@@ -163,15 +166,18 @@ class VoicePool:
                               timeout_s=timeout_s, measure=lambda speech: speech.seconds, owner=owner)
 
     async def run(self, kind: Kind, fn: Callable[[], T], *, audio_s: float, timeout_s: float | None = None,
-                  measure: Callable[[T], float] | None = None, owner: Hashable = None) -> T:
+                  measure: Callable[[T], float] | None = None, owner: Hashable = None,
+                  speculative: bool = False) -> T:
         """Run ``fn`` on a worker, in ``owner``'s turn; ``audio_s`` is what it counts against the
-        bound. Raises ``VoiceBusy`` at once past a bound, ``VoiceTimeout`` after ``timeout_s``
+        bound (and, for a recognition, against the owner's budget; ``speculative``: only while it
+        leaves half the budget's burst). Raises ``VoiceBusy`` at once past a bound, ``VoiceTimeout`` after ``timeout_s``
         (default: the pool's), and ``CancelledError`` if the caller is cancelled; ``fn``'s own
         errors pass through."""
         if self._closed:
             raise VoiceBusy("voice is shutting down")
         self._admit(kind, audio_s, owner)
-        job = _Job(kind, audio_s, time.perf_counter(), owner=owner, budget=self._charge(kind, audio_s, owner))
+        job = _Job(kind, audio_s, time.perf_counter(), owner=owner,
+                   budget=self._charge(kind, audio_s, owner, speculative))
         self._audio_s += audio_s
         self._jobs += 1
         self._owned[owner] = self._owned.get(owner, 0) + 1
@@ -215,7 +221,7 @@ class VoicePool:
             raise VoiceBusy(f"this session has {self._owned[owner]} voice jobs outstanding (at most "
                             f"{self.max_jobs_per_owner}); wait for them")
 
-    def _charge(self, kind: Kind, audio_s: float, owner: Hashable) -> TokenBucket | None:
+    def _charge(self, kind: Kind, audio_s: float, owner: Hashable, speculative: bool) -> TokenBucket | None:
         """Take a recognition's cost from its owner's budget, or refuse it (``VoiceRateLimited``)."""
         if kind != "asr" or owner is None or self.recognition_rate_s is None:
             return None
@@ -224,7 +230,7 @@ class VoicePool:
             budget = self._budgets[owner] = TokenBucket(self.recognition_rate_s, self.recognition_burst_s,
                                                         self._clock())
         cost = min(audio_s, self.recognition_burst_s)  # the longest recording a session may send always fits
-        if not budget.take(cost, self._clock()):
+        if not budget.take(cost, self._clock(), keep=self.recognition_burst_s / 2 if speculative else 0.0):
             self._kinds[kind].refused += 1
             raise VoiceRateLimited(
                 f"this session asks for speech recognition faster than it is served ({self.recognition_rate_s:g} s "

@@ -87,12 +87,13 @@ class VoiceService:
         return PhraseSplitter(self.phrase_bounds)
 
     async def transcribe(self, pcm_24k: Int16Array, owner: Hashable = None,
-                         on_piece: Callable[[str], None] | None = None) -> Transcription:
+                         on_piece: Callable[[str], None] | None = None, speculative: bool = False) -> Transcription:
         """A committed input buffer's text, in ``owner``'s (its session's) turn. It counts against
         the pool's bound as the window Whisper encodes for it (``encoder_window_s``: 30 s, or
         with asr_window "auto" the utterance's own length rounded up, at least 12 s; audio longer
         than a window counts as itself), its figures as the audio it had. ``on_piece``: each piece of text as it is
-        decoded, called on the worker thread. Raises ``VoiceBusy``, ``VoiceTimeout``."""
+        decoded, called on the worker thread. ``speculative``: started at a pause the user may go on
+        from (``VoicePool.run``). Raises ``VoiceBusy``, ``VoiceRateLimited``, ``VoiceTimeout``."""
         pcm = np.array(pcm_24k, np.int16)  # the session's buffer is cleared and reused while this waits
         recognizer = self.recognizer
         seconds = len(pcm) / REALTIME_RATE
@@ -102,7 +103,8 @@ class VoiceService:
             return recognizer.transcribe(samples) if on_piece is None else recognizer.transcribe(samples, on_piece)
 
         window_s = encoder_window_s(seconds, self.config.asr_window)
-        return await self.pool.run("asr", job, audio_s=max(seconds, window_s), measure=lambda _: seconds, owner=owner)
+        return await self.pool.run("asr", job, audio_s=max(seconds, window_s), measure=lambda _: seconds, owner=owner,
+                                   speculative=speculative)
 
     async def speak(self, text: str, voice: str | None = None, owner: Hashable = None) -> SpokenPhrase:
         """One phrase as 24 kHz audio. Each phrase is resampled whole: flite starts and ends every

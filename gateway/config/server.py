@@ -41,10 +41,10 @@ class ServerConfig:
     # transcription or the spoken answer fails with rate_limit_exceeded). 3600: sixty sessions
     # talking without a pause, all minute long.
     audio_seconds_per_minute: int = 3600
-    # Per key and process: seconds of grammar compile thread a minute (tools, response_format), a
-    # tenth of the thread, ten seconds' worth at once; past it, requests needing a compile are
-    # refused (429) until it refills. A known schema is a cache hit and costs next to nothing; 0: no budget.
-    grammar_compile_s_per_minute: float = 6.0
+    # Per key and process: CPU seconds of grammar compile a minute (tools, response_format), 5% of
+    # the compile thread, ten seconds' worth at once; past it, requests needing a compile are
+    # refused (429) until it refills. A new schema costs 1-35 ms, a known one is a cache hit; 0: no budget.
+    grammar_compile_s_per_minute: float = 3.0
     send_queue_high: int = 256  # outgoing events queued before deltas are coalesced
     send_queue_limit: int = 4096  # past this the response is cancelled (slow consumer)
     send_queue_max_bytes: int = 4 * 1024 * 1024  # same, in queued bytes (coalesced deltas grow); half pauses the reader

@@ -57,6 +57,11 @@ class Transcribe:
     # replaced by one for a later cut if the user goes on speaking (the adapter cancels the older).
     tag: int = 0
 
+    @property
+    def at_pause(self) -> bool:
+        """Started at a pause of speech still going on (the turn may not end there)."""
+        return self.tag != 0
+
 
 @dataclass(frozen=True)
 class CancelTranscription:

@@ -58,10 +58,11 @@ class VoiceService(Protocol):
     hooks: VoiceHooks
 
     async def transcribe(self, audio: bytes, owner: Hashable = None,
-                         on_piece: Callable[[str], None] | None = None) -> Heard:
+                         on_piece: Callable[[str], None] | None = None, speculative: bool = False) -> Heard:
         """PCM16 mono at 24 kHz -> what was said, in ``owner``'s (the session's) turn of the
-        shared workers; ``on_piece`` hears each piece as it is decoded (on this event loop).
-        Raises ``VoiceUnavailable``."""
+        shared workers; ``on_piece`` hears each piece as it is decoded (on this event loop);
+        ``speculative``: a job started at a pause, which may be skipped to save the session's
+        recognition budget for the turn's end. Raises ``VoiceUnavailable``."""
         ...
 
     async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:
@@ -145,7 +146,7 @@ class VoiceLink:
         try:
             await self._spend(len(command.audio) / WIRE_BYTES_PER_S)
             heard = await self._service.transcribe(command.audio, owner=self, on_piece=lambda text: self._piece(
-                command, text))
+                command, text), speculative=command.at_pause)
         except EngineError as e:  # the key's audio is spent (or its limits store is away and the policy refuses)
             self._session.transcription_failed(command.item_id, e.message, command.tag, e.code)
         except VoiceUnavailable as e:

@@ -80,7 +80,7 @@ class GatewayVoice:
                  service.recognizer.model_dir, config.tts_backend)
 
     async def transcribe(self, audio: bytes, owner: Hashable = None,
-                         on_piece: Callable[[str], None] | None = None) -> Heard:
+                         on_piece: Callable[[str], None] | None = None, speculative: bool = False) -> Heard:
         relay = None
         if on_piece is not None:  # the recognizer decodes on a worker thread; the session lives on this loop
             loop = asyncio.get_running_loop()
@@ -89,7 +89,7 @@ class GatewayVoice:
                 loop.call_soon_threadsafe(on_piece, text)
 
         try:
-            result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner, relay)
+            result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner, relay, speculative)
         except EngineError as e:  # VoiceBusy, VoiceTimeout: their messages are for the client
             raise VoiceUnavailable(e.message, e.code) from e
         return Heard(result.text, result.seconds_of_audio)

@@ -5,13 +5,14 @@ serving meanwhile. The real tokenizer of the embedded model; the compile itself 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
 import pytest
 
 from gateway.auth import RateLimitedError
-from gateway.shaping import COMPILE_THREADS, Grammars
+from gateway.shaping import COMPILE_NICE, COMPILE_THREADS, Grammars
 from llm_shared.errors import InvalidRequestError
 from llm_shared.modelfile import default_gguf_path
 from llm_shared.structured import GrammarCompiler, parse_chat_constraints
@@ -49,6 +50,22 @@ async def test_a_compile_runs_on_a_compile_thread_never_on_the_event_loop(tokeni
     assert compiled is not None and compiled.calls
     assert threads and threads[0].startswith("grammar-compile"), threads
     assert threading.current_thread().name not in threads
+
+
+async def test_compiles_yield_the_cores_to_the_loop_and_the_engines(tokenizer: Tokenizer,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile threads run at a lower priority than the thread that serves the streams."""
+    niceness: list[int] = []
+    compile_source = GrammarCompiler.compile_source
+
+    def recorded(self: GrammarCompiler, source: object) -> object:
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return compile_source(self, source)
+
+    monkeypatch.setattr(GrammarCompiler, "compile_source", recorded)
+    assert await Grammars("smollm2").compile(tokenizer, constraints(weather("nice"))) is not None
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert niceness and niceness[0] >= min(mine + COMPILE_NICE, 19), (niceness, mine)
 
 
 async def test_a_compile_past_its_cap_is_refused_and_the_loop_goes_on(tokenizer: Tokenizer,
@@ -98,7 +115,9 @@ async def test_a_key_past_its_compile_time_is_refused_before_compiling_and_other
     compile_source = GrammarCompiler.compile_source
 
     def costly(self: GrammarCompiler, source: object) -> object:
-        time.sleep(0.05)  # a compile that takes 50 ms of the thread, whatever this machine's speed
+        end = time.thread_time() + 0.05  # a compile that takes 50 ms of CPU, whatever this machine's speed
+        while time.thread_time() < end:
+            pass
         compiled.append("x")
         return compile_source(self, source)
 

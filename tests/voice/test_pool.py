@@ -311,3 +311,21 @@ async def test_a_recognition_cancelled_before_it_ran_costs_the_session_nothing()
         assert await pool.run("asr", lambda: "again", audio_s=12.0, owner=owner) == "again"  # the moot job's share
     finally:
         pool.close()
+
+
+async def test_a_recognition_started_at_a_pause_leaves_room_for_the_turns_end() -> None:
+    """Server VAD starts a recognition at each pause of a long turn; those may be skipped, the
+    turn's final one may not: a speculative job runs only while it leaves half the burst."""
+    clock = Clock()
+    pool = VoicePool(threads=1, max_outstanding_audio_s=600.0, job_timeout_s=WAIT, max_jobs_per_owner=64,
+                     recognition_rate_s=12.0, recognition_burst_s=48.0, clock=clock)
+    owner = Owner()
+    try:
+        assert await pool.run("asr", lambda: "pause", audio_s=12.0, owner=owner, speculative=True) == "pause"
+        assert await pool.run("asr", lambda: "pause", audio_s=12.0, owner=owner, speculative=True) == "pause"
+        with pytest.raises(VoiceRateLimited):  # 24 s left: one more would leave less than half of 48
+            await pool.run("asr", lambda: "pause", audio_s=12.0, owner=owner, speculative=True)
+        assert await pool.run("asr", lambda: "end", audio_s=12.0, owner=owner) == "end"
+        assert await pool.run("asr", lambda: "end", audio_s=12.0, owner=owner) == "end"
+    finally:
+        pool.close()
