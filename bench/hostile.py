@@ -1,6 +1,6 @@
 """Healthy voice and text sessions beside two hostile clients, with the real models and Redis limits.
 
-    .venv/bin/python bench/hostile.py [--voice 4] [--streams 16] [--turns 6] [--smoke]
+    .venv/bin/python bench/hostile.py [--voice 4] [--streams 16] [--turns 6] [--hostile both|ptt|schema|none] [--smoke]
 
 One ``python -m gateway serve`` subprocess on the shipped config (the edge route, voice as shipped,
 the per-key limits as shipped, kept in a ``redis-server`` of its own), four API keys. Two arms, the
@@ -19,8 +19,10 @@ Measured: the healthy voice sessions' speech-to-first-audio p99 and the text str
 latency p99 in each arm (``healthy_first_audio_p99_ratio``, ``healthy_itl_p99_ratio``: hostile
 over baseline, goal ≤ 1.5), how often the gateway marked its limits store down
 (``limits_store_down_events``, sampled from ``gateway_limits_degraded`` every 250 ms; goal 0), and
-failed healthy turns in the hostile arm (``healthy_failed``; goal 0). Also what the hostile
-clients got: recognitions answered and refused, compiles refused.
+failed healthy turns in the hostile arm (``healthy_failed``; goal 0), with the gateway's log
+lines saying why (``limits_store_down_logged``). Also what the hostile clients got: recognitions
+answered and refused, compiles run (400) and refused (429). ``--hostile`` runs one hostile client
+alone, or none (the baseline twice: the ratios' noise).
 ``--smoke``: one voice session, two text streams, two turns.
 """
 
