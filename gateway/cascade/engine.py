@@ -296,12 +296,16 @@ class CascadeEngine:
         return sum(1 for flight in self._flights.values() if flight.engine is engine and not flight.finished)
 
     def _backlog(self, engine: Engine) -> float | None:
-        """``engine_backlog``, counting this cascade's own turns there if the stats have not yet."""
+        """``engine_backlog``, counting this cascade's own turns there if the stats have not yet;
+        on the edge, against at most ``spill_edge_turns`` of them."""
         backlog = engine_backlog(engine)
         if backlog is None:
             return None
         limit = engine.stats().get("max_running", 0.0)
-        return max(backlog, (self._in_flight(engine) + 1) / limit) if limit > 0 else backlog
+        own = (self._in_flight(engine) + 1) / limit if limit > 0 else 0.0
+        if engine is self.drafter.engine and self.config.spill_edge_turns:
+            own = max(own, (self._in_flight(engine) + 1) / self.config.spill_edge_turns)
+        return max(backlog, own) if limit > 0 or own else backlog
 
     def _drafter_queued(self) -> bool:
         """Turns wait for the edge: keeping another one there for its whole answer would hold them up."""

@@ -83,6 +83,11 @@ class CascadeConfig:
     # over this many times as long to decide it (its recent hold-and-score time, scaled by its queue)
     # as the torch tier to start one (1: whichever answers first; larger keeps more turns cascading)
     spill_slack: float = 1.0
+    # ...and the edge counts as full for the cascade at this many of its turns there, whatever its
+    # slots (0: its slots): the pinned edge model id may batch 32 conversations, but on a CPU whose
+    # torch tier out-serves the edge past a few sequences, a burst of cascade turns all started on
+    # the edge before its pace is known would wait on it (docs/benchmarks.md, "A wider edge batch")
+    spill_edge_turns: int = 8
 
     def __post_init__(self) -> None:
         require(1 <= self.hold_tokens <= MAX_PREFIX_DRAFT_TOKENS,
@@ -102,6 +107,7 @@ class CascadeConfig:
             except re.error as e:
                 raise ConfigError(f"cascade.escalate_keywords: {pattern!r} is not a valid regex ({e})") from e
         require(1.0 <= self.spill_slack <= 1000.0, "cascade.spill_slack must be in [1, 1000]")
+        require(0 <= self.spill_edge_turns <= 100_000, "cascade.spill_edge_turns must be in 0..100000 (0: the edge's slots)")
         require(0 < self.probe_interval_s <= 3600, "cascade.probe_interval_s must be in (0, 3600]")
         require(self.probe_interval_s <= self.stall_timeout_s <= 86_400,
                 "cascade.stall_timeout_s must be >= probe_interval_s (and at most a day)")

@@ -391,6 +391,22 @@ async def test_a_burst_counts_the_cascades_own_turns_where_the_tiers_stats_lag()
         assert routes["confident"] <= 2 and routes["spilled"] >= 4  # two edge slots, whatever the stats said
 
 
+async def test_a_wide_edge_counts_as_full_for_the_cascade_at_spill_edge_turns() -> None:
+    """An edge with 32 slots (the shipped width, for its pinned model id) takes at most
+    ``spill_edge_turns`` of a burst of cascade turns; the rest go to the torch tier, as they did
+    when the edge had that many slots. 0: the edge's own slots."""
+    edge, gpu = tiers(edge_logprob=SURE, edge_tps=50.0)
+    edge.extra_stats.update(running=0.0, max_running=32.0)
+    gpu.extra_stats.update(running=0.0, max_running=32.0)
+    async with cascade_gateway(edge, gpu, spill_edge_turns=2) as cascade:
+        turns = await asyncio.gather(*(one_turn(cascade, f"burst {i}") for i in range(6)))
+        routes = Counter(response["metadata"]["x_route"] for _, response in turns)
+        assert routes["confident"] <= 2 and routes["spilled"] >= 4
+    async with cascade_gateway(edge, gpu, spill_edge_turns=0) as cascade:
+        turns = await asyncio.gather(*(one_turn(cascade, f"burst {i}") for i in range(6)))
+        assert all(response["metadata"]["x_route"] == "confident" for _, response in turns)
+
+
 async def test_a_turn_spills_while_the_busy_edge_decides_slower_than_the_torch_tier_starts() -> None:
     edge, gpu = tiers(edge_logprob=SURE, edge_tps=20.0)  # a held window takes 400 ms
     edge.extra_stats.update(max_running=8.0)
