@@ -44,12 +44,24 @@ class Budget:
     def watch_from(self) -> int:
         return watch_from(self.shortest)
 
+    @property
+    def margin(self) -> int:
+        return closing_margin(self.shortest)
+
+
+def closing_margin(shortest: int | None) -> int:
+    """Tokens a closing is given to spare, beyond itself and its EOS, before it is forced: twice
+    ``CLOSE_MARGIN`` for content written between looks, and the grammar's shortest answer, for a
+    structure opened between looks (an object with required fields: ``"more": {`` commits the
+    answer to all of them, a closing longer by about a whole answer)."""
+    return 2 * CLOSE_MARGIN + (shortest or 0)
+
 
 def watch_from(shortest: int | None) -> int:
-    """Budget left from which a sequence looks for a way to close its answer: twice the grammar's
-    shortest answer and the margins, at least MIN_WATCH (a document that needs long to close
-    starts early)."""
-    return max(MIN_WATCH, 2 * (shortest or 0) + 2 * CLOSE_MARGIN)
+    """Budget left from which a sequence looks for a way to close its answer: the grammar's
+    shortest answer twice and the margin (``closing_margin``), at least MIN_WATCH (a document that
+    needs long to close starts early)."""
+    return max(MIN_WATCH, 2 * (shortest or 0) + closing_margin(shortest))
 
 
 class SequenceMatcher:
@@ -74,7 +86,7 @@ class SequenceMatcher:
         self._next_look = 0  # tokens consumed at which to look for a closing next
         if budget is not None:  # the closing from the start is the grammar's shortest answer: look
             # first within watch_from of the end, and after half the slack that closing leaves
-            slack = budget.max_tokens - (budget.shortest + 1 + 2 * CLOSE_MARGIN)
+            slack = budget.max_tokens - (budget.shortest + 1 + budget.margin)
             self._next_look = max(budget.max_tokens - budget.watch_from, slack // 2, 0)
 
     @property
@@ -222,7 +234,7 @@ class SequenceMatcher:
             self._plan, self._force, self._next_look = None, False, budget.max_tokens
             return None
         self._plan, self._plan_from, self._off_at = closing, self._consumed, None
-        slack = left - (len(closing) + 1 + 2 * CLOSE_MARGIN)
+        slack = left - (len(closing) + 1 + budget.margin)
         if slack > 0:
             self._force, self._next_look = False, self._consumed + max(1, slack // 2)
             return None

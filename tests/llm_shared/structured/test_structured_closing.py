@@ -30,7 +30,7 @@ from llm_shared.structured import (
     parse_chat_constraints,
 )
 from llm_shared.structured.closing import closing_tokens
-from llm_shared.structured.matcher import CLOSE_MARGIN
+from llm_shared.structured.matcher import CLOSE_MARGIN, closing_margin
 from llm_shared.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.model
@@ -206,7 +206,7 @@ def test_the_closing_is_what_speculation_verifies(compiler: GrammarCompiler, tok
     closing = closing_tokens(probe._m, compiler.byte_tokens)
     assert closing is not None and tokenizer.decode(closing) == '"}'
     # a budget one token larger than the closing, its EOS and the margins need after the prefix
-    m = compiler.matcher(compiled, len(prefix) + len(closing) + 1 + 2 * CLOSE_MARGIN + 1)
+    m = compiler.matcher(compiled, len(prefix) + len(closing) + 1 + closing_margin(compiled.shortest) + 1)
     for token in prefix:
         assert m.accept(token)
     # one token left before the closing is forced: the model may still write, e.g., " and"
@@ -241,3 +241,37 @@ def test_a_text_answer_under_auto_runs_to_its_budget(compiler: GrammarCompiler, 
         assert m.accept(token)
     m.fill_bitmask(row)
     assert len(allowed_tokens(row, tokenizer.vocab_size)) > 1000  # two slots left: still the model's choice
+
+
+PARTS = {"type": "object", "$defs": {"Part": {"type": "object", "properties": {
+    "b": {"anyOf": [{"const": "fixed"}, {"type": "null"}]}, "Name": {"type": "null"},
+    "x_1": {"anyOf": [{"const": "fixed"}, {"type": "null"}]},
+    "z-9": {"anyOf": [{"type": "number", "exclusiveMinimum": -97.75, "maximum": 2.25}, {"type": "null"}]}},
+    "required": ["b", "Name", "x_1", "z-9"]}},
+    "properties": {"part": {"$ref": "#/$defs/Part"}, "more": {"anyOf": [{"$ref": "#/$defs/Part"}, {"type": "null"}]}},
+    "required": ["part", "more"], "additionalProperties": False}
+
+
+def test_a_structure_opened_late_still_closes_within_the_budget(compiler: GrammarCompiler,
+                                                                tokenizer: Tokenizer) -> None:
+    """Found by the edge's generated-schema test with the real model: an answer that writes extra
+    properties and only then opens ``"more": {`` (an object of four required fields: the closing
+    grows by about a whole answer in one token) was cut at max_tokens, whatever budget it had. A
+    model following this script wherever the mask lets it ends valid at every budget."""
+    rf = {"type": "json_schema", "json_schema": {"name": "out", "schema": PARTS, "strict": False}}
+    compiled = compiler.compile(constraints(response_format=rf))
+    assert compiled is not None
+    script = tokenizer.encode('{"part":{"b":"fixed","Name":null,"x_1":"fixed","z-9":1,"t_2":"1","x_2":"32879",'
+                              '"y_4":"2178108303","x_3":"11857"},"more":{"q":"' + "and so on " * 40)
+    row = allocate_bitmask(1, tokenizer.vocab_size)[0]
+    for max_tokens in range(compiled.watch_from, compiled.watch_from + 60):
+        matcher, ids = compiler.matcher(compiled, max_tokens), []
+        while len(ids) < max_tokens and not matcher.is_terminated:
+            matcher.fill_bitmask(row)
+            allowed = set(allowed_tokens(row, tokenizer.vocab_size).tolist())
+            want = script[len(ids)] if len(ids) < len(script) else tokenizer.eos_id
+            token = want if want in allowed else min(allowed - {tokenizer.eos_id} or allowed)
+            assert matcher.accept(token)
+            ids.append(token)
+        assert ids[-1] == tokenizer.eos_id, f"cut at {max_tokens} tokens: {tokenizer.decode(ids)[-120:]!r}"
+        jsonschema.validate(json.loads(tokenizer.decode(ids[:-1])), PARTS)
