@@ -4,6 +4,7 @@ event so the tests decide when work ends (no sleeps), then once with the real sy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
@@ -254,12 +255,22 @@ class Owner:
     """A session: the pool keeps its budget for as long as it lives."""
 
 
-async def test_a_session_flooding_recognitions_gets_its_rate_and_the_others_theirs() -> None:
+@contextlib.contextmanager
+def budgeted(burst_s: float, **bounds: int) -> Iterator[tuple[VoicePool, Clock]]:
+    """A pool whose sessions may ask for one short utterance (12 s of recognizer work) a second
+    and ``burst_s`` at once, on a clock the test moves."""
     clock = Clock()
-    pool = VoicePool(threads=1, max_outstanding_audio_s=600.0, max_outstanding_jobs=64, job_timeout_s=WAIT,
-                     max_jobs_per_owner=64, recognition_rate_s=12.0, recognition_burst_s=36.0, clock=clock)
-    flood, quiet = Owner(), Owner()
+    pool = VoicePool(threads=1, max_outstanding_audio_s=600.0, job_timeout_s=WAIT, recognition_rate_s=12.0,
+                     recognition_burst_s=burst_s, clock=clock, **bounds)
     try:
+        yield pool, clock
+    finally:
+        pool.close()
+
+
+async def test_a_session_flooding_recognitions_gets_its_rate_and_the_others_theirs() -> None:
+    flood, quiet = Owner(), Owner()
+    with budgeted(36.0, max_outstanding_jobs=64, max_jobs_per_owner=64) as (pool, clock):
         for _ in range(3):  # its burst: three short utterances at once
             assert await pool.run("asr", lambda: "heard", audio_s=12.0, owner=flood) == "heard"
         with pytest.raises(VoiceRateLimited) as info:
@@ -272,30 +283,20 @@ async def test_a_session_flooding_recognitions_gets_its_rate_and_the_others_thei
         assert await pool.run("asr", lambda: "heard", audio_s=12.0, owner=flood) == "heard"
         with pytest.raises(VoiceRateLimited):
             await pool.run("asr", lambda: "heard", audio_s=12.0, owner=flood)
-    finally:
-        pool.close()
 
 
 async def test_a_recording_longer_than_the_burst_is_served_from_a_full_budget() -> None:
-    clock = Clock()
-    pool = VoicePool(threads=1, max_outstanding_audio_s=600.0, job_timeout_s=WAIT, recognition_rate_s=12.0,
-                     recognition_burst_s=120.0, clock=clock)
     owner = Owner()
-    try:
+    with budgeted(120.0) as (pool, _):
         assert await pool.run("asr", lambda: "long", audio_s=150.0, owner=owner) == "long"
         with pytest.raises(VoiceRateLimited):
             await pool.run("asr", lambda: "more", audio_s=12.0, owner=owner)
-    finally:
-        pool.close()
 
 
 async def test_a_recognition_cancelled_before_it_ran_costs_the_session_nothing() -> None:
-    clock = Clock()
-    pool = VoicePool(threads=1, max_outstanding_audio_s=600.0, job_timeout_s=WAIT, recognition_rate_s=12.0,
-                     recognition_burst_s=24.0, clock=clock)
     owner, other = Owner(), Owner()
     running = Gate()
-    try:
+    with budgeted(24.0) as (pool, _):
         first = asyncio.create_task(pool.run("asr", running, audio_s=12.0, owner=other))
         await started(running)
         moot = asyncio.create_task(pool.run("asr", Gate(), audio_s=12.0, owner=owner))
@@ -309,23 +310,16 @@ async def test_a_recognition_cancelled_before_it_ran_costs_the_session_nothing()
         running.release.set()
         assert await first == "done" and await kept == "kept"
         assert await pool.run("asr", lambda: "again", audio_s=12.0, owner=owner) == "again"  # the moot job's share
-    finally:
-        pool.close()
 
 
 async def test_a_recognition_started_at_a_pause_leaves_room_for_the_turns_end() -> None:
     """Server VAD starts a recognition at each pause of a long turn; those may be skipped, the
     turn's final one may not: a speculative job runs only while it leaves half the burst."""
-    clock = Clock()
-    pool = VoicePool(threads=1, max_outstanding_audio_s=600.0, job_timeout_s=WAIT, max_jobs_per_owner=64,
-                     recognition_rate_s=12.0, recognition_burst_s=48.0, clock=clock)
     owner = Owner()
-    try:
+    with budgeted(48.0, max_jobs_per_owner=64) as (pool, _):
         assert await pool.run("asr", lambda: "pause", audio_s=12.0, owner=owner, speculative=True) == "pause"
         assert await pool.run("asr", lambda: "pause", audio_s=12.0, owner=owner, speculative=True) == "pause"
         with pytest.raises(VoiceRateLimited):  # 24 s left: one more would leave less than half of 48
             await pool.run("asr", lambda: "pause", audio_s=12.0, owner=owner, speculative=True)
         assert await pool.run("asr", lambda: "end", audio_s=12.0, owner=owner) == "end"
         assert await pool.run("asr", lambda: "end", audio_s=12.0, owner=owner) == "end"
-    finally:
-        pool.close()
