@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from gateway.config import ServerConfig
 from llm_shared.errors import APIError, ConfigError, EngineError
+from llm_shared.token_bucket import TokenBucket
 
 ANONYMOUS = "anonymous"
 BROWSER_KEY_PREFIX = "openai-insecure-api-key."
@@ -172,48 +173,37 @@ def origin_allowed(origin: str | None, host: str | None, allowed: Iterable[str])
 
 
 @dataclass
-class TokenBucket:
-    """Refills ``capacity`` per minute, continuously. ``charge`` may go below zero: tokens are
-    counted after they are generated, and a debt blocks new requests until it is repaid."""
+class MinuteBucket:
+    """A key's bucket as the per-key limits count it: refills ``capacity`` per minute,
+    continuously, on its own clock (``llm_shared.token_bucket.TokenBucket`` underneath). ``charge``
+    may go below zero: tokens are counted after they are generated, and a debt blocks new requests
+    until it is repaid."""
 
     capacity: float
     clock: Clock = time.monotonic
-    level: float = field(init=False)
-    _stamp: float = field(init=False)
+    _bucket: TokenBucket = field(init=False)
 
     def __post_init__(self) -> None:
-        self.level = self.capacity
-        self._stamp = self.clock()
+        self._bucket = TokenBucket(self.capacity / 60.0, self.capacity, self.clock())
 
     @property
     def rate_per_s(self) -> float:
-        return self.capacity / 60.0
-
-    def _refill(self) -> None:
-        now = self.clock()
-        self.level = min(self.capacity, self.level + (now - self._stamp) * self.rate_per_s)
-        self._stamp = now
+        return self._bucket.rate_per_s
 
     def take(self, n: float = 1.0) -> bool:
-        self._refill()
-        if self.level < n:
-            return False
-        self.level -= n
-        return True
+        return self._bucket.take(n, self.clock())
 
     def charge(self, n: float) -> None:
         """Spend ``n`` (negative: give back, never above capacity)."""
-        self._refill()
-        self.level = min(self.capacity, self.level - n)
+        self._bucket.debit(n, self.clock())
 
     def remaining(self) -> int:
-        self._refill()
-        return max(0, math.floor(self.level))
+        return max(0, math.floor(self._bucket.level(self.clock())))
 
     def seconds_until(self, n: float) -> float:
         """Seconds until ``n`` is available (0 if it is now)."""
-        self._refill()
-        return max(0.0, (n - self.level) / self.rate_per_s)
+        self._bucket.level(self.clock())
+        return self._bucket.retry_after_s(n)
 
     def reset_seconds(self) -> float:
         return self.seconds_until(self.capacity)

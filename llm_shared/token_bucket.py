@@ -8,7 +8,9 @@ make a process do:
   encodes, what a job costs), so a session committing tiny clips many times a second gets about
   one recognition a second, not the workers;
 - a key's grammar compiles (``gateway.shaping``): seconds of compile thread, charged after each
-  compile (``debit``: the bucket may go into debt), refused while in debt.
+  compile (``debit``: the bucket may go into debt), refused while in debt;
+- a key's requests, tokens and audio seconds in this process (``gateway.auth.MinuteBucket``,
+  refilled a capacity a minute, for ``gateway.limits.memory``).
 
 What ``take`` refuses is refused whole and nothing is counted for it; the client gets an error
 event or status and its session lives on.
@@ -41,9 +43,14 @@ class TokenBucket:
 
     def debit(self, amount: float, now: float) -> None:
         """Count work done whose cost was known only after it ran: the bucket may go into debt,
-        and ``take`` refuses until it has refilled past it."""
+        and ``take`` refuses until it has refilled past it (negative: a refund, up to the burst)."""
         self._refill(now)
-        self._tokens -= amount
+        self._tokens = min(self.burst, self._tokens - amount)
+
+    def level(self, now: float) -> float:
+        """What the bucket holds at ``now`` (negative: a debt)."""
+        self._refill(now)
+        return self._tokens
 
     def give_back(self, amount: float) -> None:
         """Return what was taken for work that never ran (up to the burst)."""

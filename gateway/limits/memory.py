@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from gateway.auth import Clock, TokenBucket
+from gateway.auth import Clock, MinuteBucket
 from gateway.config.limits import LeaseKind, Limits
 from gateway.limits.base import (
     BucketView,
@@ -32,9 +32,9 @@ from gateway.limits.leases import LeaseBook
 
 @dataclass
 class _KeyBuckets:
-    requests: TokenBucket
-    tokens: TokenBucket
-    audio: TokenBucket
+    requests: MinuteBucket
+    tokens: MinuteBucket
+    audio: MinuteBucket
 
 
 class InProcessStore(LimitsStore):
@@ -53,9 +53,9 @@ class InProcessStore(LimitsStore):
     def _get(self, key_id: str) -> _KeyBuckets:
         buckets = self._buckets.get(key_id)
         if buckets is None:
-            buckets = _KeyBuckets(TokenBucket(self.limits.requests_per_minute, self._clock),
-                                  TokenBucket(self.limits.tokens_per_minute, self._clock),
-                                  TokenBucket(self.limits.audio_seconds_per_minute, self._clock))
+            buckets = _KeyBuckets(MinuteBucket(self.limits.requests_per_minute, self._clock),
+                                  MinuteBucket(self.limits.tokens_per_minute, self._clock),
+                                  MinuteBucket(self.limits.audio_seconds_per_minute, self._clock))
             self._buckets[key_id] = buckets
         return buckets
 

@@ -6,7 +6,7 @@ from gateway.auth import (
     ANONYMOUS,
     Authenticator,
     AuthError,
-    TokenBucket,
+    MinuteBucket,
     key_fingerprint,
     origin_allowed,
 )
@@ -59,9 +59,9 @@ def test_origin_allow_list(origin: str | None, host: str, allowed: list[str], ok
     assert origin_allowed(origin, host, allowed) is ok
 
 
-def test_token_bucket_refills_per_minute() -> None:
+def test_a_minute_bucket_refills_per_minute() -> None:
     clock = Clock()
-    bucket = TokenBucket(60, clock)
+    bucket = MinuteBucket(60, clock)
     assert all(bucket.take() for _ in range(60))
     assert not bucket.take()
     assert bucket.seconds_until(1) == pytest.approx(1.0)
