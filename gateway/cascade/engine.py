@@ -302,10 +302,9 @@ class CascadeEngine:
         if backlog is None:
             return None
         limit = engine.stats().get("max_running", 0.0)
-        own = (self._in_flight(engine) + 1) / limit if limit > 0 else 0.0
         if engine is self.drafter.engine and self.config.spill_edge_turns:
-            own = max(own, (self._in_flight(engine) + 1) / self.config.spill_edge_turns)
-        return max(backlog, own) if limit > 0 or own else backlog
+            limit = min(limit, self.config.spill_edge_turns) if limit > 0 else self.config.spill_edge_turns
+        return max(backlog, (self._in_flight(engine) + 1) / limit) if limit > 0 else backlog
 
     def _drafter_queued(self) -> bool:
         """Turns wait for the edge: keeping another one there for its whole answer would hold them up."""

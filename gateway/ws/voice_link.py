@@ -35,15 +35,6 @@ WIRE_BYTES_PER_S = 48_000  # PCM16 mono at 24 kHz
 SPOKEN_CHARS_PER_S = 15.0  # a phrase is charged before it is made, at about flite's pace
 
 
-class VoiceUnavailable(Exception):
-    """The voice service refused or failed the job (busy, timed out, broken): the reason is
-    safe to show the client, ``code`` the error's (``voice_busy``, ``recognition_rate_limited``...)."""
-
-    def __init__(self, message: str, code: str = "transcription_failed") -> None:
-        super().__init__(message)
-        self.code = code
-
-
 @dataclass(frozen=True)
 class Heard:
     """A transcript (its pieces reached ``on_piece`` as they were decoded)."""
@@ -62,12 +53,13 @@ class VoiceService(Protocol):
         """PCM16 mono at 24 kHz -> what was said, in ``owner``'s (the session's) turn of the
         shared workers; ``on_piece`` hears each piece as it is decoded (on this event loop);
         ``speculative``: a job started at a pause, which may be skipped to save the session's
-        recognition budget for the turn's end. Raises ``VoiceUnavailable``."""
+        recognition budget for the turn's end. Raises ``EngineError`` (busy, rate-limited, timed
+        out: its message and code are for the client)."""
         ...
 
     async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:
         """Speech for ``text`` as PCM16 mono at 24 kHz, with timing marks (character offset, sample
-        offset at 24 kHz; may be empty). Raises ``VoiceUnavailable``."""
+        offset at 24 kHz; may be empty). Raises ``EngineError`` as ``transcribe``."""
         ...
 
 
@@ -147,10 +139,8 @@ class VoiceLink:
             await self._spend(len(command.audio) / WIRE_BYTES_PER_S)
             heard = await self._service.transcribe(command.audio, owner=self, on_piece=lambda text: self._piece(
                 command, text), speculative=command.at_pause)
-        except EngineError as e:  # the key's audio is spent (or its limits store is away and the policy refuses)
+        except EngineError as e:  # the key's audio spent, the workers busy, the session's budget used...
             self._session.transcription_failed(command.item_id, e.message, command.tag, e.code)
-        except VoiceUnavailable as e:
-            self._session.transcription_failed(command.item_id, str(e), command.tag, e.code)
         except Exception:
             log.exception("transcribing %s failed", command.item_id)
             self._session.transcription_failed(command.item_id, "the speech could not be transcribed", command.tag)
@@ -164,8 +154,6 @@ class VoiceLink:
             audio, marks = await self._service.synthesize(command.text, command.voice, owner=self)
         except EngineError as e:
             self._session.speech_failed(command.response_id, e.message, e.code)
-        except VoiceUnavailable as e:
-            self._session.speech_failed(command.response_id, str(e))
         except Exception:
             log.exception("speaking a phrase of %s failed", command.response_id)
             self._session.speech_failed(command.response_id, "the speech could not be made")

@@ -22,8 +22,7 @@ import numpy as np
 from gateway.ws.audio_events import EAGERNESS_MAX_WAIT_MS, ServerVad
 from gateway.ws.audio_input import SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
 from gateway.ws.voice_input import VoiceHooks, VoiceSeats
-from gateway.ws.voice_link import Heard, VoiceUnavailable
-from llm_shared.errors import EngineError
+from gateway.ws.voice_link import Heard
 from voice.alignment import Mark
 from voice.config import VoiceConfig
 from voice.pool import JobFigures
@@ -88,17 +87,12 @@ class GatewayVoice:
             def relay(text: str) -> None:
                 loop.call_soon_threadsafe(on_piece, text)
 
-        try:
-            result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner, relay, speculative)
-        except EngineError as e:  # VoiceBusy, VoiceTimeout: their messages are for the client
-            raise VoiceUnavailable(e.message, e.code) from e
+        # VoiceBusy, VoiceRateLimited, VoiceTimeout pass through: their messages are for the client
+        result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner, relay, speculative)
         return Heard(result.text, result.seconds_of_audio)
 
     async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:
-        try:
-            phrase = await self.service.speak(text, voice, owner)
-        except EngineError as e:
-            raise VoiceUnavailable(e.message, e.code) from e
+        phrase = await self.service.speak(text, voice, owner)
         return phrase.pcm.astype("<i2", copy=False).tobytes(), phrase.marks
 
     def close(self) -> None:
