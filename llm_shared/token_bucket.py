@@ -56,11 +56,6 @@ class TokenBucket:
         """Return what was taken for work that never ran (up to the burst)."""
         self._tokens = min(self.burst, self._tokens + amount)
 
-    def full(self, now: float) -> bool:
-        """Whether the bucket has refilled to its burst (nothing taken is still counted)."""
-        self._refill(now)
-        return self._tokens >= self.burst
-
     def retry_after_s(self, amount: float) -> float:
         """How long until ``amount`` would be accepted (for the error message)."""
         return max(amount - self._tokens, 0.0) / self.rate_per_s

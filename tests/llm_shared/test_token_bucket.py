@@ -39,9 +39,9 @@ def test_bad_rates() -> None:
 def test_work_that_never_ran_is_given_back_up_to_the_burst() -> None:
     bucket = TokenBucket(rate_per_s=1, burst=10, now=0.0)
     assert bucket.take(8, now=0.0)
-    assert not bucket.full(now=0.0)
+    assert bucket.level(now=0.0) == 2
     bucket.give_back(8)
-    assert bucket.full(now=0.0)
+    assert bucket.level(now=0.0) == 10  # full again
     bucket.give_back(5)
     assert not bucket.take(11, now=0.0)  # never past the burst
     assert bucket.take(10, now=0.0)
