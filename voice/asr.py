@@ -40,6 +40,8 @@ class Transcription:
     text: str  # stripped; "" for no speech
     seconds_of_audio: float
     seconds_taken: float  # wall time of the recognition itself, not the queue wait
+    # Asked for (semantic_vad, voice.text_turn): whether the words are a finished turn; None: not judged.
+    finished: bool | None = None
 
     @property
     def real_time_factor(self) -> float:

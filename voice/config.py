@@ -25,6 +25,13 @@ class VoiceConfig:
     vad_model: str = "auto"
     # Smart Turn v3 ONNX file, semantic_vad's turn model; "auto": the copy in the pipecat-ai wheel.
     turn_model: str = "auto"
+    # semantic_vad's second opinion: a ChatML GGUF that reads the transcript at a pause and vetoes
+    # an end the turn model proposed when the words are unfinished ("book a table for"); "auto":
+    # the embedded SmolLM2-135M-Instruct (voice.text_turn); "none": the turn model alone.
+    text_turn_model: str = "auto"
+    # Below this probability that the words are a finished turn, the end waits (for more speech, or
+    # the eagerness's longest silence). 0.01: no finished request of the 40 measured was held.
+    text_turn_threshold: float = 0.01
     asr_compute_type: Literal["int8", "float32"] = "int8"  # int8 was 25% faster here, same transcripts
     asr_threads: int = 1  # cores one transcription uses; pool_threads of them may run at once
     asr_beam_size: int = 1  # greedy: beams cost time and gain little on short clean utterances
@@ -81,6 +88,8 @@ class VoiceConfig:
                 and bool(self.tts_model), "voice.asr_model, voice.vad_model, voice.turn_model, voice.tts_binary and "
                 "voice.tts_model must not be empty")
         require(self.voice in OPENAI_VOICES, f"voice.voice must be one of {sorted(OPENAI_VOICES)}, got {self.voice!r}")
+        require(bool(self.text_turn_model), "voice.text_turn_model must be a GGUF path, \"auto\" or \"none\"")
+        require(0 <= self.text_turn_threshold < 1, "voice.text_turn_threshold must be in [0, 1)")
         require(1 <= self.asr_threads <= 64, "voice.asr_threads must be in 1..64")
         require(1 <= self.asr_beam_size <= 10, "voice.asr_beam_size must be in 1..10")
         require(1 <= self.pool_threads <= 64, "voice.pool_threads must be in 1..64")

@@ -9,7 +9,12 @@ Pipecat's scheme (``SmartTurnParams``: a VAD stop of 0.2 s, then Smart Turn on t
   its ``audio_end_ms`` where the decision was made, its ``speech_end_ms`` where the silence began);
 - below, the segmenter waits and asks again every ``RECHECK_MS`` of further silence, and ends the
   turn anyway once the silence reaches ``max_wait_ms`` (the eagerness's bound);
-- speech that resumes cancels the pending end (the inner segmenter simply goes on).
+- speech that resumes cancels the pending end (the inner segmenter simply goes on);
+- with ``confirm`` (a text turn model runs: ``voice.text_turn``), the model's end is a proposal
+  (``SpeechEndProposed``): the caller reads the transcript started at the pause and ends the turn
+  with ``confirm_end`` when the words are finished too, or leaves it open (more speech, or the
+  eagerness's bound, ends it). The audio model is not asked again in that silence: its answer
+  would be the same, and so would the words.
 
 The model runs inline, on the caller's thread (~25 ms here: docs/voice.md). Audio is fed to the
 inner segmenter one 32 ms window at a time, so the decisions fall on the same windows whatever
@@ -20,27 +25,53 @@ Not thread-safe (one per session).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
 from voice.audio import SPEECH_RATE, Float32Array, Int16Array, to_float32
 from voice.turn import WINDOW_SAMPLES, TurnModel
-from voice.vad import WINDOW, SileroVad, SpeechPaused, SpeechSegmenter, SpeechStarted, VadEvent, VadParams
+from voice.vad import (
+    WINDOW,
+    SileroVad,
+    SpeechPaused,
+    SpeechSegmenter,
+    SpeechStarted,
+    SpeechStopped,
+    VadEvent,
+    VadParams,
+)
 
 PAUSE_MS = 200  # the VAD's proposal: Pipecat's stop_secs
 RECHECK_MS = 300  # ask the model again after this much more silence
 END_THRESHOLD = 0.5  # Smart Turn's own: "complete" above it
 
 
+@dataclass(frozen=True)
+class SpeechEndProposed:
+    """The turn model judged the turn over in the silence that began at ``speech_end_ms`` (the
+    ``SpeechPaused`` of that silence came first), at ``audio_end_ms``: ``confirm_end(speech_end_ms)``
+    ends it there."""
+
+    speech_end_ms: int
+    audio_end_ms: int
+
+
+SemanticEvent = VadEvent | SpeechEndProposed
+
+
 class SemanticSegmenter:
     """One session's ``semantic_vad``: ``feed`` as ``SpeechSegmenter.feed`` (16 kHz samples in,
     events out, ms since the first sample). ``max_wait_ms``: the silence after which a turn ends
     whatever the model says. ``probabilities`` records each judgement (silence ms, probability)
-    of the current or last turn, for tests and logs."""
+    of the current or last turn, for tests and logs. ``confirm``: the model's end is proposed, not
+    made (``SpeechEndProposed``, ``confirm_end``)."""
 
-    def __init__(self, vad: SileroVad, turn: TurnModel, params: VadParams, max_wait_ms: int) -> None:
+    def __init__(self, vad: SileroVad, turn: TurnModel, params: VadParams, max_wait_ms: int, *,
+                 confirm: bool = False) -> None:
         assert max_wait_ms > PAUSE_MS
         self.turn = turn
+        self.confirm = confirm
         self._segmenter = SpeechSegmenter(vad, VadParams(
             threshold=params.threshold, prefix_padding_ms=params.prefix_padding_ms,
             silence_duration_ms=max_wait_ms, min_speech_ms=params.min_speech_ms, pause_ms=PAUSE_MS))
@@ -52,16 +83,17 @@ class SemanticSegmenter:
         self._fed = 0  # samples fed to the inner segmenter
         self._turn_start = 0  # sample index the current turn's audio begins at (its reported start)
         self._next_check_ms: int | None = None  # silence length at which to ask the model next
+        self._proposed: SpeechEndProposed | None = None  # the end awaiting confirm_end
         self.judgements: list[tuple[int, float]] = []
 
     @property
     def in_speech(self) -> bool:
         return self._segmenter.in_speech
 
-    def feed(self, samples: Float32Array | Int16Array) -> list[VadEvent]:
+    def feed(self, samples: Float32Array | Int16Array) -> list[SemanticEvent]:
         chunk = to_float32(samples) if samples.dtype == np.int16 else samples.astype(np.float32, copy=False)
         self._remember(chunk)
-        events: list[VadEvent] = []
+        events: list[SemanticEvent] = []
         # Window by window, so that a decision falls where the silence reached its length.
         pos = 0
         while pos < len(chunk):
@@ -80,7 +112,17 @@ class SemanticSegmenter:
                 events.append(stopped)
         return events
 
-    def _judge(self) -> VadEvent | None:
+    def confirm_end(self, speech_end_ms: int) -> SpeechStopped | None:
+        """End the turn proposed at ``speech_end_ms`` where the turn model judged it over (the audio
+        since, silent, comes before the next turn); None when that silence is over (the user went
+        on, or the eagerness's bound ended the turn)."""
+        proposed, self._proposed = self._proposed, None
+        if (proposed is None or proposed.speech_end_ms != speech_end_ms
+                or self._segmenter.silence_start_ms != speech_end_ms):
+            return None
+        return self._segmenter.end_speech(proposed.audio_end_ms)
+
+    def _judge(self) -> SemanticEvent | None:
         silence_start = self._segmenter.silence_start_ms
         if silence_start is None or self._next_check_ms is None:
             if silence_start is None:
@@ -93,7 +135,10 @@ class SemanticSegmenter:
         self.judgements.append((silent_ms, p))
         if p >= END_THRESHOLD:
             self._next_check_ms = None
-            return self._segmenter.end_speech()
+            if not self.confirm:
+                return self._segmenter.end_speech()
+            self._proposed = SpeechEndProposed(silence_start, self._segmenter.windows_ms)
+            return self._proposed
         self._next_check_ms = silent_ms + RECHECK_MS
         return None
 

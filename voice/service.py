@@ -3,7 +3,7 @@ built from a ``VoiceConfig``, speaking the wire's 24 kHz PCM16 on both sides.
 
     service = await asyncio.to_thread(VoiceService, config)   # loads models: ~0.5 s, off the loop
     segmenter = service.segmenter(VadParams(...))             # per session, used on the loop
-    segmenter = service.semantic_segmenter(VadParams(), 2000)  # semantic_vad: the turn model decides
+    segmenter = service.semantic_segmenter(VadParams(), 2000)  # semantic_vad: the turn models decide
     to_16k = service.input_resampler()                        # per session, used on the loop
     events = segmenter.feed(to_16k.feed(pcm_24k))             # each append
     text = (await service.transcribe(committed_pcm_24k)).text  # on the pool; VoiceBusy past its bound
@@ -12,10 +12,12 @@ built from a ``VoiceConfig``, speaking the wire's 24 kHz PCM16 on both sides.
 Recognition and synthesis (with their resampling) run on the pool's threads, never the loop;
 VAD and input resampling are cheap enough for the loop (``voice.vad``, ``voice.audio``); so, at
 ~25 ms a judgement made only in a pause, is the turn model (``voice.turn``, ``voice.semantic``).
+The text turn model (``voice.text_turn``) judges a transcript on the worker that made it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Hashable
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llm_shared.errors import EngineError
 from voice.alignment import Mark, scale_marks
 from voice.asr import Transcription, WhisperRecognizer, encoder_window_s
 from voice.audio import REALTIME_RATE, SPEECH_RATE, Int16Array, StreamResampler, resample, to_int16
@@ -31,6 +34,7 @@ from voice.errors import VoiceModelError
 from voice.phrases import PhraseBounds, PhraseSplitter
 from voice.pool import SPOKEN_CHARS_PER_S, JobFigures, VoicePool
 from voice.semantic import SemanticSegmenter
+from voice.text_turn import TextTurnJudge
 from voice.tts import FliteSynthesizer, Synthesizer
 from voice.turn import TurnModel
 from voice.vad import SileroVad, SpeechSegmenter, VadParams
@@ -57,6 +61,12 @@ class VoiceService:
         except VoiceModelError as e:  # semantic_vad can do without it: server VAD with its eagerness's silence
             log.warning("no turn model (%s): semantic_vad runs as server VAD, its silence by eagerness", e.message)
             self.turn = None
+        self.text_turn: TextTurnJudge | None = None
+        if self.turn is not None and config.text_turn_model != "none":
+            try:
+                self.text_turn = TextTurnJudge(config.text_turn_model)
+            except VoiceModelError as e:  # the audio model decides alone, as before it
+                log.warning("no end-of-turn text model (%s): semantic_vad ends turns on the audio alone", e.message)
         self.recognizer = WhisperRecognizer(config.asr_model, threads=config.asr_threads, workers=config.pool_threads,
                                             beam_size=config.asr_beam_size, compute_type=config.asr_compute_type,
                                             window=config.asr_window)
@@ -73,10 +83,12 @@ class VoiceService:
         return SpeechSegmenter(self.vad, params)
 
     def semantic_segmenter(self, params: VadParams, max_wait_ms: int) -> SemanticSegmenter:
-        """``semantic_vad``: the VAD proposes an end after a short pause, the turn model decides,
-        and ``max_wait_ms`` of silence ends a turn whatever it says. Only with a turn model."""
+        """``semantic_vad``: the VAD proposes an end after a short pause, the turn model decides
+        (and with a text turn model, proposes the end for the transcript to confirm: ``transcribe``
+        with ``judge_end``), and ``max_wait_ms`` of silence ends a turn whatever they say. Only
+        with a turn model."""
         assert self.turn is not None, "no turn model: semantic_vad runs as server VAD (see __init__)"
-        return SemanticSegmenter(self.vad, self.turn, params, max_wait_ms)
+        return SemanticSegmenter(self.vad, self.turn, params, max_wait_ms, confirm=self.text_turn is not None)
 
     def input_resampler(self) -> StreamResampler:
         """The wire's 24 kHz to the VAD's 16 kHz, one per session (it keeps the filter's history)."""
@@ -87,24 +99,37 @@ class VoiceService:
         return PhraseSplitter(self.phrase_bounds)
 
     async def transcribe(self, pcm_24k: Int16Array, owner: Hashable = None,
-                         on_piece: Callable[[str], None] | None = None, speculative: bool = False) -> Transcription:
+                         on_piece: Callable[[str], None] | None = None, speculative: bool = False,
+                         judge_end: bool = False) -> Transcription:
         """A committed input buffer's text, in ``owner``'s (its session's) turn. It counts against
         the pool's bound as the window Whisper encodes for it (``encoder_window_s``: 30 s, or
         with asr_window "auto" the utterance's own length rounded up, at least 12 s; audio longer
         than a window counts as itself), its figures as the audio it had. ``on_piece``: each piece of text as it is
         decoded, called on the worker thread. ``speculative``: started at a pause the user may go on
-        from (``VoicePool.run``). Raises ``VoiceBusy``, ``VoiceRateLimited``, ``VoiceTimeout``."""
+        from (``VoicePool.run``). ``judge_end``: the text turn model (if any) also judges whether the
+        words are a finished turn (``Transcription.finished``), on the same worker. Raises
+        ``VoiceBusy``, ``VoiceRateLimited``, ``VoiceTimeout``."""
         pcm = np.array(pcm_24k, np.int16)  # the session's buffer is cleared and reused while this waits
         recognizer = self.recognizer
         seconds = len(pcm) / REALTIME_RATE
+        judge = self.text_turn if judge_end else None
 
         def job() -> Transcription:
             samples = resample(pcm, REALTIME_RATE, SPEECH_RATE)
-            return recognizer.transcribe(samples) if on_piece is None else recognizer.transcribe(samples, on_piece)
+            heard = recognizer.transcribe(samples) if on_piece is None else recognizer.transcribe(samples, on_piece)
+            return heard if judge is None else dataclasses.replace(heard, finished=self._finished(judge, heard.text))
 
         window_s = encoder_window_s(seconds, self.config.asr_window)
         return await self.pool.run("asr", job, audio_s=max(seconds, window_s), measure=lambda _: seconds, owner=owner,
                                    speculative=speculative)
+
+    def _finished(self, judge: TextTurnJudge, text: str) -> bool | None:
+        try:
+            p = judge.end_probability(text)
+        except EngineError:  # a judgement that fails leaves the decision to the audio
+            log.exception("the end-of-turn text model failed on a transcript")
+            return None
+        return None if p is None else p >= self.config.text_turn_threshold
 
     async def speak(self, text: str, voice: str | None = None, owner: Hashable = None) -> SpokenPhrase:
         """One phrase as 24 kHz audio. Each phrase is resampled whole: flite starts and ends every
@@ -126,6 +151,8 @@ class VoiceService:
     def close(self) -> None:
         self.pool.close()
         self.synthesizer.close()
+        if self.text_turn is not None:
+            self.text_turn.close()
 
 
 def make_synthesizer(config: VoiceConfig) -> Synthesizer:

@@ -170,12 +170,15 @@ class SpeechSegmenter:
         """The end of the last whole window scored: where an end decided now would fall."""
         return self._windows * WINDOW_MS
 
-    def end_speech(self) -> SpeechStopped:
-        """End the speech in progress now, in a silence (a turn model judged it over before
-        ``silence_duration_ms``): the stop reported as if the silence had reached it here."""
+    def end_speech(self, end_ms: int | None = None) -> SpeechStopped:
+        """End the speech in progress, in a silence (a turn model judged it over before
+        ``silence_duration_ms``): the stop reported as if the silence had reached it at ``end_ms``
+        (default: now, the last window scored; earlier: within the silence, whose windows since
+        were all below the threshold and so start nothing)."""
         silence_start_ms = self.silence_start_ms
         assert silence_start_ms is not None, "only speech in a silence can be ended early"
-        end_ms = self.windows_ms
+        end_ms = self.windows_ms if end_ms is None else end_ms
+        assert silence_start_ms <= end_ms <= self.windows_ms, "the end must fall within the silence"
         self._speaking_since = self._silence_since = None
         self._floor_ms = end_ms
         return SpeechStopped(end_ms, silence_start_ms)

@@ -33,18 +33,32 @@ class SpeechPaused:
 
 
 @dataclass(frozen=True)
+class SpeechEndProposed:
+    """semantic_vad: the audio says the turn ended, at ``audio_end_ms``, in the silence begun at
+    ``speech_end_ms``; the words confirm it (``InputAudio.confirm_end``)."""
+
+    speech_end_ms: int
+    audio_end_ms: int
+
+
+@dataclass(frozen=True)
 class SpeechStopped:
     audio_end_ms: int  # where the speech ends, the silence that ended it included
     speech_end_ms: int  # where that silence began
 
 
-SpeechEvent = SpeechStarted | SpeechPaused | SpeechStopped
+SpeechEvent = SpeechStarted | SpeechPaused | SpeechEndProposed | SpeechStopped
 
 
 class Segmenter(Protocol):
     """Server VAD over one stream of PCM16 at 24 kHz: ms counted from its first sample."""
 
     def feed(self, pcm: bytes) -> list[SpeechEvent]: ...
+
+    def confirm_end(self, speech_end_ms: int) -> SpeechStopped | None:
+        """End the turn a ``SpeechEndProposed`` proposed, now; None if that silence is over
+        (a segmenter that never proposes: always None)."""
+        ...
 
 
 SegmenterFactory = Callable[[ServerVad], Segmenter]
@@ -106,6 +120,17 @@ class InputAudio:
                 self.speech_start_ms = None
         return events
 
+    def confirm_end(self, speech_end_ms: int) -> SpeechStopped | None:
+        """The turn proposed to end in the silence begun at ``speech_end_ms`` (session ms) ends
+        where it was proposed to; None if the user went on, or it ended already."""
+        if self._segmenter is None or self.speech_start_ms is None:
+            return None
+        stopped = self._segmenter.confirm_end(speech_end_ms - self._segmenter_origin)
+        if stopped is None:
+            return None
+        self.speech_start_ms = None
+        return SpeechStopped(stopped.audio_end_ms + self._segmenter_origin, stopped.speech_end_ms + self._segmenter_origin)
+
     def peek(self, start_ms: int, end_ms: int) -> bytes:
         """A copy of the audio of [start_ms, end_ms) (clamped to the buffer), left in it."""
         lo = max(start_ms - self.start_ms, 0) * PCM_BYTES_PER_MS
@@ -142,4 +167,6 @@ class InputAudio:
             return SpeechStarted(event.audio_start_ms + origin)
         if isinstance(event, SpeechPaused):
             return SpeechPaused(event.speech_end_ms + origin)
+        if isinstance(event, SpeechEndProposed):
+            return SpeechEndProposed(event.speech_end_ms + origin, event.audio_end_ms + origin)
         return SpeechStopped(event.audio_end_ms + origin, event.speech_end_ms + origin)

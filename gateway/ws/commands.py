@@ -56,6 +56,9 @@ class Transcribe:
     # Which cut of the item's speech this is (its end, in session ms): a job started at a pause is
     # replaced by one for a later cut if the user goes on speaking (the adapter cancels the older).
     tag: int = 0
+    # semantic_vad: also judge whether the words are a finished turn (``transcribed``'s
+    # ``finished``), which confirms or holds an end the turn model proposed at this pause.
+    judge_end: bool = False
 
     @property
     def at_pause(self) -> bool:

@@ -237,9 +237,10 @@ class RealtimeSession:
         """A piece of a transcript as the recognizer decodes it (``VoiceInput.piece``). Never raises."""
         self._voice_report(self._voice_in.piece, item_id, tag, text)
 
-    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0) -> None:
+    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0,
+                    finished: bool | None = None) -> None:
         """The transcript of a user item's speech (``VoiceInput.transcribed``). Never raises."""
-        self._voice_report(self._voice_in.transcribed, item_id, transcript, seconds, tag)
+        self._voice_report(self._voice_in.transcribed, item_id, transcript, seconds, tag, finished)
 
     def transcription_failed(self, item_id: str, message: str, tag: int = 0, code: str = "transcription_failed") -> None:
         """The item's speech could not be transcribed (``VoiceInput.transcription_failed``). Never raises."""

@@ -40,7 +40,14 @@ from gateway.ws.audio_events import (
     ServerVad,
     format_error,
 )
-from gateway.ws.audio_input import InputAudio, SegmenterFactory, SpeechPaused, SpeechStarted
+from gateway.ws.audio_input import (
+    InputAudio,
+    SegmenterFactory,
+    SpeechEndProposed,
+    SpeechPaused,
+    SpeechStarted,
+    SpeechStopped,
+)
 from gateway.ws.commands import AdmitResponse, Command, Transcribe
 from gateway.ws.conversation import Item
 from gateway.ws.events import ProtocolError, SessionLimits
@@ -127,7 +134,10 @@ class VoiceInput:
         # The job started at the latest pause of the speech in progress (item id, cut), and its
         # transcript if it came before the speech ended.
         self._eager: tuple[str, int] | None = None
-        self._early: dict[str, tuple[int, str, float]] = {}
+        self._early: dict[str, tuple[int, str, float, bool | None]] = {}
+        # semantic_vad: the cut the turn model proposed to end the speech at, waiting for the words
+        # of the eager job (which must say the turn is finished too).
+        self._proposed: int | None = None
         self._held: tuple[tuple[str, int] | None, list[str]] = (None, [])  # the eager job's pieces so far
         self._streamed: dict[str, str] = {}  # item id -> the transcript's text sent as deltas so far
         self._admitting = False  # a response server VAD asked for waits for the key's admission
@@ -182,14 +192,14 @@ class VoiceInput:
         elif isinstance(event, AudioCommit):
             previous_speech = self._speech_item
             audio = self._input.commit()
-            self._speech_item = None
+            self._speech_item, self._proposed = None, None
             self._idle_from = None
             self._commit(previous_speech or self._ids("item"), audio, respond=False)
         elif isinstance(event, AudioClear):
             self._input.clear()
             self._speech_item = None
             self._idle_from = None
-            self._eager, self._early = None, {}  # a job started at a pause is moot: its result is dropped
+            self._eager, self._early, self._proposed = None, {}, None  # a job started at a pause is moot
             self._events.emit("input_audio_buffer.cleared")
 
     def _check_size(self, audio: bytes) -> None:
@@ -224,25 +234,55 @@ class VoiceInput:
                     self._turns.interrupt()  # barge-in: the engine frees the work now
                 continue
             if isinstance(speech, SpeechPaused):
+                self._proposed = None
                 if self._speech_item is not None:  # transcribe now: the turn may end here
                     self._eager = (self._speech_item, speech.speech_end_ms)
                     self._early = {}
-                    self._commands.append(Transcribe(item_id=self._speech_item, tag=speech.speech_end_ms,
-                                                     audio=self._input.peek(self._speech_start_ms,
-                                                                            speech.speech_end_ms)))
+                    self._commands.append(Transcribe(
+                        item_id=self._speech_item, tag=speech.speech_end_ms,
+                        audio=self._input.peek(self._speech_start_ms, speech.speech_end_ms),
+                        judge_end=vad is not None and vad.kind == "semantic_vad"))
                 continue
-            item_id = self._speech_item or self._ids("item")
-            start = self._speech_start_ms
-            self._speech_item = None
-            self._idle_from = speech.audio_end_ms  # the user's turn: idle counts from its end
-            self._events.emit("input_audio_buffer.speech_stopped", audio_end_ms=speech.audio_end_ms, item_id=item_id)
-            audio = self._input.take(start, speech.audio_end_ms)
-            try:
-                self._commit(item_id, audio, respond=vad is not None and vad.create_response, cut=speech.speech_end_ms)
-            except ProtocolError as e:  # no room for the item: said, and the chunk's later speech still counts
-                self._eager, self._early = None, {}
-                self._turns.error(e)
+            if isinstance(speech, SpeechEndProposed):
+                self._proposed = speech.speech_end_ms
+                self._check_proposal()
+                continue
+            self._stopped(speech)
         self._check_idle(before)
+
+    def _check_proposal(self) -> None:
+        """semantic_vad: the turn model proposed an end at a pause. The words of the job started
+        there decide: finished (or not judged: no words, the job failed) ends the turn now;
+        unfinished leaves it open for more speech or the eagerness's bound. Until they come, wait."""
+        cut, item_id = self._proposed, self._speech_item
+        if cut is None or item_id is None:
+            return
+        early = self._early.get(item_id)
+        if self._eager == (item_id, cut) and (early is None or early[0] != cut):
+            return  # the words are on their way
+        self._proposed = None
+        if early is not None and early[0] == cut and early[3] is False:
+            logger.debug("end of turn at %d ms held: the words are unfinished (%r)", cut, early[1])
+            return
+        stopped = self._input.confirm_end(cut)
+        if stopped is not None:
+            self._stopped(stopped)
+
+    def _stopped(self, speech: SpeechStopped) -> None:
+        """The user's speech ended: committed as their item (and answered, as configured)."""
+        vad = self._vad
+        self._proposed = None
+        item_id = self._speech_item or self._ids("item")
+        start = self._speech_start_ms
+        self._speech_item = None
+        self._idle_from = speech.audio_end_ms  # the user's turn: idle counts from its end
+        self._events.emit("input_audio_buffer.speech_stopped", audio_end_ms=speech.audio_end_ms, item_id=item_id)
+        audio = self._input.take(start, speech.audio_end_ms)
+        try:
+            self._commit(item_id, audio, respond=vad is not None and vad.create_response, cut=speech.speech_end_ms)
+        except ProtocolError as e:  # no room for the item: said, and the chunk's later speech still counts
+            self._eager, self._early = None, {}
+            self._turns.error(e)
 
     def response_finished(self, audio_ms: int) -> None:
         """A response ended, having sent ``audio_ms`` of speech: idle counts from where it has played."""
@@ -325,14 +365,18 @@ class VoiceInput:
             self._events.emit("conversation.item.input_audio_transcription.delta", item_id=item_id,
                               content_index=0, delta=text)
 
-    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0) -> None:
+    def transcribed(self, item_id: str, transcript: str, seconds: float, tag: int = 0,
+                    finished: bool | None = None) -> None:
         """The transcript of a user item's speech (``seconds`` of audio) cut at ``tag`` (its
         ``Transcribe``'s): applied if the item waits for that cut, kept if the speech it was started
-        for at a pause has not ended yet, dropped if the user went on."""
+        for at a pause has not ended yet (``finished``: whether its words are a finished turn, asked
+        for with ``judge_end``; an end proposed at that pause is decided now), dropped if the user
+        went on."""
         entry = self._transcribing.get(item_id)
         if entry is None:
             if self._eager == (item_id, tag):
-                self._early = {item_id: (tag, transcript, seconds)}  # the turn may end at this pause
+                self._early = {item_id: (tag, transcript, seconds, finished)}  # the turn may end at this pause
+                self._check_proposal()
             return
         item, expected = entry
         if tag != expected:
@@ -358,6 +402,7 @@ class VoiceInput:
         if entry is None or entry[1] != tag:
             if self._eager == (item_id, tag):
                 self._eager = None
+                self._check_proposal()  # no words to judge: the audio's end stands
             return
         item = self._transcribing.pop(item_id)[0]
         item.transcribing = False

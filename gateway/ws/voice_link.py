@@ -41,6 +41,7 @@ class Heard:
 
     text: str
     seconds: float  # of audio
+    finished: bool | None = None  # asked for (judge_end): the words are a finished turn; None: not judged
 
 
 class VoiceService(Protocol):
@@ -49,11 +50,13 @@ class VoiceService(Protocol):
     hooks: VoiceHooks
 
     async def transcribe(self, audio: bytes, owner: Hashable = None,
-                         on_piece: Callable[[str], None] | None = None, speculative: bool = False) -> Heard:
+                         on_piece: Callable[[str], None] | None = None, speculative: bool = False,
+                         judge_end: bool = False) -> Heard:
         """PCM16 mono at 24 kHz -> what was said, in ``owner``'s (the session's) turn of the
         shared workers; ``on_piece`` hears each piece as it is decoded (on this event loop);
         ``speculative``: a job started at a pause, which may be skipped to save the session's
-        recognition budget for the turn's end. Raises ``EngineError`` (busy, rate-limited, timed
+        recognition budget for the turn's end; ``judge_end``: also whether the words are a finished
+        turn (``Heard.finished``, semantic_vad's confirmation). Raises ``EngineError`` (busy, rate-limited, timed
         out: its message and code are for the client)."""
         ...
 
@@ -138,14 +141,14 @@ class VoiceLink:
         try:
             await self._spend(len(command.audio) / WIRE_BYTES_PER_S)
             heard = await self._service.transcribe(command.audio, owner=self, on_piece=lambda text: self._piece(
-                command, text), speculative=command.at_pause)
+                command, text), speculative=command.at_pause, judge_end=command.judge_end)
         except EngineError as e:  # the key's audio spent, the workers busy, the session's budget used...
             self._session.transcription_failed(command.item_id, e.message, command.tag, e.code)
         except Exception:
             log.exception("transcribing %s failed", command.item_id)
             self._session.transcription_failed(command.item_id, "the speech could not be transcribed", command.tag)
         else:
-            self._session.transcribed(command.item_id, heard.text, heard.seconds, command.tag)
+            self._session.transcribed(command.item_id, heard.text, heard.seconds, command.tag, heard.finished)
         self._pump()
 
     async def _synthesize(self, command: Synthesize) -> None:

@@ -20,13 +20,14 @@ from collections.abc import Callable, Hashable
 import numpy as np
 
 from gateway.ws.audio_events import EAGERNESS_MAX_WAIT_MS, ServerVad
-from gateway.ws.audio_input import SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
+from gateway.ws.audio_input import SpeechEndProposed, SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
 from gateway.ws.voice_input import VoiceHooks, VoiceSeats
 from gateway.ws.voice_link import Heard
 from voice.alignment import Mark
 from voice.config import VoiceConfig
 from voice.pool import JobFigures
 from voice.semantic import SemanticSegmenter
+from voice.semantic import SpeechEndProposed as VadProposed
 from voice.service import VoiceService
 from voice.vad import SpeechPaused as VadPaused
 from voice.vad import SpeechSegmenter, VadParams
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 class _Segmenter:
     """Server VAD over the session's 24 kHz stream: resampled to 16 kHz as it comes. For
     ``semantic_vad``, the turn model ends a turn after a 200 ms pause when it judges it over, else
-    the eagerness's longest wait does (``voice.semantic``); the pause starts the transcription."""
+    the eagerness's longest wait does (``voice.semantic``); the pause starts the transcription,
+    which with a text turn model confirms the end (``SpeechEndProposed``, ``confirm_end``)."""
 
     def __init__(self, service: VoiceService, vad: ServerVad) -> None:
         self._resampler = service.input_resampler()
@@ -61,9 +63,17 @@ class _Segmenter:
                 events.append(SpeechStarted(event.audio_start_ms))
             elif isinstance(event, VadPaused):
                 events.append(SpeechPaused(event.speech_end_ms))
+            elif isinstance(event, VadProposed):
+                events.append(SpeechEndProposed(event.speech_end_ms, event.audio_end_ms))
             else:
                 events.append(SpeechStopped(event.audio_end_ms, event.speech_end_ms))
         return events
+
+    def confirm_end(self, speech_end_ms: int) -> SpeechStopped | None:
+        if not isinstance(self._segmenter, SemanticSegmenter):
+            return None
+        stopped = self._segmenter.confirm_end(speech_end_ms)
+        return None if stopped is None else SpeechStopped(stopped.audio_end_ms, stopped.speech_end_ms)
 
 
 class GatewayVoice:
@@ -79,7 +89,8 @@ class GatewayVoice:
                  service.recognizer.model_dir, config.tts_backend)
 
     async def transcribe(self, audio: bytes, owner: Hashable = None,
-                         on_piece: Callable[[str], None] | None = None, speculative: bool = False) -> Heard:
+                         on_piece: Callable[[str], None] | None = None, speculative: bool = False,
+                         judge_end: bool = False) -> Heard:
         relay = None
         if on_piece is not None:  # the recognizer decodes on a worker thread; the session lives on this loop
             loop = asyncio.get_running_loop()
@@ -88,8 +99,9 @@ class GatewayVoice:
                 loop.call_soon_threadsafe(on_piece, text)
 
         # VoiceBusy, VoiceRateLimited, VoiceTimeout pass through: their messages are for the client
-        result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner, relay, speculative)
-        return Heard(result.text, result.seconds_of_audio)
+        result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner, relay, speculative,
+                                               judge_end)
+        return Heard(result.text, result.seconds_of_audio, result.finished)
 
     async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:
         phrase = await self.service.speak(text, voice, owner)

@@ -5,6 +5,7 @@ tests/voice/test_turn.py has the figures)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from fake_engine import FakeEngine
 from gateway_harness import MODEL
-from voice_serving import chunks, serve, voice_pipeline, words
+from voice_serving import CHUNK_MS, chunks, serve, voice_pipeline, words
 
 from gateway.ws.voice_service import GatewayVoice
 from llm_shared.contract import SamplingParams
@@ -40,11 +41,11 @@ def silence(ms: int) -> np.ndarray:
     return np.zeros(REALTIME_RATE * ms // 1000, np.int16)
 
 
-def said(text: str, *, pause_after: str | None = None, pause_ms: int = 500) -> tuple[np.ndarray, int]:
+def said(text: str, *, pause_after: str | None = None, pause_ms: int = 500, voice: str = VOICE) -> tuple[np.ndarray, int]:
     """``text`` in flite's voice at 24 kHz with 500 ms before and 1.5 s after, optionally a pause
     after the word ``pause_after`` (one utterance cut, so the words before keep their mid-sentence
     prosody); and where the voice really ends, in ms."""
-    made = FliteSynthesizer().synthesize(text, VOICE)
+    made = FliteSynthesizer().synthesize(text, voice)
     samples = to_int16(resample(made.samples, made.sample_rate, REALTIME_RATE))
     parts = [silence(500), samples]
     if pause_after is not None:
@@ -56,10 +57,14 @@ def said(text: str, *, pause_after: str | None = None, pause_ms: int = 500) -> t
     return audio, (loud[-1] + 1) * 1000 // REALTIME_RATE
 
 
-async def turn(conn: Any, audio: np.ndarray) -> dict[str, Any]:
-    """Stream ``audio`` and read the events up to the response's end."""
-    for chunk in chunks(encode_pcm16(audio)):
-        await conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
+async def turn(conn: Any, audio: np.ndarray, *, real_time: bool = False) -> dict[str, Any]:
+    """Stream ``audio`` (as fast as it goes, or as a microphone does) and read the events up to
+    the response's end."""
+    if real_time:
+        microphone = asyncio.create_task(stream_in_real_time(conn, audio))
+    else:
+        for chunk in chunks(encode_pcm16(audio)):
+            await conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
     seen: dict[str, Any] = {"types": [], "transcripts": [], "stopped": []}
     async for event in conn:
         seen["types"].append(event.type)
@@ -72,8 +77,20 @@ async def turn(conn: Any, audio: np.ndarray) -> dict[str, Any]:
         elif event.type == "error":
             raise AssertionError(event.error)
         elif event.type == "response.done":
+            if real_time:
+                await microphone
             return seen
     raise AssertionError("the connection closed")
+
+
+async def stream_in_real_time(conn: Any, audio: np.ndarray) -> None:
+    """A microphone: each 40 ms chunk when its time comes (so the server's decisions in a pause
+    are made before the speech after it has arrived)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for n, chunk in enumerate(chunks(encode_pcm16(audio), CHUNK_MS)):
+        await asyncio.sleep(max(0.0, start + n * CHUNK_MS / 1000 - loop.time()))
+        await conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
 
 
 async def test_a_finished_question_is_answered_sooner_than_server_vad_allows(voice: GatewayVoice) -> None:
@@ -110,6 +127,29 @@ async def test_a_pause_mid_sentence_is_not_the_end_of_the_turn(voice: GatewayVoi
     assert seen["types"].count("input_audio_buffer.committed") == 1, seen["types"]
     assert len(seen["stopped"]) == 1 and [words(t) for t in seen["transcripts"]] == [words(QUESTION)]
     assert seen["types"].index("input_audio_buffer.speech_stopped") < seen["types"].index("response.created")
+
+
+BOOKING = "I'd like to book a table for four people tonight."
+BOOKING_VOICE = "cedar"  # a flite voice in which Smart Turn hears "...a table for" as finished (0.99)
+
+
+async def test_a_pause_after_an_unfinished_clause_waits_for_the_rest_of_the_sentence(voice: GatewayVoice) -> None:
+    """Smart Turn judges "I'd like to book a table for" in this voice finished (0.99 here; alone,
+    it ends the turn 200 ms into the pause: tests/voice/test_text_turn.py); the words at the pause
+    hold the end, and the turn is the whole sentence. Streamed in real time, so the pause is a
+    pause for the server too."""
+    from openai import AsyncOpenAI
+
+    audio, _ = said(BOOKING, pause_after="for", pause_ms=700, voice=BOOKING_VOICE)
+    async for served in serve(voice, FakeEngine(reply=answer)):
+        client = AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+        async with client, client.realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "audio": {
+                "input": {"turn_detection": {"type": "semantic_vad", "eagerness": "auto"}}}})
+            seen = await turn(conn, audio, real_time=True)
+    assert seen["types"].count("input_audio_buffer.committed") == 1, seen["types"]
+    (heard,) = seen["transcripts"]  # the whole sentence (Whisper tiny hears "for four" as one word or two)
+    assert words(heard)[:8] == words(BOOKING)[:8] and words(heard)[-2:] == ["people", "tonight"], heard
 
 
 async def test_each_eagerness_set_through_the_sdk_gets_a_turn(voice: GatewayVoice) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from session_helpers import drain
 
 from gateway.ws.audio_events import PCM_BYTES_PER_MS, ServerVad
-from gateway.ws.audio_input import SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
+from gateway.ws.audio_input import SpeechEndProposed, SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
 from gateway.ws.commands import (
     AbortGeneration,
     AdmitResponse,
@@ -63,6 +63,31 @@ class LoudnessVad:
         return events
 
 
+class ProposingVad(LoudnessVad):
+    """semantic_vad's segmenter with a turn model that always judges the turn over at the pause:
+    it proposes the end there (``SpeechEndProposed``) and ends it on ``confirm_end``."""
+
+    def __init__(self, vad: ServerVad) -> None:
+        super().__init__(vad, pause_ms=160)
+        self.proposed: SpeechEndProposed | None = None
+
+    def feed(self, pcm: bytes) -> list[SpeechEvent]:
+        events: list[SpeechEvent] = []
+        for event in super().feed(pcm):
+            events.append(event)
+            if isinstance(event, SpeechPaused):
+                self.proposed = SpeechEndProposed(event.speech_end_ms, event.speech_end_ms + self.pause_ms)
+                events.append(self.proposed)
+        return events
+
+    def confirm_end(self, speech_end_ms: int) -> SpeechStopped | None:
+        proposed, self.proposed = self.proposed, None
+        if proposed is None or proposed.speech_end_ms != speech_end_ms or not self.speaking or self.ms - self.quiet_ms != speech_end_ms:
+            return None
+        self.speaking = False
+        return SpeechStopped(proposed.audio_end_ms, speech_end_ms)
+
+
 class SentenceSplitter:
     def __init__(self) -> None:
         self.held = ""
@@ -82,6 +107,7 @@ class SentenceSplitter:
 
 HOOKS = VoiceHooks(segmenters=LoudnessVad, phrases=SentenceSplitter)
 EAGER = VoiceHooks(segmenters=lambda vad: LoudnessVad(vad, pause_ms=160), phrases=SentenceSplitter)
+SEMANTIC = VoiceHooks(segmenters=ProposingVad, phrases=SentenceSplitter)
 
 
 def make(*, voice: bool = True, limits: SessionLimits | None = None, beta: bool = False,
@@ -342,7 +368,7 @@ def test_transcription_starts_at_a_pause_and_its_transcript_serves_the_turn() ->
     assert types(append(session, tone(200, QUIET) + tone(600, LOUD))) == ["input_audio_buffer.speech_started"]
     assert append(session, tone(300, QUIET)) == []  # 160 ms into the silence: a pause, not yet the end
     (eager,) = session.commands()
-    assert isinstance(eager, Transcribe) and eager.tag == 800
+    assert isinstance(eager, Transcribe) and eager.tag == 800 and not eager.judge_end  # server VAD: no words judged
     assert len(eager.audio) == 800 * PCM_BYTES_PER_MS  # the speech so far, without the silence
     session.transcribed(eager.item_id, "Lights on.", 0.8, eager.tag)  # ready before the turn ends
     assert drain(session) == []
@@ -379,6 +405,67 @@ def test_speech_that_resumes_after_a_pause_is_transcribed_again() -> None:
     assert delta["delta"] == completed["transcript"] == "Turn on the lights."
     (start,) = session.commands()
     assert isinstance(start, StartGeneration) and start.messages[-1]["content"] == "Turn on the lights."
+
+
+def semantic_session() -> RealtimeSession:
+    session = make(hooks=SEMANTIC)
+    session.receive({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "semantic_vad"}}}}})
+    assert types(drain(session)) == ["session.updated"]
+    return session
+
+
+def test_semantic_vad_ends_a_proposed_turn_where_proposed_once_its_words_are_finished() -> None:
+    session = semantic_session()
+    append(session, tone(200, QUIET) + tone(600, LOUD))
+    assert append(session, tone(400, QUIET)) == []  # proposed 160 ms into the silence: the words decide
+    (eager,) = session.commands()
+    assert isinstance(eager, Transcribe) and eager.tag == 800 and eager.judge_end
+    session.transcribed(eager.item_id, "Lights on.", 0.8, eager.tag, True)
+    events = drain(session)
+    assert types(events)[:2] == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
+    assert events[0]["audio_end_ms"] == 960  # where the turn model judged it over, not where the words came
+    assert "conversation.item.input_audio_transcription.completed" in types(events)
+    (admit,) = session.commands()  # the transcript at the pause is the turn's: no second job
+    assert isinstance(admit, AdmitResponse)
+
+
+def test_semantic_vad_holds_a_proposed_end_while_the_words_are_unfinished() -> None:
+    session = semantic_session()
+    append(session, tone(200, QUIET) + tone(600, LOUD) + tone(300, QUIET))
+    (first,) = session.commands()
+    session.transcribed(first.item_id, "I'd like to book a table for", 0.8, first.tag, False)
+    assert drain(session) == [] and session.commands() == []  # held: the user may go on
+    append(session, tone(500, LOUD))  # and does, 300 ms later
+    assert append(session, tone(300, QUIET)) == []
+    (second,) = session.commands()
+    assert second.item_id == first.item_id and second.tag == 1600
+    session.transcribed(second.item_id, "I'd like to book a table for four.", 1.6, second.tag, True)
+    events = drain(session)
+    assert types(events).count("input_audio_buffer.speech_stopped") == 1
+    (completed,) = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
+    assert completed["transcript"] == "I'd like to book a table for four."
+
+
+def test_semantic_vad_unfinished_words_end_at_the_eagerness_bound() -> None:
+    session = semantic_session()
+    append(session, tone(200, QUIET) + tone(600, LOUD) + tone(300, QUIET))
+    (first,) = session.commands()
+    session.transcribed(first.item_id, "Set an alarm for", 0.8, first.tag, False)
+    events = append(session, tone(400, QUIET))  # silence reaches "auto"'s 600 ms: the turn ends anyway
+    assert types(events)[0] == "input_audio_buffer.speech_stopped" and events[0]["audio_end_ms"] == 1400
+    assert "conversation.item.input_audio_transcription.completed" in types(events)
+
+
+def test_semantic_vad_ends_on_the_audio_when_the_words_cannot_be_had() -> None:
+    session = semantic_session()
+    append(session, tone(200, QUIET) + tone(600, LOUD) + tone(300, QUIET))
+    (first,) = session.commands()
+    session.transcription_failed(first.item_id, "busy", first.tag, "voice_busy")
+    events = drain(session)
+    assert types(events)[:2] == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
+    transcribe, admit = session.commands()  # the turn's own job, the pause's having failed
+    assert isinstance(transcribe, Transcribe) and not transcribe.at_pause and isinstance(admit, AdmitResponse)
 
 
 def test_a_turn_server_vad_ends_is_answered_only_once_the_key_is_charged() -> None:
