@@ -1,12 +1,16 @@
-"""``semantic_vad``: the VAD proposes an end of turn after a short pause, the turn model decides.
+"""``semantic_vad``: the VAD proposes an end of turn after a short pause, the turn models decide.
 
-Pipecat's scheme (``SmartTurnParams``: a VAD stop of 0.2 s, then Smart Turn on the turn so far):
+Pipecat's scheme (``SmartTurnParams``: a VAD stop of 0.2 s, then Smart Turn on the turn so far),
+with the words as a second opinion:
 
 - Silero VAD segments speech as for ``server_vad`` (``voice.vad.SpeechSegmenter``), but reports
-  a pause (``SpeechPaused``) after ``PAUSE_MS`` of silence: the session starts transcribing then;
-- at that pause the turn model (``voice.turn``) scores the turn's audio so far (from its reported
-  start, the last 8 s): at ``END_THRESHOLD`` or above, the turn ends at once (``SpeechStopped``,
-  its ``audio_end_ms`` where the decision was made, its ``speech_end_ms`` where the silence began);
+  a pause (``SpeechPaused``) after ``TRANSCRIBE_MS`` of silence: the session starts transcribing
+  then, so that the words are ready when they are needed (a pause that ends in more speech costs
+  a recognition: the session's budget counts it, ``voice.pool``);
+- at ``PAUSE_MS`` (``CONFIRMED_PAUSE_MS`` with ``confirm``) the turn model (``voice.turn``) scores the turn's audio so far (from its
+  reported start, the last 8 s): at ``END_THRESHOLD`` or above, the turn ends at once
+  (``SpeechStopped``, its ``audio_end_ms`` where the decision was made, its ``speech_end_ms`` where
+  the silence began);
 - below, the segmenter waits and asks again every ``RECHECK_MS`` of further silence, and ends the
   turn anyway once the silence reaches ``max_wait_ms`` (the eagerness's bound);
 - speech that resumes cancels the pending end (the inner segmenter simply goes on);
@@ -15,6 +19,11 @@ Pipecat's scheme (``SmartTurnParams``: a VAD stop of 0.2 s, then Smart Turn on t
   with ``confirm_end`` when the words are finished too, or leaves it open (more speech, or the
   eagerness's bound, ends it). The audio model is not asked again in that silence: its answer
   would be the same, and so would the words.
+
+Measured (bench/voice_sessions.py at one session, docs/benchmarks.md): transcribing at 96 ms and
+judging at 160 with the words to confirm, instead of both at Pipecat's 200, took the first answer
+audio from 510-545 to 395-430 ms after the end of speech in short runs; the end then waits for
+the words (~130 ms of recognition and judgement), not for the audio model.
 
 The model runs inline, on the caller's thread (~25 ms here: docs/voice.md). Audio is fed to the
 inner segmenter one 32 ms window at a time, so the decisions fall on the same windows whatever
@@ -42,7 +51,11 @@ from voice.vad import (
     VadParams,
 )
 
-PAUSE_MS = 200  # the VAD's proposal: Pipecat's stop_secs
+PAUSE_MS = 200  # the turn model's first judgement, this far into a silence: Pipecat's stop_secs
+# ... or with the words to confirm it, sooner: at 160 ms Smart Turn ends more turns early (flite's
+# "Please turn on the" with a pause after it: 0.04 at 224 ms, over 0.5 at 160), which the words hold.
+CONFIRMED_PAUSE_MS = 160
+TRANSCRIBE_MS = 96  # the pause reported (the transcription starts) this far into a silence
 RECHECK_MS = 300  # ask the model again after this much more silence
 END_THRESHOLD = 0.5  # Smart Turn's own: "complete" above it
 
@@ -74,7 +87,7 @@ class SemanticSegmenter:
         self.confirm = confirm
         self._segmenter = SpeechSegmenter(vad, VadParams(
             threshold=params.threshold, prefix_padding_ms=params.prefix_padding_ms,
-            silence_duration_ms=max_wait_ms, min_speech_ms=params.min_speech_ms, pause_ms=PAUSE_MS))
+            silence_duration_ms=max_wait_ms, min_speech_ms=params.min_speech_ms, pause_ms=TRANSCRIBE_MS))
         # The last samples fed, as the chunks they came in (up to 8 s and one feed's worth): joined
         # only when the model judges, at a pause, not copied on every feed.
         self._recent: deque[Float32Array] = deque()
@@ -104,7 +117,7 @@ class SemanticSegmenter:
                     self._turn_start = event.audio_start_ms * SPEECH_RATE // 1000
                     self.judgements = []
                 elif isinstance(event, SpeechPaused):
-                    self._next_check_ms = PAUSE_MS
+                    self._next_check_ms = CONFIRMED_PAUSE_MS if self.confirm else PAUSE_MS
             self._fed += end - pos
             pos = end
             stopped = self._judge()

@@ -16,7 +16,7 @@ from voice_clips import speech
 
 from voice.audio import SPEECH_RATE, Float32Array
 from voice.config import VoiceConfig
-from voice.semantic import SemanticSegmenter, SpeechEndProposed
+from voice.semantic import CONFIRMED_PAUSE_MS, SemanticSegmenter, SpeechEndProposed
 from voice.text_turn import MAX_WORDS, TextTurnJudge, normalize
 from voice.tts import FliteSynthesizer
 from voice.turn import TurnModel
@@ -186,6 +186,8 @@ def test_the_audio_alone_ends_a_turn_inside_a_pause_and_the_proposal_waits_for_t
     assert kinds == [SpeechStarted, SpeechPaused, SpeechEndProposed, SpeechPaused, SpeechEndProposed, SpeechStopped]
     first, last = events[2], events[4]
     assert first.speech_end_ms == cut_off.speech_end_ms  # the pause after "for"
+    # proposed sooner than the audio alone ends (160 ms into the silence, not 224), the words to confirm
+    assert first.audio_end_ms - first.speech_end_ms == CONFIRMED_PAUSE_MS < cut_off.audio_end_ms - cut_off.speech_end_ms
     assert events[-1].audio_end_ms - last.speech_end_ms == 2000  # unconfirmed: the eagerness's bound ended it
     assert segmenter.confirm_end(first.speech_end_ms) is None  # that pause is long over
 
