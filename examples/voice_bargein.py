@@ -53,7 +53,8 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="default: the gateway's (the cascade)")
     parser.add_argument("--turns", type=int, default=len(QUESTIONS))
     parser.add_argument("--rate", type=float, default=SPEAKING_RATE, help="spoken characters per second")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="where the user cuts in")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the gateway's)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     async with RealtimeClient(args.url, api_key=args.api_key, model=args.model,
@@ -61,7 +62,7 @@ async def main(argv: list[str] | None = None) -> int:
         for n, question in enumerate((QUESTIONS * args.turns)[: args.turns]):
             print(f"\nuser> {question}\nassistant> ", end="", flush=True)
             last = n == args.turns - 1
-            turn = await client.send(question, max_output_tokens=40 if last else 120)
+            turn = await client.send(question, max_output_tokens=40 if last else 120, temperature=args.temperature)
             # The user cuts in after 1 to 4 s of speech; the last answer is heard to the end.
             cut_at = float("inf") if last else rng.uniform(1.0, 4.0)
             heard, cut_in = await speak(turn, cut_at, args.rate)
