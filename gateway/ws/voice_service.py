@@ -38,9 +38,9 @@ log = logging.getLogger(__name__)
 
 class _Segmenter:
     """Server VAD over the session's 24 kHz stream: resampled to 16 kHz as it comes. For
-    ``semantic_vad``, the turn model ends a turn after a 200 ms pause when it judges it over, else
-    the eagerness's longest wait does (``voice.semantic``); the pause starts the transcription,
-    which with a text turn model confirms the end (``SpeechEndProposed``, ``confirm_end``)."""
+    ``semantic_vad``, the turn model judges a pause's audio (``voice.semantic``) and, with the text
+    turn model, proposes the end (``SpeechEndProposed``) that the words of the transcription
+    started at the pause confirm (``confirm_end``); else the eagerness's longest wait ends it."""
 
     def __init__(self, service: VoiceService, vad: ServerVad) -> None:
         self._resampler = service.input_resampler()

@@ -117,7 +117,8 @@ def load_voice(threads: int) -> Any:
     from llm_shared.errors import APIError  # voice's errors are the shared API errors
 
     try:
-        return VoiceService(VoiceConfig(pool_threads=threads))
+        # text_turn_model "none": the device runs semantic_vad as a silence by eagerness (no turn model reads the words)
+        return VoiceService(VoiceConfig(pool_threads=threads, text_turn_model="none"))
     except APIError as e:  # VoiceModelError: a missing model, flite not installed
         raise OfflineVoiceError(f"offline voice needs the voice models: {e.message}; {VOICE_INSTALL_HINT}") from e
     except (ImportError, OSError) as e:
