@@ -85,8 +85,10 @@ class GatewayVoice:
         self.seats = VoiceSeats(config.voice_sessions(len(os.sched_getaffinity(0))))
         self.hooks = VoiceHooks(segmenters=lambda vad: _Segmenter(service, vad), phrases=service.phrase_splitter,
                                 seats=self.seats)
-        log.info("voice ready in %.1f s: Silero VAD, Whisper (%s), %s", time.perf_counter() - started,
-                 service.recognizer.model_dir, config.tts_backend)
+        turns = ("Smart Turn" + (f" with the words read by {service.text_turn.path.name}" if service.text_turn else "")
+                 if service.turn is not None else "no turn model")
+        log.info("voice ready in %.1f s: Silero VAD, Whisper (%s), %s; semantic_vad: %s", time.perf_counter() - started,
+                 service.recognizer.model_dir, config.tts_backend, turns)
 
     async def transcribe(self, audio: bytes, owner: Hashable = None,
                          on_piece: Callable[[str], None] | None = None, speculative: bool = False,
