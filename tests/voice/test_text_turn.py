@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from voice_clips import speech
+from voice_clips import fed, silence, spoken_upto
 
 from voice.audio import SPEECH_RATE, Float32Array
 from voice.config import VoiceConfig
@@ -144,15 +144,6 @@ def test_a_judgement_does_not_depend_on_the_one_before(judge: TextTurnJudge) -> 
     assert judge.end_probability("Set an alarm for") == pytest.approx(first, rel=1e-4)
 
 
-def silence(ms: int) -> Float32Array:
-    return np.zeros(ms * SPEECH_RATE // 1000, np.float32)
-
-
-def feed(segmenter: SemanticSegmenter, samples: Float32Array, chunk_ms: int = 40) -> list:
-    step = chunk_ms * SPEECH_RATE // 1000
-    return [e for i in range(0, len(samples), step) for e in segmenter.feed(samples[i:i + step])]
-
-
 PAUSED = "I'd like to book a table for four people tonight."
 PAUSED_VOICE = "cedar"  # a flite voice in which Smart Turn hears "...a table for" as finished (0.99)
 
@@ -160,11 +151,8 @@ PAUSED_VOICE = "cedar"  # a flite voice in which Smart Turn hears "...a table fo
 def paused_clip(synthesizer: FliteSynthesizer, pause_ms: int) -> Float32Array:
     """``PAUSED`` in ``PAUSED_VOICE`` with a pause after "for" (one utterance cut, so the first
     half keeps its mid-sentence prosody) and 2 s of silence after."""
-    made = synthesizer.synthesize(PAUSED, PAUSED_VOICE)
-    samples = speech(synthesizer, PAUSED, PAUSED_VOICE)
-    char_end = PAUSED.index(" for ") + len(" for")
-    cut = round(dict(made.marks)[char_end] * SPEECH_RATE / made.sample_rate)
-    return np.concatenate([silence(500), samples[:cut], silence(pause_ms), samples[cut:], silence(2000)])
+    head, tail = spoken_upto(synthesizer, PAUSED, "for", PAUSED_VOICE)
+    return np.concatenate([silence(500), head, silence(pause_ms), tail, silence(2000)])
 
 
 def test_the_audio_alone_ends_a_turn_inside_a_pause_and_the_proposal_waits_for_the_words(
@@ -175,13 +163,13 @@ def test_the_audio_alone_ends_a_turn_inside_a_pause_and_the_proposal_waits_for_t
     confirmed it ends where it was proposed, not where the confirmation came."""
     turn = TurnModel()
     audio = paused_clip(synthesizer, 700)
-    alone = feed(SemanticSegmenter(vad_model, turn, VadParams(), max_wait_ms=2000), audio)
+    alone = fed(SemanticSegmenter(vad_model, turn, VadParams(), max_wait_ms=2000), audio, chunk_ms=40)
     assert [type(e) for e in alone][:3] == [SpeechStarted, SpeechPaused, SpeechStopped]  # cut off in the pause
     cut_off = alone[2]
     assert cut_off.audio_end_ms < cut_off.speech_end_ms + 700
 
     segmenter = SemanticSegmenter(vad_model, turn, VadParams(), max_wait_ms=2000, confirm=True)
-    events = feed(segmenter, audio)
+    events = fed(segmenter, audio, chunk_ms=40)
     kinds = [type(e) for e in events]
     assert kinds == [SpeechStarted, SpeechPaused, SpeechEndProposed, SpeechPaused, SpeechEndProposed, SpeechStopped]
     first, last = events[2], events[4]
@@ -193,7 +181,7 @@ def test_the_audio_alone_ends_a_turn_inside_a_pause_and_the_proposal_waits_for_t
 
     again = SemanticSegmenter(vad_model, turn, VadParams(), max_wait_ms=2000, confirm=True)
     tail = len(audio) - 1500 * SPEECH_RATE // 1000
-    events = feed(again, audio[:tail])
+    events = fed(again, audio[:tail], chunk_ms=40)
     proposed = events[-1]
     assert isinstance(proposed, SpeechEndProposed) and proposed.speech_end_ms == last.speech_end_ms
     stopped = again.confirm_end(proposed.speech_end_ms)
@@ -209,15 +197,13 @@ async def test_the_services_transcript_at_a_pause_says_whether_the_words_are_fin
     service = VoiceService(VoiceConfig(pool_threads=1))
     try:
         assert service.text_turn is not None
-        heard = {}
+        pcm = {}
         for text in ("I'd like to book a table for", PAUSED):
             made = synthesizer.synthesize(text, PAUSED_VOICE)
-            pcm = to_int16(resample(made.samples, made.sample_rate, REALTIME_RATE))
-            heard[text] = await service.transcribe(pcm, judge_end=True)
-        assert heard[PAUSED].finished is True
-        assert heard["I'd like to book a table for"].finished is False
-        plain = await service.transcribe(to_int16(resample(made.samples, made.sample_rate, REALTIME_RATE)))
-        assert plain.finished is None  # not asked: not judged
+            pcm[text] = to_int16(resample(made.samples, made.sample_rate, REALTIME_RATE))
+        assert (await service.transcribe(pcm[PAUSED], judge_end=True)).finished is True
+        assert (await service.transcribe(pcm["I'd like to book a table for"], judge_end=True)).finished is False
+        assert (await service.transcribe(pcm[PAUSED])).finished is None  # not asked: not judged
     finally:
         service.close()
 

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from voice_clips import speech
+from voice_clips import fed, silence, speech, spoken_upto
 
 from voice.audio import SPEECH_RATE, Float32Array
 from voice.semantic import PAUSE_MS, RECHECK_MS, SemanticSegmenter
@@ -31,24 +31,11 @@ def turn_model() -> TurnModel:
     return TurnModel()
 
 
-def silence(ms: int) -> Float32Array:
-    return np.zeros(ms * SPEECH_RATE // 1000, np.float32)
-
-
 def trimmed(samples: Float32Array) -> Float32Array:
     loud = np.flatnonzero(np.abs(samples) > 0.01)
     return samples[loud[0]:loud[-1] + 1]
 
 
-def spoken_upto(synthesizer: FliteSynthesizer, text: str, upto: str) -> tuple[Float32Array, Float32Array]:
-    """``text`` spoken whole, cut where the word ``upto`` ends (flite's word marks): the speech
-    before the cut and after it, one utterance's prosody (not "Please turn on the" said alone,
-    which flite ends like a sentence)."""
-    made = synthesizer.synthesize(text, VOICE)
-    samples = speech(synthesizer, text, VOICE)
-    char_end = text.index(f" {upto} ") + len(upto) + 1
-    cut = round(dict(made.marks)[char_end] * SPEECH_RATE / made.sample_rate)
-    return samples[:cut], samples[cut:]
 
 
 def test_features_are_whisper_log_mel_of_the_last_8_s(turn_model: TurnModel) -> None:
@@ -81,7 +68,7 @@ def test_a_finished_question_scores_high_and_the_same_sentence_cut_short_low(
     """As the segmenter asks: 300 ms before the speech (the prefix padding), ~200 ms of silence
     after. Measured: the whole question 0.97, cut after "the" 0.03."""
     whole = trimmed(speech(synthesizer, QUESTION, VOICE))
-    head, _ = spoken_upto(synthesizer, QUESTION, "the")
+    head, _ = spoken_upto(synthesizer, QUESTION, "the", VOICE)
     finished = turn_model.end_probability(np.concatenate([silence(300), whole, silence(200)]))
     cut = turn_model.end_probability(np.concatenate([silence(300), trimmed(head), silence(200)]))
     assert finished >= 0.8, finished
@@ -99,16 +86,11 @@ def test_one_inference_takes_tens_of_ms(turn_model: TurnModel, synthesizer: Flit
     assert (time.perf_counter() - started) / 5 < 0.25
 
 
-def feed(segmenter: SemanticSegmenter, samples: Float32Array, chunk_ms: int = 100) -> list:
-    step = chunk_ms * SPEECH_RATE // 1000
-    return [e for i in range(0, len(samples), step) for e in segmenter.feed(samples[i:i + step])]
-
-
 def test_a_finished_question_ends_at_the_first_pause(
         vad_model: SileroVad, turn_model: TurnModel, synthesizer: FliteSynthesizer) -> None:
     """The turn model ends the turn ~224 ms into the silence, where server VAD would wait 500 ms."""
     segmenter = SemanticSegmenter(vad_model, turn_model, VadParams(), max_wait_ms=2000)
-    events = feed(segmenter, np.concatenate([silence(500), speech(synthesizer, QUESTION, VOICE), silence(3000)]))
+    events = fed(segmenter, np.concatenate([silence(500), speech(synthesizer, QUESTION, VOICE), silence(3000)]))
     assert [type(e) for e in events] == [SpeechStarted, SpeechPaused, SpeechStopped]
     paused, stopped = events[1], events[2]
     assert stopped.speech_end_ms == paused.speech_end_ms
@@ -120,9 +102,9 @@ def test_a_pause_mid_sentence_does_not_end_the_turn(
         vad_model: SileroVad, turn_model: TurnModel, synthesizer: FliteSynthesizer) -> None:
     """500 ms of silence after "Please turn on the": judged unfinished twice (measured 0.04 at
     224 ms, 0.14 at 544 ms), then the sentence goes on and ends one turn."""
-    head, tail = spoken_upto(synthesizer, QUESTION, "the")
+    head, tail = spoken_upto(synthesizer, QUESTION, "the", VOICE)
     segmenter = SemanticSegmenter(vad_model, turn_model, VadParams(), max_wait_ms=2000)
-    events = feed(segmenter, np.concatenate([silence(500), head, silence(500), tail, silence(3000)]))
+    events = fed(segmenter, np.concatenate([silence(500), head, silence(500), tail, silence(3000)]))
     kinds = [type(e) for e in events]
     assert kinds.count(SpeechStarted) == 1 and kinds.count(SpeechStopped) == 1, events
     assert kinds[-1] is SpeechStopped and kinds.count(SpeechPaused) == 2  # each pause started a transcription
@@ -144,7 +126,7 @@ class Unsure:
 def test_an_unfinished_turn_ends_at_the_eagerness_bound(vad_model: SileroVad, synthesizer: FliteSynthesizer) -> None:
     unsure = Unsure()
     segmenter = SemanticSegmenter(vad_model, unsure, VadParams(), max_wait_ms=1000)  # type: ignore[arg-type]
-    events = feed(segmenter, np.concatenate([silence(500), speech(synthesizer, QUESTION, VOICE), silence(2000)]))
+    events = fed(segmenter, np.concatenate([silence(500), speech(synthesizer, QUESTION, VOICE), silence(2000)]))
     stopped = events[-1]
     assert isinstance(stopped, SpeechStopped) and stopped.audio_end_ms - stopped.speech_end_ms == 1000
     asked = [ms for ms, _ in segmenter.judgements]  # at the 32 ms window where each wait is reached
@@ -156,7 +138,7 @@ def test_an_unfinished_turn_ends_at_the_eagerness_bound(vad_model: SileroVad, sy
 def test_one_append_is_judged_as_the_same_audio_streamed(
         vad_model: SileroVad, turn_model: TurnModel, synthesizer: FliteSynthesizer) -> None:
     audio = np.concatenate([silence(500), speech(synthesizer, QUESTION, VOICE), silence(3000)])
-    streamed = feed(SemanticSegmenter(vad_model, turn_model, VadParams(), 2000), audio, chunk_ms=20)
+    streamed = fed(SemanticSegmenter(vad_model, turn_model, VadParams(), 2000), audio, chunk_ms=20)
     whole = SemanticSegmenter(vad_model, turn_model, VadParams(), 2000).feed(audio)
     assert whole == streamed
 

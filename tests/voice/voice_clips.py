@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from voice.audio import SPEECH_RATE, Float32Array, resample
+from voice.semantic import SemanticEvent, SemanticSegmenter
 from voice.tts import FliteSynthesizer
 
 
@@ -30,6 +31,28 @@ def speech(synthesizer: FliteSynthesizer, text: str, voice: str = "alloy") -> Fl
     made = synthesizer.synthesize(text, voice)
     at_24k = resample(made.samples, made.sample_rate, 24_000)
     return resample(at_24k, 24_000, SPEECH_RATE)
+
+
+def silence(ms: int) -> Float32Array:
+    return np.zeros(ms * SPEECH_RATE // 1000, np.float32)
+
+
+def fed(segmenter: SemanticSegmenter, samples: Float32Array, chunk_ms: int = 100) -> list[SemanticEvent]:
+    """The events of ``samples`` fed to ``segmenter`` in chunks of ``chunk_ms``, as a client streams."""
+    step = chunk_ms * SPEECH_RATE // 1000
+    return [e for i in range(0, len(samples), step) for e in segmenter.feed(samples[i:i + step])]
+
+
+def spoken_upto(synthesizer: FliteSynthesizer, text: str, upto: str,
+                voice: str = "alloy") -> tuple[Float32Array, Float32Array]:
+    """``text`` spoken whole, cut where the word ``upto`` ends (flite's word marks): the speech
+    before the cut and after it, one utterance's prosody (not "Please turn on the" said alone,
+    which flite ends like a sentence)."""
+    made = synthesizer.synthesize(text, voice)
+    samples = speech(synthesizer, text, voice)
+    char_end = text.index(f" {upto} ") + len(upto) + 1
+    cut = round(dict(made.marks)[char_end] * SPEECH_RATE / made.sample_rate)
+    return samples[:cut], samples[cut:]
 
 
 def clip(*parts: Float32Array | float) -> Clip:
