@@ -76,7 +76,7 @@ SemanticEvent = VadEvent | SpeechEndProposed
 class SemanticSegmenter:
     """One session's ``semantic_vad``: ``feed`` as ``SpeechSegmenter.feed`` (16 kHz samples in,
     events out, ms since the first sample). ``max_wait_ms``: the silence after which a turn ends
-    whatever the model says. ``probabilities`` records each judgement (silence ms, probability)
+    whatever the model says. ``judgements`` records each judgement (silence ms, probability)
     of the current or last turn, for tests and logs. ``confirm``: the model's end is proposed, not
     made (``SpeechEndProposed``, ``confirm_end``)."""
 

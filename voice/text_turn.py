@@ -18,7 +18,7 @@ benchmark's phrases (docs/voice.md): every finished one at 0.03 or above, every 
 one under 0.01, so a threshold of 0.01 vetoes almost no finished turn.
 
 The system prompt and the turn's opening stay in the KV cache; a judgement decodes only the
-user's words (10-20 tokens: ~10-20 ms on one thread here). One llama.cpp context, one judgement
+user's words (10-20 tokens: ~20-30 ms on one thread here). One llama.cpp context, one judgement
 at a time (a lock): the voice pool's workers call it after a recognition.
 """
 
@@ -56,40 +56,41 @@ class TextTurnJudge:
     the GGUF is memory-mapped, the edge tier's pages shared)."""
 
     def __init__(self, path: str | Path = "auto") -> None:
+        self.path = default_gguf_path() if path == "auto" else Path(path)
         try:
-            self.path = default_gguf_path() if path == "auto" else Path(path)
             self._tokenizer = Tokenizer.from_gguf(self.path, cache=LoadCache.from_env())
-            self._model = LlamaModel(self.path)
         except EngineError as e:  # ModelFileError included
             raise VoiceModelError(f"cannot load the end-of-turn text model: {e.message}") from e
-        self._ending_ids = self._single_tokens(ENDINGS)
-        if self._tokenizer.encode("<|im_end|>", special=True) != [self._ending_ids[0]]:
-            self._model.free()
+        end = self._tokenizer.encode("<|im_end|>", special=True)
+        if len(end) != 1:
             raise VoiceModelError(f"the end-of-turn text model {self.path} is not a ChatML model (no <|im_end|> token)")
-        prefix = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
-        self._prefix = self._tokenizer.encode(prefix, special=True)
-        self._ctx = LlamaContext(self._model, ContextShape(n_ctx=N_CTX, n_seqs=1, n_batch=N_CTX, n_threads=1))
-        self._batch = TokenBatch(N_CTX)
+        # the end of the turn, and the sentence ends that are single tokens in this vocabulary
+        self._ending_ids = [ids[0] for ids in (self._tokenizer.encode(t, special=True) for t in ENDINGS) if len(ids) == 1]
+        self._prefix = self._tokenizer.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n",
+                                              special=True)
         self._lock = threading.Lock()
-        self._decode(self._prefix, 0)  # kept: every judgement continues from it
-
-    def _single_tokens(self, texts: tuple[str, ...]) -> list[int]:
-        ids = []
-        for text in texts:
-            encoded = self._tokenizer.encode(text, special=True)
-            if len(encoded) == 1:
-                ids.append(encoded[0])
-        return ids
+        self._model: LlamaModel | None = None
+        self._ctx: LlamaContext | None = None
+        self._batch: TokenBatch | None = None
+        try:
+            self._model = LlamaModel(self.path)
+            self._ctx = LlamaContext(self._model, ContextShape(n_ctx=N_CTX, n_seqs=1, n_batch=N_CTX, n_threads=1))
+            self._batch = TokenBatch(N_CTX)
+            self._decode(self._prefix, 0)  # kept: every judgement continues from it
+        except EngineError as e:  # a file llama.cpp refuses, a context it cannot make: nothing left behind
+            self.close()
+            raise VoiceModelError(f"cannot load the end-of-turn text model: {e.message}") from e
 
     def end_probability(self, text: str) -> float | None:
         """How likely ``text`` (a transcript) is a finished turn; None when it has no words (the
-        audio decides then). Blocking, ~10-20 ms; thread-safe."""
+        audio decides then). Blocking, ~20-30 ms; thread-safe."""
         words = normalize(text)
         if not words:
             return None
         ids = self._tokenizer.encode(words)[-(N_CTX - len(self._prefix)):]
         with self._lock:
-            self._ctx.seq_rm(0, len(self._prefix), -1)
+            if self._ctx is not None:
+                self._ctx.seq_rm(0, len(self._prefix), -1)
             logits = self._decode(ids, len(self._prefix)).astype(np.float64)
         logits -= logits.max()
         p = np.exp(logits)
@@ -97,16 +98,19 @@ class TextTurnJudge:
 
     def _decode(self, ids: list[int], start: int) -> np.ndarray:
         """Decode ``ids`` at positions from ``start``: the logits after the last (a copy)."""
-        batch = self._batch
+        batch, ctx = self._batch, self._ctx
+        if batch is None or ctx is None:
+            raise EngineError("the end-of-turn text model is closed")
         batch.clear()
         for i, token in enumerate(ids):
             batch.add(token, start + i, 0, want_logits=i == len(ids) - 1)
-        if self._ctx.decode(batch) != 0:
+        if ctx.decode(batch) != 0:
             raise EngineError("the end-of-turn text model could not decode the turn")
-        return self._ctx.logits(len(ids) - 1).copy()
+        return ctx.logits(len(ids) - 1).copy()
 
     def close(self) -> None:
         with self._lock:
-            self._batch.free()
-            self._ctx.free()
-            self._model.free()
+            for part in (self._batch, self._ctx, self._model):
+                if part is not None:
+                    part.free()
+            self._batch = self._ctx = self._model = None

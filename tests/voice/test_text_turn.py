@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from voice_clips import fed, silence, spoken_upto
 
+from llm_shared.errors import EngineError
 from voice.audio import SPEECH_RATE, Float32Array
 from voice.config import VoiceConfig
 from voice.semantic import CONFIRMED_PAUSE_MS, SemanticSegmenter, SpeechEndProposed
@@ -223,3 +224,11 @@ def test_without_the_text_model_the_audio_decides_alone(caplog) -> None:
         assert service.text_turn is None and service.semantic_segmenter(VadParams(), 2000).confirm is False
     finally:
         service.close()
+
+
+def test_a_closed_judge_refuses_instead_of_touching_freed_memory() -> None:
+    judge = TextTurnJudge()
+    judge.close()
+    judge.close()  # twice: nothing left to free
+    with pytest.raises(EngineError):
+        judge.end_probability("Set an alarm for")
