@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gateway.ws.audio_events import (
     PCM_BYTES_PER_MS,
@@ -58,6 +58,14 @@ from voice.errors import AudioError
 from voice.formats import PCM16, AudioFormat, InputStream
 
 logger = logging.getLogger(__name__)
+
+
+class _Early(NamedTuple):
+    """The transcript of the job started at a pause (``VoiceInput._eager``), come before the turn ended."""
+
+    text: str
+    seconds: float
+    finished: bool | None  # asked for under semantic_vad: whether the words are a finished turn
 
 
 class VoiceSeats:
@@ -134,7 +142,7 @@ class VoiceInput:
         # The job started at the latest pause of the speech in progress (item id, cut), and its
         # transcript if it came before the speech ended.
         self._eager: tuple[str, int] | None = None
-        self._early: dict[str, tuple[int, str, float, bool | None]] = {}
+        self._early: _Early | None = None
         # semantic_vad: the cut the turn model proposed to end the speech at, waiting for the words
         # of the eager job (which must say the turn is finished too).
         self._proposed: int | None = None
@@ -199,7 +207,7 @@ class VoiceInput:
             self._input.clear()
             self._speech_item = None
             self._idle_from = None
-            self._eager, self._early, self._proposed = None, {}, None  # a job started at a pause is moot
+            self._eager, self._early, self._proposed = None, None, None  # a job started at a pause is moot
             self._events.emit("input_audio_buffer.cleared")
 
     def _check_size(self, audio: bytes) -> None:
@@ -237,7 +245,7 @@ class VoiceInput:
                 self._proposed = None
                 if self._speech_item is not None:  # transcribe now: the turn may end here
                     self._eager = (self._speech_item, speech.speech_end_ms)
-                    self._early = {}
+                    self._early = None
                     self._commands.append(Transcribe(
                         item_id=self._speech_item, tag=speech.speech_end_ms,
                         audio=self._input.peek(self._speech_start_ms, speech.speech_end_ms),
@@ -257,12 +265,12 @@ class VoiceInput:
         cut, item_id = self._proposed, self._speech_item
         if cut is None or item_id is None:
             return
-        early = self._early.get(item_id)
-        if self._eager == (item_id, cut) and (early is None or early[0] != cut):
+        at_pause = self._eager == (item_id, cut)
+        if at_pause and self._early is None:
             return  # the words are on their way
         self._proposed = None
-        if early is not None and early[0] == cut and early[3] is False:
-            logger.debug("end of turn at %d ms held: the words are unfinished (%r)", cut, early[1])
+        if at_pause and self._early is not None and self._early.finished is False:
+            logger.debug("end of turn at %d ms held: the words are unfinished (%r)", cut, self._early.text)
             return
         stopped = self._input.confirm_end(cut)
         if stopped is not None:
@@ -281,7 +289,7 @@ class VoiceInput:
         try:
             self._commit(item_id, audio, respond=vad is not None and vad.create_response, cut=speech.speech_end_ms)
         except ProtocolError as e:  # no room for the item: said, and the chunk's later speech still counts
-            self._eager, self._early = None, {}
+            self._eager, self._early = None, None
             self._turns.error(e)
 
     def response_finished(self, audio_ms: int) -> None:
@@ -321,8 +329,8 @@ class VoiceInput:
         item = Item(id=item_id, role="user", parts=[""], audio=True, transcribing=True)
         self._items.add_speech(item, lambda previous_id: self._events.emit(
             "input_audio_buffer.committed", previous_item_id=previous_id, item_id=item_id))
-        eager, early = self._eager, self._early.pop(item_id, None)
-        self._eager, self._early = None, {}
+        eager, early = self._eager, self._early
+        self._eager, self._early = None, None
         if cut is not None and eager == (item_id, cut):
             self._transcribing[item_id] = (item, cut)
             held, self._held = self._held, (None, [])
@@ -330,7 +338,7 @@ class VoiceInput:
                 for piece in held[1]:
                     self._delta(item_id, piece)
             if early is not None:
-                self.transcribed(item_id, early[1], early[2], cut)
+                self.transcribed(item_id, early.text, early.seconds, cut)
         else:
             self._transcribing[item_id] = (item, 0)
             self._commands.append(Transcribe(item_id=item_id, audio=audio))
@@ -375,7 +383,7 @@ class VoiceInput:
         entry = self._transcribing.get(item_id)
         if entry is None:
             if self._eager == (item_id, tag):
-                self._early = {item_id: (tag, transcript, seconds, finished)}  # the turn may end at this pause
+                self._early = _Early(transcript, seconds, finished)  # the turn may end at this pause
                 self._check_proposal()
             return
         item, expected = entry

@@ -26,7 +26,7 @@ from gateway.ws.voice_link import Heard
 from voice.alignment import Mark
 from voice.config import VoiceConfig
 from voice.pool import JobFigures
-from voice.semantic import SemanticSegmenter
+from voice.semantic import SemanticEvent, SemanticSegmenter
 from voice.semantic import SpeechEndProposed as VadProposed
 from voice.service import VoiceService
 from voice.vad import SpeechPaused as VadPaused
@@ -57,23 +57,24 @@ class _Segmenter:
             pause_ms=eager if eager < vad.silence_duration_ms else 0))
 
     def feed(self, pcm: bytes) -> list[SpeechEvent]:
-        events: list[SpeechEvent] = []
-        for event in self._segmenter.feed(self._resampler.feed(np.frombuffer(pcm, dtype="<i2"))):
-            if isinstance(event, VadStarted):
-                events.append(SpeechStarted(event.audio_start_ms))
-            elif isinstance(event, VadPaused):
-                events.append(SpeechPaused(event.speech_end_ms))
-            elif isinstance(event, VadProposed):
-                events.append(SpeechEndProposed(event.speech_end_ms, event.audio_end_ms))
-            else:
-                events.append(SpeechStopped(event.audio_end_ms, event.speech_end_ms))
-        return events
+        return [_speech_event(e) for e in self._segmenter.feed(self._resampler.feed(np.frombuffer(pcm, dtype="<i2")))]
 
     def confirm_end(self, speech_end_ms: int) -> SpeechStopped | None:
         if not isinstance(self._segmenter, SemanticSegmenter):
             return None
         stopped = self._segmenter.confirm_end(speech_end_ms)
         return None if stopped is None else SpeechStopped(stopped.audio_end_ms, stopped.speech_end_ms)
+
+
+def _speech_event(event: SemanticEvent) -> SpeechEvent:
+    """``voice``'s segmenter event as the session's (the same fields, the gateway's own types)."""
+    if isinstance(event, VadStarted):
+        return SpeechStarted(event.audio_start_ms)
+    if isinstance(event, VadPaused):
+        return SpeechPaused(event.speech_end_ms)
+    if isinstance(event, VadProposed):
+        return SpeechEndProposed(event.speech_end_ms, event.audio_end_ms)
+    return SpeechStopped(event.audio_end_ms, event.speech_end_ms)
 
 
 class GatewayVoice:
