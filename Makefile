@@ -95,6 +95,7 @@ test-cluster: $(CLUSTER_STAMP)
 	$(BIN)/python -m pytest -q -m ray
 
 bench: $(STAMP) web-deps
+	$(BIN)/pip install -q -e '.[bench-peer]'
 	$(BIN)/python bench/edge.py
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/gateway_overhead.py

@@ -60,7 +60,9 @@ from bench._common import (
 )
 from bench._gateway_clients import BenchError
 from bench._gateway_server import GatewayProcess
+from bench._llama_peer import LlamaCppServer, peer_missing
 from gateway.config import DEFAULT_CONFIG, load_config
+from llm_shared.modelfile import default_gguf_path
 
 TEMPERATURE = 0.7
 TURN_TIMEOUT_S = 600.0  # a turn that takes longer has failed (a busy 2-core host answers far sooner)
@@ -122,15 +124,19 @@ async def http_turn(client: AsyncOpenAI, model: str, i: int, tokens: int) -> Tur
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt(i)}], max_tokens=tokens,
             temperature=TEMPERATURE, stream=True, stream_options={"include_usage": True})
+        pieces = 0  # streamed content chunks: the tokens of a server that sends no usage (the peer)
         async for chunk in stream:
             extra = chunk.model_extra or {}
-            if chunk.choices and chunk.choices[0].delta.content and not result.first_at:
-                result.first_at = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces += 1
+                if not result.first_at:
+                    result.first_at = time.perf_counter()
             route = extra.get("x_route")
             if isinstance(route, dict):
                 result.route, result.reason = str(route.get("route") or ""), str(route.get("reason") or "")
             if chunk.usage is not None:
                 result.tokens = chunk.usage.completion_tokens
+        result.tokens = result.tokens or pieces
         result.done_at = time.perf_counter()
         result.ok = True
     except Exception as e:  # every failure counts; the benchmark goes on
@@ -221,10 +227,13 @@ async def run_arm(url: str, model: str, api: str, concurrency: int, n_turns: int
 
 # ---- the gateway -------------------------------------------------------------------------------------
 
-def derive_config(directory: Path, max_clients: int, threads: tuple[int, int, int] | None) -> Path:
+def derive_config(directory: Path, max_clients: int, threads: tuple[int, int, int] | None,
+                  follow_load: bool = True, tag: str = "") -> Path:
     """The shipped default config with per-key limits raised for the benchmark's one key (and the
-    pools' threads set, for a split)."""
+    pools' threads set, for a split; the host's budget held static, for the static arm)."""
     raw = tomllib.loads(DEFAULT_CONFIG.read_text(encoding="utf-8"))
+    if not follow_load:
+        raw.setdefault("host", {})["follow_load"] = False
     server = raw.setdefault("server", {})
     server.update(api_keys=[API_KEY], api_keys_env="", requests_per_minute=1_000_000,
                   tokens_per_minute=100_000_000, max_sessions_per_key=4 * max_clients + 64,
@@ -240,7 +249,7 @@ def derive_config(directory: Path, max_clients: int, threads: tuple[int, int, in
         source = model.get("source", "")
         if source and not source.startswith("package:") and not Path(source).is_absolute():
             model["source"] = str((DEFAULT_CONFIG.parent / source).resolve())
-    path = directory / "cascade-load.toml"
+    path = directory / f"cascade-load{'-' + tag if tag else ''}.toml"
     path.write_text(dump_toml(raw), encoding="utf-8")
     return path
 
@@ -266,8 +275,9 @@ def host_threads(server: GatewayProcess) -> dict[str, int]:
 
 
 class Gateway:
-    def __init__(self, directory: Path, max_clients: int, threads: tuple[int, int, int] | None, tag: str) -> None:
-        self.config_path = derive_config(directory, max_clients, threads)
+    def __init__(self, directory: Path, max_clients: int, threads: tuple[int, int, int] | None, tag: str,
+                 follow_load: bool = True) -> None:
+        self.config_path = derive_config(directory, max_clients, threads, follow_load, tag)
         self.process = GatewayProcess(self.config_path, directory / f"gateway-{tag}.log", "127.0.0.1")
         config = load_config(self.config_path)
         self.ids = {"cascade": config.routing.cascade_model, "edge": config.routing.edge_model,
@@ -291,6 +301,9 @@ class Gateway:
 
     def transitions(self) -> float:
         return metric_sum(self.process, "gateway_tier_transitions_total")
+
+    def reassignments(self) -> float:
+        return self.process.metric("gateway_thread_reassignments_total")
 
 
 # ---- the runs ----------------------------------------------------------------------------------------
@@ -334,6 +347,30 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
+def edge_figures(levels: dict[int, dict[str, Any]], static: dict[int, dict[str, Any]],
+                 peer: tuple[int, float] | None) -> dict[str, Any]:
+    """The edge model id alone: with the moving budget (the shipped one), with the static split
+    (``*_static``, another gateway in the same run), and against llama-cpp-python's server."""
+    def edge(table: dict[int, dict[str, Any]], c: int, key: str) -> Any:
+        value = table[c]["models"]["edge"][key] if c in table else None
+        return round(value, 1) if value is not None else None
+
+    out: dict[str, Any] = {}
+    for c in (8, 32):
+        out[f"edge_alone_tok_s_c{c}"] = edge(levels, c, "tok_s")
+        out[f"edge_alone_tok_s_c{c}_static"] = edge(static, c, "tok_s")
+        out[f"edge_alone_over_static_c{c}"] = ratio(edge(levels, c, "tok_s"), edge(static, c, "tok_s"))
+    out["edge_ttft_p50_ms_c32"] = edge(levels, 32, "ttft_p50_ms")
+    out["edge_ttft_p99_ms_c32"] = edge(levels, 32, "ttft_p99_ms")
+    out["edge_c32_over_c8_tok_s"] = ratio(edge(levels, 32, "tok_s"), edge(levels, 8, "tok_s"))
+    if peer is not None:
+        c, peer_tok_s = peer
+        ours = levels[c]["models"]["edge"]["by_api"]["http"]["tok_s"]
+        out[f"peer_tok_s_c{c}"] = round(peer_tok_s, 1)
+        out[f"edge_over_peer_tok_s_c{c}"] = ratio(ours, peer_tok_s)
+    return out
+
+
 def headline(levels: dict[int, dict[str, Any]], transitions: float, threads: dict[str, int]) -> dict[str, Any]:
     def best_tier(c: int, key: str, lower: bool) -> float | None:
         values = [levels[c]["models"][m][key] for m in ("edge", "gpu") if levels[c]["models"][m][key] is not None]
@@ -343,6 +380,7 @@ def headline(levels: dict[int, dict[str, Any]], transitions: float, threads: dic
         return levels[c]["models"]["cascade"][key] if c in levels else None
 
     return {
+        "cascade_over_best_tier_tok_s_c1": ratio(cascade(1, "tok_s"), best_tier(1, "tok_s", False)) if 1 in levels else None,
         "cascade_over_best_tier_tok_s_c8": ratio(cascade(8, "tok_s"), best_tier(8, "tok_s", False)) if 8 in levels else None,
         "cascade_over_best_tier_tok_s_c32": ratio(cascade(32, "tok_s"), best_tier(32, "tok_s", False)) if 32 in levels else None,
         "cascade_ttft_p99_over_best_tier_c32": (ratio(cascade(32, "ttft_p99_ms"), best_tier(32, "ttft_p99_ms", True))
@@ -394,17 +432,44 @@ async def main_levels(args: argparse.Namespace, directory: Path, cpu: dict[str, 
     async with Gateway(directory, max(args.levels), None, "levels") as gw:
         threads = host_threads(gw.process)
         progress(f"threads per pool (from /metrics): {threads}")
-        start = gw.transitions()
+        start, moved, began = gw.transitions(), gw.reassignments(), time.perf_counter()
         levels = await run_levels(gw, args.levels, args.tokens, args.requests_min, args.apis, ["cascade", "edge", "gpu"])
         transitions = gw.transitions() - start
-    summary = {**headline(levels, transitions, threads), "cpu": cpu["model"]}
+        reassignments_per_s = (gw.reassignments() - moved) / (time.perf_counter() - began)
+    static_levels = [c for c in (8, 32) if c in args.levels]
+    static: dict[int, dict[str, Any]] = {}
+    if static_levels:
+        progress(f"the edge model id alone with the static split ([host] follow_load = false) at {static_levels}")
+        async with Gateway(directory, max(static_levels), None, "static", follow_load=False) as gw:
+            static = await run_levels(gw, static_levels, args.tokens, args.requests_min, args.apis, ["edge"])
+    peer = await run_peer(args, directory, 32 if 32 in args.levels else max(args.levels))
+    summary = {**headline(levels, transitions, threads), **edge_figures(levels, static, peer),
+               "thread_reassignments_per_s": round(reassignments_per_s, 2), "cpu": cpu["model"]}
     img = figure_path("cascade_load.png", args.smoke)
     plot(levels, threads, cpu, img)
     write_json(result_path("cascade_load.json", args.smoke), {
         "summary": summary, "levels": {str(c): v for c, v in levels.items()}, "cpu": cpu,
+        "static_levels": {str(c): v for c, v in static.items()},
         "settings": {k: getattr(args, k) for k in ("levels", "tokens", "requests_min", "apis", "smoke")},
         "plot": str(img)})
     return summary
+
+
+async def run_peer(args: argparse.Namespace, directory: Path, c: int) -> tuple[int, float] | None:
+    """(c, tokens/s) of llama-cpp-python's own server on the same GGUF, streamed chat completions
+    at ``c`` clients; None where its extra packages are not installed."""
+    missing = peer_missing()
+    if missing:
+        progress(f"no peer arm: llama_cpp.server needs {', '.join(missing)} "
+                 "(.venv/bin/pip install -e '.[bench-peer]', which `make bench` runs)")
+        return None
+    progress(f"llama-cpp-python's server (same GGUF, its default threads) at {c} clients")
+    async with LlamaCppServer(default_gguf_path(), directory / "llama-cpp-server.log") as server:
+        arm = await run_arm(server.url, "smollm2", "http", c, max(args.requests_min, 2 * c), args.tokens, 0)
+    s = arm.summary()
+    progress(f"  c={c:2d} peer    http    : {s['tok_s']:6.1f} tok/s, TTFT p50 {fmt_ms(s['ttft_p50_ms'])} "
+             f"p99 {fmt_ms(s['ttft_p99_ms'])}, failed {s['failed']}/{s['turns']}")
+    return c, s["tok_s"]
 
 
 async def main_splits(args: argparse.Namespace, directory: Path, cpu: dict[str, Any]) -> dict[str, Any]:

@@ -94,13 +94,19 @@ class LlamaWorker(SlotAdmission):
         self._bitmask: np.ndarray | None = None  # a grammar's mask row (_bitmask_row)
         self._counters = {"steps": 0, "tokens_generated": 0, "prompt_tokens": 0,
                           "draft_tokens_reused": 0, "draft_prefill_tokens": 0, "errors": 0, "restore_ms_total": 0,
-                          "preemptions": 0}
+                          "preemptions": 0, "thread_changes": 0}
         self.snapshot: dict[str, float] = {}  # replaced (never mutated) after every step and before a FinishEvent
         self._publish()
 
     @property
     def context(self) -> LlamaContext:
         return self._ctx
+
+    def set_threads(self, threads: int) -> None:
+        """Decode on ``threads`` threads from the next step (on this thread, between steps)."""
+        if threads != self._ctx.n_threads:
+            self._ctx.set_threads(threads)
+            self._counters["thread_changes"] += 1
 
     # ---- main loop -------------------------------------------------------------------------
 
@@ -357,6 +363,7 @@ class LlamaWorker(SlotAdmission):
             "kv_cells_used": float(cells),  # held by running work
             "kv_cells_cached": float(cache.resident_tokens),  # kept by idle slots for their conversations
             "kv_cells_total": float(self._ctx.n_ctx),
+            "threads": float(getattr(self._ctx, "n_threads", 0)),
             "prefix_cache_queries": float(cache.stats.queried_tokens),
             "prefix_cache_hits": float(cache.stats.hit_tokens),
             "snapshots": float(len(cache.snapshots)),

@@ -36,6 +36,7 @@ from llm_shared.contract import (
     SamplingParams,
     check_cache_salt,
 )
+from llm_shared.cores import ClaimOnWork, CoreShare
 from llm_shared.errors import (
     ConfigError,
     DuplicateRequestError,
@@ -100,6 +101,8 @@ class WorkerFront(EdgeBackend):
         self._open: set[str] = set()  # request ids whose stream has not ended (touched on event loops only)
         self._closed = False
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._cores: ClaimOnWork | None = None  # share_cores: a claim on the host's cores while requests run
+        self._held: list[GenerateCmd] = []  # requests waiting for that claim before they reach the worker
         self._worker = worker_factory(self._commands)
         self._thread = threading.Thread(target=self._worker.run, name=thread_name, daemon=True)
         self._thread.start()
@@ -136,8 +139,42 @@ class WorkerFront(EdgeBackend):
         if params.grammar:
             self._compile(command)  # to the worker once its matcher exists
         else:
-            self._commands.put(command)
+            self._submit(command)
         return command.sink.channel
+
+    def _submit(self, command: GenerateCmd) -> None:
+        """To the worker; while the tier claims its cores (it was idle), once it holds them."""
+        cores = self._cores
+        if cores is None or cores.claimed:
+            self._commands.put(command)
+            return
+        self._held.append(command)
+        if len(self._held) == 1:
+            asyncio.get_running_loop().create_task(self._submit_when_claimed(cores), name="edge-claim")
+
+    async def _submit_when_claimed(self, cores: ClaimOnWork) -> None:
+        await cores.ready()
+        held, self._held = self._held, []
+        for command in held:
+            self._commands.put(command)
+
+    def share_cores(self, share: CoreShare) -> bool:
+        """Claim ``share`` before requests reach the idle worker and release it when the last one
+        ended (``llm_shared.cores``); False where the runtime's threads are fixed at load (ONNX
+        Runtime's session), which then computes on its static share."""
+        if not callable(getattr(self._worker.context, "set_threads", None)):
+            return False
+        self._cores = ClaimOnWork(share, self._apply_threads, lambda: bool(self._open))
+        return True
+
+    async def set_threads(self, threads: int) -> None:
+        """Returns once the worker decodes on ``threads`` threads (from its next step)."""
+        if self.ready:
+            await self.run_on_worker(lambda: self._worker.set_threads(threads))
+
+    def _apply_threads(self, threads: int) -> None:
+        """Ahead of the requests that claimed them: the worker reads commands in order, between steps."""
+        self._commands.put(CallCmd(lambda: self._worker.set_threads(threads)))
 
     def _compile(self, command: GenerateCmd) -> None:
         loop = asyncio.get_running_loop()
@@ -166,12 +203,22 @@ class WorkerFront(EdgeBackend):
             channel.fail(error if isinstance(error, EngineError) else EngineUnavailableError(
                 f"the output grammar could not be compiled: {error or 'the edge engine closed'}"))
             return
-        self._commands.put(replace(command, matcher=done.result()))
+        self._submit(replace(command, matcher=done.result()))
 
     def _left(self, request_id: str, finished: bool) -> None:
         self._open.discard(request_id)
-        if not finished and not self._closed:  # the consumer left early: free the sequence
-            self._commands.put(AbortCmd(request_id))
+        if self._unhold(request_id) is None and not finished and not self._closed:
+            self._commands.put(AbortCmd(request_id))  # the consumer left early: free the sequence
+        if self._cores is not None:
+            self._cores.settle()
+
+    def _unhold(self, request_id: str) -> GenerateCmd | None:
+        """Take back a request still waiting for the tier's claim (it never reached the worker)."""
+        for command in self._held:
+            if command.request_id == request_id:
+                self._held.remove(command)
+                return command
+        return None
 
     def _generate_cmd(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: Priority,
                       session_id: str, draft_ids: Sequence[int], cache_salt: str) -> GenerateCmd:
@@ -208,6 +255,10 @@ class WorkerFront(EdgeBackend):
     async def abort(self, request_id: str) -> None:
         if request_id not in self._open or not self.ready:
             return
+        held = self._unhold(request_id)
+        if held is not None:
+            held.sink.channel.put(FinishEvent("abort", prompt_tokens=len(held.prompt), completion_tokens=0, tier="edge"))
+            return
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._commands.put(AbortCmd(request_id, done))
         await asyncio.wrap_future(done)
@@ -241,6 +292,11 @@ class WorkerFront(EdgeBackend):
             return
         self._closed = True
         self._compile_pool.shutdown(wait=False, cancel_futures=True)  # each one's stream ends (closed)
+        if self._cores is not None:
+            self._cores.cancel()
+        held, self._held = self._held, []
+        for command in held:  # the worker ends them as it shuts down
+            self._commands.put(command)
         self._commands.put(CloseCmd())
         await asyncio.to_thread(self._thread.join)
         self._drain_after_close()

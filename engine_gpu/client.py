@@ -36,6 +36,7 @@ from engine_gpu.protocol import (
     Hello,
     ProtocolError,
     Rejected,
+    SetThreads,
     Shutdown,
     StatsReply,
     StatsRequest,
@@ -58,6 +59,7 @@ from llm_shared.contract import (
     StreamEvent,
     check_cache_salt,
 )
+from llm_shared.cores import ClaimOnWork, CoreShare
 from llm_shared.models import REPO_ROOT, ModelConfig, tokenizer_for
 from llm_shared.tokenizer import Tokenizer
 
@@ -97,6 +99,7 @@ class EngineClient:
         self._closed = False
         self._max_model_len = int(hello.info.get("max_model_len", 0))
         self._vocab_size = int(hello.info.get("vocab_size", 0))
+        self._cores: ClaimOnWork | None = None  # share_cores: a claim on the host's cores while requests run
         self._read_task = asyncio.create_task(self._read_loop(), name="engine-client-reader")
 
     # --- construction -------------------------------------------------------------------------
@@ -228,6 +231,23 @@ class EngineClient:
         """Share of the core's KV blocks in use, from its latest stats."""
         return kv_use(self._stats)
 
+    def share_cores(self, share: CoreShare) -> bool:
+        """From now on, claim ``share`` before a request reaches an idle core and release it when
+        the core's last request ended (``llm_shared.cores``)."""
+        self._cores = ClaimOnWork(share, self._send_threads, lambda: bool(self._live))
+        return True
+
+    async def set_threads(self, threads: int, timeout: float = 10.0) -> None:
+        """Returns once the core computes on ``threads`` threads (from its next step)."""
+        if not self._ready:
+            return  # no core, nothing computing
+        await asyncio.wait_for(self._call(lambda seq: SetThreads(seq, threads)), timeout)
+
+    def _send_threads(self, threads: int) -> None:
+        """Ahead of the request that claimed them; the core applies messages in order, between steps."""
+        if self._ready:
+            self._writer.write(encode_frame(SetThreads(next(self._seq), threads)))
+
     async def wait_lost(self) -> None:
         """Return once the connection to the core is over (the core died, or ``close``)."""
         await asyncio.shield(self._read_task)
@@ -302,12 +322,19 @@ class EngineClient:
         self._validate(request_id, prompt_ids, params, priority, draft_ids, cache_salt)
         live = self._live[request_id] = _Live(prompt_tokens=len(prompt_ids))
         try:
+            if self._cores is not None:
+                await self._cores.ready()
             await self._send(AddRequest(request_id, list(prompt_ids), params, Priority(priority), list(draft_ids),
                                         cache_salt))
         except BaseException:
             self._live.pop(request_id, None)
+            self._settle()
             raise
         return live
+
+    def _settle(self) -> None:
+        if self._cores is not None:
+            self._cores.settle()
 
     async def _send(self, message: ClientMessage) -> None:
         try:
@@ -354,10 +381,12 @@ class EngineClient:
                     if out.finish is not None:
                         live.events.put(out.finish)
                         del self._live[out.request_id]
+                self._settle()
             case Rejected():
                 live = self._live.pop(msg.request_id, None)
                 if live is not None:
                     live.events.fail(error_from_code(msg.code, msg.message, msg.param))
+                self._settle()
             case AbortDone() | StatsReply():
                 self._stats = msg.stats
                 future = self._waiters.get(msg.seq)
@@ -380,6 +409,7 @@ class EngineClient:
             live.events.put(FinishEvent("error", live.prompt_tokens, live.completion_tokens, 0,
                                               message="the torch engine stopped", tier=self.tier))
         self._live.clear()
+        self._settle()
         for future in self._waiters.values():
             if not future.done():
                 future.set_exception(errors.EngineUnavailableError("the torch engine stopped"))

@@ -46,6 +46,7 @@ from engine_gpu.protocol import (
     Hello,
     ProtocolError,
     Rejected,
+    SetThreads,
     Shutdown,
     StatsReply,
     StatsRequest,
@@ -83,6 +84,7 @@ class StepEngine(Protocol):
     def has_unfinished(self) -> bool: ...
     def stats(self) -> dict[str, float]: ...
     def info(self) -> dict[str, object]: ...
+    def set_threads(self, threads: int) -> None: ...
 
 
 @dataclass(eq=False)
@@ -368,6 +370,9 @@ class CoreServer:
                 self._send(conn, AbortDone(msg.seq, msg.request_id, self.engine.stats()))
                 self._announce_if_idle(exclude=[conn])
             case StatsRequest():
+                self._send(conn, StatsReply(msg.seq, self.engine.stats()))
+            case SetThreads():  # between two steps: the next one computes with the new count
+                self.engine.set_threads(msg.threads)
                 self._send(conn, StatsReply(msg.seq, self.engine.stats()))
             case Shutdown():
                 log.info("client %d asked the core to shut down", conn.cid)

@@ -77,6 +77,8 @@ class LLMEngine:
         self._last_step_s = 0.0
         self._avg_step_s = 0.0
         self._generated = 0
+        self._thread_changes = 0
+        self._threads = runner.threads  # what set_threads last set (the process's count at start)
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig,
@@ -316,10 +318,23 @@ class LLMEngine:
         out.update(max_running=float(self.config.max_num_seqs),  # turns that can run at once (engine_backlog)
                    step_time_ms=self._last_step_s * 1e3, step_time_ms_avg=self._avg_step_s * 1e3,
                    steps=float(self._steps), steps_planned_ahead=float(self._steps_ahead),
-                   generated_tokens=float(self._generated))
+                   generated_tokens=float(self._generated), threads=float(self._threads),
+                   thread_changes=float(self._thread_changes))
         if self.speculator is not None:
             out.update(self.speculator.stats())
         return out
+
+    def set_threads(self, threads: int) -> None:
+        """Compute from the next step on ``threads`` threads: torch's intra-op pool (on CUDA its
+        thread only launches kernels and stays as it is) and the drafter's, which takes turns with
+        it inside a step. The speculation controller's costs follow from the forwards it times."""
+        if threads == self._threads:
+            return
+        self.runner.set_threads(threads)
+        if self.speculator is not None:
+            self.speculator.set_threads(threads)
+        self._threads = threads
+        self._thread_changes += 1
 
     def close(self) -> None:
         """Free what lives outside torch's memory (the drafter's llama.cpp context)."""

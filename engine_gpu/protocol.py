@@ -9,10 +9,11 @@ Challenge (a fresh random nonce), the client answers Authenticate (an HMAC-SHA25
 under the shared secret), and only then does the core send Hello and accept commands. Until
 then frames are capped at ``PRE_AUTH_MAX_FRAME_BYTES`` and the peer has ``AUTH_TIMEOUT_S``.
 
-Client -> core: Authenticate (first), AddRequest, AbortRequest, StatsRequest, Shutdown.
+Client -> core: Authenticate (first), AddRequest, AbortRequest, StatsRequest, SetThreads,
+Shutdown.
 Core -> client: Challenge (first), Hello (once authenticated), StepOutputs (each step), Rejected
-(an add refused), AbortDone (blocks freed), StatsReply, ErrorReply (a message the core could not
-accept).
+(an add refused), AbortDone (blocks freed), StatsReply (also the answer to SetThreads, once the
+new thread count is in force), ErrorReply (a message the core could not accept).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ AUTH_TIMEOUT_S = 10.0  # an unauthenticated peer is dropped after this
 NONCE_BYTES = 32
 MIN_SECRET_CHARS = 16
 AUTH_CONTEXT = b"rt-llm-gateway engine core v1\x00"  # binds the MAC to this protocol
+MAX_THREADS = 4096  # SetThreads' bound, as [host] cpus'
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _ERROR_CLASSES: dict[str, type[errors.EngineError]] = {
@@ -103,6 +105,17 @@ class StatsRequest:
 
 
 @dataclass(frozen=True)
+class SetThreads:
+    """Compute with ``threads`` threads (torch's intra-op pool and the drafter's) from the next
+    step on; answered by a StatsReply with the same seq once in force. The gateway moves cores
+    between the tiers with it (gateway/tiers/cores.py)."""
+
+    seq: int
+    threads: int
+    t: Literal["threads"] = "threads"
+
+
+@dataclass(frozen=True)
 class Shutdown:
     t: Literal["shutdown"] = "shutdown"
 
@@ -113,7 +126,7 @@ class Authenticate:
     t: Literal["auth"] = "auth"
 
 
-ClientMessage = Authenticate | AddRequest | AbortRequest | StatsRequest | Shutdown
+ClientMessage = Authenticate | AddRequest | AbortRequest | StatsRequest | SetThreads | Shutdown
 
 
 # --- core -> client -----------------------------------------------------------------------
@@ -301,6 +314,8 @@ def _to_wire(m: ClientMessage | CoreMessage) -> dict[str, Any]:
             return {"t": m.t, "id": m.request_id, "seq": m.seq}
         case StatsRequest() | StatsReply():
             return {"t": m.t, "seq": m.seq, **({"stats": m.stats} if isinstance(m, StatsReply) else {})}
+        case SetThreads():
+            return {"t": m.t, "seq": m.seq, "threads": m.threads}
         case Shutdown():
             return {"t": m.t}
         case Hello():
@@ -401,6 +416,9 @@ def decode_client_message(payload: bytes) -> ClientMessage:
             case "stats":
                 _keys(obj, {"t", "seq"})
                 return StatsRequest(_int(obj, "seq"))
+            case "threads":
+                _keys(obj, {"t", "seq", "threads"})
+                return SetThreads(_int(obj, "seq"), _int(obj, "threads", low=1, high=MAX_THREADS))
             case "shutdown":
                 _keys(obj, {"t"})
                 return Shutdown()

@@ -133,6 +133,17 @@ class ModelRunner:
         self.max_position = args.max_position_embeddings
         self.graphs: GraphRunner | None = None  # fixed-shape decode steps (enable_decode_graphs)
 
+    @property
+    def threads(self) -> int:
+        """torch's intra-op threads (the process's pool, which this runner's forwards use)."""
+        return torch.get_num_threads()
+
+    def set_threads(self, threads: int) -> None:
+        """Run the next forwards on ``threads`` intra-op threads; on CUDA the one thread that
+        launches kernels stays."""
+        if self.device.type == "cpu":
+            torch.set_num_threads(threads)
+
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
                     cache: LoadCache | None = None) -> ModelRunner:

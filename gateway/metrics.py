@@ -157,6 +157,9 @@ class GatewayMetrics:
                              "work)", ["tier"], registry=r)
         self.host_threads = Gauge("gateway_host_threads", "Threads of each compute pool on this host, from its CPU "
                                   "budget (gateway.config.host)", ["pool"], registry=r)
+        self.thread_reassignments = Counter(
+            "gateway_thread_reassignments", "Changes of a compute pool's threads as the load moved between the "
+            "tiers ([host] follow_load)", registry=r)
         self.tier_transitions = Counter("gateway_tier_transitions", "Up/down changes of a tier's health", ["tier"],
                                         registry=r)
         self.gc_pause = Histogram(

@@ -158,6 +158,11 @@ class LlamaContext:
             raise EngineError("the llama.cpp context has been freed")
         return self._ctx
 
+    def set_threads(self, threads: int) -> None:
+        """Compute the next ``decode`` calls (generation and prompt batches) on ``threads`` threads."""
+        llama_cpp.llama_set_n_threads(self.handle, threads, threads)
+        self.n_threads = threads
+
     def decode(self, batch: TokenBatch) -> int:
         """0 on success; 1 = no KV slot; other values are errors (see llama.h)."""
         return int(llama_cpp.llama_decode(self.handle, batch.raw))

@@ -68,6 +68,9 @@ class Drafter(Protocol):
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request and free what it holds (its KV) now."""
 
+    def set_threads(self, threads: int) -> None:
+        """Compute the next forwards on ``threads`` threads (a drafter without a model ignores it)."""
+
     def stats(self) -> dict[str, float]: ...
 
     def close(self) -> None: ...

@@ -235,6 +235,9 @@ class EdgeDrafter:
                 "drafter_kv_cells_used": float(cells),  # read from llama.cpp, not from our bookkeeping
                 "drafter_kv_cells_total": float(self.n_ctx)}
 
+    def set_threads(self, threads: int) -> None:
+        self._ctx.set_threads(threads)
+
     def close(self) -> None:
         if self._closed:
             return

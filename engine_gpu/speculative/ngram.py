@@ -96,5 +96,8 @@ class NgramDrafter:
         return {"drafter_tokens_proposed": float(self._proposed), "drafter_lookups": float(self._lookups),
                 "drafter_lookup_hits": float(self._hits), "drafter_requests": float(len(self._indexes))}
 
+    def set_threads(self, threads: int) -> None:
+        """Nothing to size: lookups run on the step's own thread."""
+
     def close(self) -> None:
         self._indexes.clear()

@@ -147,6 +147,9 @@ class Speculator:
         out.update(self.drafter.stats())
         return out
 
+    def set_threads(self, threads: int) -> None:
+        self.drafter.set_threads(threads)
+
     def close(self) -> None:
         self.drafter.close()
 

@@ -10,7 +10,9 @@ process may run on), so that together they do not exceed it:
 - one tier on this host: it gets the whole budget;
 - both (the cascade, the torch tier not on a cluster): the edge gets ``edge_share`` of the
   budget, the engine core the rest, each at least one thread. The core's torch threads and its
-  drafter take turns within a step (draft, then verify), so both get the core's share;
+  drafter take turns within a step (draft, then verify), so both get the core's share. That
+  split is what both compute on while both have work; with ``follow_load`` (the default) a
+  tier alone with work gets the whole budget (``gateway.tiers.cores``);
 - the torch tier on CUDA: its intra-op threads only launch kernels, so one thread; the drafter
   still computes on the CPU and keeps the core's share.
 
@@ -37,11 +39,18 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class HostConfig:
     cpus: int = 0  # the CPU budget of every compute pool on this host; 0: the cores this process may run on
-    edge_share: float = 0.5  # the edge tier's share of the budget when the engine core runs here too
+    edge_share: float = 0.5  # the edge tier's share of the budget while the engine core has work too
+    # a tier alone with work computes on the whole budget (gateway/tiers/cores.py); false: the
+    # split above holds at every moment
+    follow_load: bool = True
+    lend_after_ms: int = 50  # a tier's cores go to the busy one after it has had no work this long
 
     def __post_init__(self) -> None:
         require(isinstance(self.cpus, int) and 0 <= self.cpus <= 4096, "host.cpus must be an integer in 0..4096")
         require(0.0 < self.edge_share < 1.0, "host.edge_share must be between 0 and 1 (exclusive)")
+        require(isinstance(self.follow_load, bool), "host.follow_load must be true or false")
+        require(isinstance(self.lend_after_ms, int) and 0 <= self.lend_after_ms <= 60_000,
+                "host.lend_after_ms must be an integer in 0..60000")
 
     def budget(self) -> int:
         return self.cpus or usable_cpus()

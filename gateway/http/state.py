@@ -24,6 +24,7 @@ from gateway.limits import Limits, LimitsStore, store_from_config
 from gateway.metrics import GatewayMetrics
 from gateway.shaping import Grammars
 from gateway.tiers.build import build_router, host_plan
+from gateway.tiers.cores import CoreArbiter, arbiter_for
 from gateway.ws.frame_gate import LargeFrameBudget
 from llm_shared.contract import Engine
 
@@ -44,6 +45,7 @@ class GatewayState:
     device_models: DeviceModels = field(init=False)  # model files served for on-device fallbacks
     engines: dict[str, Engine] = field(default_factory=dict)
     router: Router | None = None
+    cores: CoreArbiter | None = None  # moves the host's threads to the tiers with work ([host] follow_load)
     models: dict[str, str] = field(default_factory=dict)  # served model id -> route (cascade, edge, gpu)
     owns_engines: bool = False  # close the engines at cleanup (False when a test passed them in)
     connections: set[RealtimeConnection] = field(default_factory=set)  # live WebSocket sessions
@@ -110,6 +112,7 @@ class GatewayState:
         for pool, threads in (("cpus", plan.cpus), ("edge", plan.edge), ("torch", plan.engine),
                               ("drafter", plan.drafter)):
             self.metrics.host_threads.labels(pool).set(threads)
+        self.cores = arbiter_for(self.config, self.engines, self._threads_moved)
         self.router = build_router(self.config, self.engines, self.metrics)
         self.models = dict(self.router.routes)
         self.owns_engines = owned
@@ -119,13 +122,22 @@ class GatewayState:
             return
         self.router.start()
 
+    def _threads_moved(self, pool: str, threads: int) -> None:
+        self.metrics.thread_reassignments.inc()
+        self.metrics.host_threads.labels(pool).set(threads)
+        if pool == "torch" and host_plan(self.config).drafter:
+            self.metrics.host_threads.labels("drafter").set(threads)  # it takes turns with torch's threads
+
     def start_router(self) -> None:
         if self.router is not None:
             self.router.start()
 
     async def close_router(self) -> None:
+        """The router's probes and the cores' arbiter stop (before the engines close)."""
         if self.router is not None:
             await self.router.close()
+        if self.cores is not None:
+            await self.cores.close()
 
     async def close_limits(self) -> None:
         """Release this process's leases and the store's connection (a Redis store's)."""

@@ -46,12 +46,26 @@ def host_plan(config: Config) -> ThreadPlan:
                         config.engine if "gpu" in tiers and not config.cluster.enabled else None)
 
 
+def threads_follow_load(config: Config) -> bool:
+    """Whether the host plan's threads move between the edge and the torch core here: not with
+    ``[host] follow_load`` off, a thread count configured explicitly, one tier computing here, an
+    ONNX Runtime edge (its threads are fixed when its session is made), or several gateway
+    processes (``server.workers``), whose edges each run their own share and would each move the
+    one core's threads."""
+    plan = host_plan(config)
+    return (config.host.follow_load and not plan.configured and config.server.workers == 1
+            and bool(plan.edge and plan.engine) and config.edge.backend == "llama_cpp")
+
+
 def with_host_plan(config: Config) -> Config:
-    """``config`` with every "all cores" thread count replaced by its share of the host's budget."""
+    """``config`` with every "all cores" thread count replaced by its share of the host's budget,
+    and ``host.follow_load`` saying whether those shares move here (``threads_follow_load``: the
+    counts written in look configured to it afterwards)."""
     plan = host_plan(config)
     log.info("threads: %s", plan.describe())
     edge, engine = apply_plan(plan, config.edge, config.engine)
-    return replace(config, edge=edge, engine=engine)
+    host = replace(config.host, follow_load=threads_follow_load(config))
+    return replace(config, edge=edge, engine=engine, host=host)
 
 
 def edge_model_path(config: Config) -> Path:
@@ -85,8 +99,11 @@ async def build_gpu_engine(config: Config) -> Engine:
     draft = config.model(spec.draft_model) if spec.method == "edge" else None
 
     # On a host it shares with the edge tier, torch's OpenMP threads must not spin between ops
-    # on cores the edge's threads need (unless the environment says otherwise).
-    shared = host_plan(config).edge > 0
+    # on cores the edge's threads need (unless the environment says otherwise). Where the threads
+    # follow the load they may: the core computes on more than its share only while the edge is
+    # idle, and a passive wait costs a sleep and a wake-up per parallel region (measured here: 2
+    # threads then decode no faster than 1; spinning, 1.5x).
+    shared = host_plan(config).edge > 0 and not config.host.follow_load  # config: with_host_plan's
     environment = {"OMP_WAIT_POLICY": "PASSIVE"} if shared else {}
 
     async def start() -> EngineClient:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from llm_shared.channel import EventChannel
 from llm_shared.contract import Engine, Priority, SamplingParams, StreamEvent
+from llm_shared.cores import CoreShare, SharesCores
 from llm_shared.errors import EngineError, EngineUnavailableError
 from llm_shared.tokenizer import Tokenizer
 
@@ -41,6 +42,7 @@ class SupervisedEngine:
         self._initial_backoff = initial_backoff_s
         self._max_backoff = max_backoff_s
         self._closing = False
+        self._share: CoreShare | None = None  # share_cores: passed on to every instance
         self.restarts = 0  # instances started after the first
         self.failed_starts = 0
         self._task = asyncio.get_running_loop().create_task(self._watch(), name=f"supervise-{self.tier}")
@@ -100,6 +102,19 @@ class SupervisedEngine:
         stats["restarts"] = float(self.restarts)
         return stats
 
+    def share_cores(self, share: CoreShare) -> bool:
+        """The current instance and every restarted one claim ``share`` (``llm_shared.cores``)."""
+        if not isinstance(self._current, SharesCores) or not self._current.share_cores(share):
+            return False
+        self._share = share
+        return True
+
+    async def set_threads(self, threads: int) -> None:
+        """The current instance's threads; with none running nothing computes, so nothing to do."""
+        current = self._current
+        if isinstance(current, SharesCores) and current.ready:
+            await current.set_threads(threads)
+
     async def refresh_stats(self) -> dict[str, float]:
         """The current instance's stats, fetched now (an EngineClient's round trip)."""
         refresh = getattr(self._engine(), "refresh_stats", None)
@@ -126,6 +141,8 @@ class SupervisedEngine:
             with contextlib.suppress(EngineError):
                 await current.close()  # reap the dead process
             self._current = await self._restart()
+            if self._share is not None and isinstance(self._current, SharesCores):
+                self._current.share_cores(self._share)
             self.restarts += 1
             log.info("the %s engine is back (restart %d)", self.tier, self.restarts)
 

@@ -199,3 +199,50 @@ async def _collect(client: EngineClient, rid: str, params: SamplingParams) -> li
 
 async def _collect_stream(stream: object) -> list[object]:
     return [e async for e in stream]  # type: ignore[attr-defined]
+
+
+class _GatedShare:
+    def __init__(self, threads: int) -> None:
+        import asyncio
+
+        self.threads = threads
+        self.open = asyncio.Event()
+        self.claims = self.releases = 0
+
+    async def claim(self) -> int:
+        self.claims += 1
+        await self.open.wait()
+        return self.threads
+
+    def release(self) -> None:
+        self.releases += 1
+
+
+async def test_a_request_to_the_idle_core_waits_for_its_claim_and_runs_on_the_granted_threads(
+        client: EngineClient, engine: LLMEngine) -> None:
+    import asyncio
+
+    import torch
+
+    before = torch.get_num_threads()
+    share = _GatedShare(threads=2)
+    assert client.share_cores(share)
+    try:
+        held = client.generate("held", [5, 6, 7, 8], GREEDY)
+        first = asyncio.create_task(anext(held))
+        for _ in range(5):
+            stats = await client.refresh_stats()
+            assert not first.done() and stats["running"] + stats["waiting"] == 0  # nothing reached the core
+        share.open.set()
+        await asyncio.wait_for(first, 60)
+        assert (await client.refresh_stats())["threads"] == 2  # set ahead of the request, in order
+        await client.set_threads(1)  # a busy core's threads change between steps, confirmed
+        assert (await client.refresh_stats())["threads"] == 1 and torch.get_num_threads() == 1
+        assert share.claims == 1
+        assert isinstance([e async for e in held][-1], FinishEvent)
+    finally:
+        torch.set_num_threads(before)
+    assert share.releases == 1
+    events = [e async for e in client.generate("next", [5, 6, 7, 8], GREEDY)]
+    assert isinstance(events[-1], FinishEvent)
+    assert share.claims == 2 and share.releases == 2  # each time the core went idle, it released

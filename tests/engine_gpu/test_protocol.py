@@ -19,6 +19,7 @@ from engine_gpu.protocol import (
     Hello,
     ProtocolError,
     Rejected,
+    SetThreads,
     Shutdown,
     StatsReply,
     StatsRequest,
@@ -53,6 +54,7 @@ def test_client_messages_round_trip() -> None:
         AddRequest("r2", [1, 2, 3], params, Priority.REALTIME, [4, 5], cache_salt="0123456789abcdef" * 2),
         AbortRequest("r1", 4),
         StatsRequest(5),
+        SetThreads(6, 2),
         Shutdown(),
     ):
         assert decode_client_message(payload(message)) == message
@@ -112,6 +114,9 @@ async def test_read_frame_from_a_stream() -> None:
         (raw({"t": "stats", "seq": True}), "'seq'"),
         (raw({"t": "stats", "seq": 1, "extra": 2}), "unknown field"),
         (raw({"t": "shutdown", "now": True}), "unknown field"),
+        (raw({"t": "threads", "seq": 1, "threads": 0}), "'threads'"),  # a core computes on at least one
+        (raw({"t": "threads", "seq": 1, "threads": 1 << 20}), "'threads'"),
+        (raw({"t": "threads", "seq": 1}), "'threads'"),
         (raw({1: 2}), "not a valid msgpack"),  # non-string map keys
     ],
 )

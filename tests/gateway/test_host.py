@@ -67,3 +67,21 @@ def test_the_plan_reaches_the_tiers_and_all_cores_means_the_affinity_mask() -> N
     assert host_plan(replace(config, host=HostConfig(cpus=6))).describe() == "CPU budget 6: edge 3, torch 3, drafter 3"
     with pytest.raises(ConfigError, match=r"host\.edge_share"):
         HostConfig(edge_share=1.0)
+
+
+def test_the_threads_follow_the_load_only_where_they_can_move_safely() -> None:
+    from gateway.tiers.build import threads_follow_load, with_host_plan
+
+    shipped = load_config(DEFAULT_CONFIG)
+    shipped = replace(shipped, host=replace(shipped.host, cpus=2))
+    assert threads_follow_load(shipped)
+    planned = with_host_plan(shipped)  # its counts now look configured: the decision travels with it
+    assert planned.host.follow_load and planned.edge.n_threads == 1 and planned.engine.threads == 1
+    for static in (replace(shipped, host=replace(shipped.host, follow_load=False)),
+                   replace(shipped, edge=replace(shipped.edge, n_threads=2)),  # a pool set by hand keeps it
+                   replace(shipped, edge=replace(shipped.edge, backend="onnx"))):  # threads fixed in the session
+        assert not threads_follow_load(static)
+        assert not with_host_plan(static).host.follow_load
+    workers = replace(shipped, limits=replace(shipped.limits, backend="redis"),  # what several workers need
+                      server=replace(shipped.server, workers=2))
+    assert not threads_follow_load(workers)  # every worker's edge would move the one core's threads
