@@ -16,15 +16,26 @@ failed turns (an error status, an error event, a broken stream), and how the cas
 turns (``x_route``). Per level: the tiers' up/down transitions (``gateway_tier_transitions_total``).
 The threads each compute pool ran with come from ``/metrics`` (``gateway_host_threads``).
 
+Threads follow the load as shipped (``[host] follow_load``); a second gateway in the same run
+serves the edge model id alone at 8 and 32 clients with the static split (``follow_load =
+false``), and llama-cpp-python's own OpenAI server (``python -m llama_cpp.server``, the same GGUF,
+``--interrupt_requests False``, its default threads; the ``bench-peer`` extra) serves the same
+streamed chat completions at 32 clients (the largest level below 32 in a shorter run).
+
 ``--splits 1,1,1 2,2,2 ...`` instead runs the cascade alone at 8 and 32 clients under each
 thread split (edge, torch, drafter), a gateway per split: which split serves best here.
 
 Progress on stderr; results in bench/out/cascade_load.json (``--splits``: cascade_splits.json)
 and a plot in docs/img/cascade_load.png; the last stdout line is one JSON object:
-``cascade_over_best_tier_tok_s_c8``, ``cascade_over_best_tier_tok_s_c32``,
-``cascade_ttft_p99_over_best_tier_c32``, ``cascade_failed_c8``, ``cascade_failed_c32``,
-``failed`` (every arm), ``tier_down_transitions`` (the whole run), ``threads``, ``by_level``
-(per model id: tok/s, TTFT p50/p99 in ms, failed), ``cpu``.
+``cascade_over_best_tier_tok_s_c1`` / ``_c8`` / ``_c32``, ``cascade_ttft_p99_over_best_tier_c32``,
+``cascade_failed_c8``, ``cascade_failed_c32``, ``failed`` (every arm), ``tier_down_transitions``
+(the whole run), ``threads`` (at start), ``by_level`` (per model id: tok/s, TTFT p50/p99 in ms,
+failed); the edge alone: ``edge_alone_tok_s_c8`` / ``_c32``, the same with the static split
+(``*_static``) and their ratio (``edge_alone_over_static_c8`` / ``_c32``), ``edge_ttft_p50_ms_c32``,
+``edge_ttft_p99_ms_c32``, ``edge_c32_over_c8_tok_s``, ``peer_tok_s_c32`` and
+``edge_over_peer_tok_s_c32`` (HTTP arms only); the budget's moves over the main run:
+``thread_reassignments_per_s``, ``thread_claims`` and ``thread_claim_wait_ms_mean`` (what a tier
+that was idle waited for its threads); ``cpu``.
 
     .venv/bin/python bench/cascade_load.py [--levels 1 8 32 64] [--tokens 64] [--smoke]
     .venv/bin/python bench/cascade_load.py --splits 1,1,1 2,2,2 1,2,2 2,1,1
@@ -436,6 +447,8 @@ async def main_levels(args: argparse.Namespace, directory: Path, cpu: dict[str, 
         levels = await run_levels(gw, args.levels, args.tokens, args.requests_min, args.apis, ["cascade", "edge", "gpu"])
         transitions = gw.transitions() - start
         reassignments_per_s = (gw.reassignments() - moved) / (time.perf_counter() - began)
+        claims = metric_sum(gw.process, "gateway_thread_claim_wait_seconds_count")
+        claim_wait_ms = metric_sum(gw.process, "gateway_thread_claim_wait_seconds_sum") * 1e3 / claims if claims else None
     static_levels = [c for c in (8, 32) if c in args.levels]
     static: dict[int, dict[str, Any]] = {}
     if static_levels:
@@ -444,7 +457,9 @@ async def main_levels(args: argparse.Namespace, directory: Path, cpu: dict[str, 
             static = await run_levels(gw, static_levels, args.tokens, args.requests_min, args.apis, ["edge"])
     peer = await run_peer(args, directory, 32 if 32 in args.levels else max(args.levels))
     summary = {**headline(levels, transitions, threads), **edge_figures(levels, static, peer),
-               "thread_reassignments_per_s": round(reassignments_per_s, 2), "cpu": cpu["model"]}
+               "thread_reassignments_per_s": round(reassignments_per_s, 2),
+               "thread_claims": claims, "thread_claim_wait_ms_mean": round(claim_wait_ms, 2) if claim_wait_ms else claim_wait_ms,
+               "cpu": cpu["model"]}
     img = figure_path("cascade_load.png", args.smoke)
     plot(levels, threads, cpu, img)
     write_json(result_path("cascade_load.json", args.smoke), {

@@ -27,6 +27,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0
 CONFIDENCE_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 GC_PAUSE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+CLAIM_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 VOICE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
@@ -160,6 +161,9 @@ class GatewayMetrics:
         self.thread_reassignments = Counter(
             "gateway_thread_reassignments", "Changes of a compute pool's threads as the load moved between the "
             "tiers ([host] follow_load)", registry=r)
+        self.thread_claim_wait = Histogram(
+            "gateway_thread_claim_wait_seconds", "What a tier that was idle waited for its threads before computing "
+            "(the busy tier shrinking at its next step)", ["pool"], buckets=CLAIM_BUCKETS, registry=r)
         self.tier_transitions = Counter("gateway_tier_transitions", "Up/down changes of a tier's health", ["tier"],
                                         registry=r)
         self.gc_pause = Histogram(

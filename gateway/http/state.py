@@ -112,7 +112,8 @@ class GatewayState:
         for pool, threads in (("cpus", plan.cpus), ("edge", plan.edge), ("torch", plan.engine),
                               ("drafter", plan.drafter)):
             self.metrics.host_threads.labels(pool).set(threads)
-        self.cores = arbiter_for(self.config, self.engines, self._threads_moved)
+        self.cores = arbiter_for(self.config, self.engines, self._threads_moved,
+                                 lambda pool, seconds: self.metrics.thread_claim_wait.labels(pool).observe(seconds))
         self.router = build_router(self.config, self.engines, self.metrics)
         self.models = dict(self.router.routes)
         self.owns_engines = owned

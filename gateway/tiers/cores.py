@@ -58,10 +58,12 @@ class _Share:
 class CoreArbiter:
     """Moves ``cpus`` threads between pools (``add``); runs on the gateway's event loop.
 
-    ``on_threads(pool, threads)`` is told each pool's new count (the gateway's gauge)."""
+    ``on_threads(pool, threads)`` is told each pool's new count (the gateway's gauge),
+    ``on_claim(pool, seconds)`` how long each claim waited for the busy pools to make room."""
 
     def __init__(self, cpus: int, *, lend_after_s: float = 0.05, change_timeout_s: float = 10.0,
                  on_threads: Callable[[str, int], None] | None = None,
+                 on_claim: Callable[[str, float], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if cpus < 1:
             raise ValueError(f"cpus must be >= 1, got {cpus}")
@@ -69,6 +71,7 @@ class CoreArbiter:
         self.lend_after_s = lend_after_s
         self.change_timeout_s = change_timeout_s
         self._on_threads = on_threads
+        self._on_claim = on_claim
         self._clock = clock
         self._pools: dict[str, _Pool] = {}
         self._lock = asyncio.Lock()
@@ -122,8 +125,11 @@ class CoreArbiter:
                 raise
             room = self.cpus - sum(p.threads for p in self._pools.values() if p is not pool and p.busy)
             self._set(pool, max(1, min(wanted[name], room)))
+        waited = self._clock() - started
         self.claims += 1
-        self.claim_wait_seconds += self._clock() - started
+        self.claim_wait_seconds += waited
+        if self._on_claim is not None:
+            self._on_claim(name, waited)
         return pool.threads
 
     def release(self, name: str) -> None:
@@ -173,7 +179,8 @@ class CoreArbiter:
 
 
 def arbiter_for(config: Config, engines: Mapping[str, object],
-                on_threads: Callable[[str, int], None] | None = None) -> CoreArbiter | None:
+                on_threads: Callable[[str, int], None] | None = None,
+                on_claim: Callable[[str, float], None] | None = None) -> CoreArbiter | None:
     """The arbiter that moves the host plan's threads between the edge and the torch core, or
     None where they stay as planned (``threads_follow_load``)."""
     if not threads_follow_load(config):
@@ -183,7 +190,8 @@ def arbiter_for(config: Config, engines: Mapping[str, object],
     if not isinstance(edge, SharesCores) or not isinstance(torch, SharesCores):
         return None
     core = max(plan.engine, plan.drafter)  # the core's torch threads and its drafter take turns
-    arbiter = CoreArbiter(plan.cpus, lend_after_s=config.host.lend_after_ms / 1000.0, on_threads=on_threads)
+    arbiter = CoreArbiter(plan.cpus, lend_after_s=config.host.lend_after_ms / 1000.0, on_threads=on_threads,
+                          on_claim=on_claim)
     if not arbiter.add("edge", edge, plan.edge, plan.edge):
         log.info("threads: the %s edge's threads are fixed at load; both tiers keep the plan's", config.edge.backend)
         return None
