@@ -409,7 +409,8 @@ def headline(levels: dict[int, dict[str, Any]], transitions: float, threads: dic
     }
 
 
-def plot(levels: dict[int, dict[str, Any]], threads: dict[str, int], cpu: dict[str, Any], path: Path) -> None:
+def plot(levels: dict[int, dict[str, Any]], threads: dict[str, int], cpu: dict[str, Any], path: Path,
+         static: dict[int, dict[str, Any]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -422,6 +423,12 @@ def plot(levels: dict[int, dict[str, Any]], threads: dict[str, int], cpu: dict[s
         ax1.plot(xs, [levels[c]["models"][model]["tok_s"] for c in xs], style, label=labels[model])
         p99 = [levels[c]["models"][model]["ttft_p99_ms"] for c in xs]
         ax2.plot(xs, [v / 1e3 if v is not None else float("nan") for v in p99], style, label=labels[model])
+    if static:
+        cs = sorted(static)
+        edge = [static[c]["models"]["edge"] for c in cs]
+        label = "edge alone, static split"
+        ax1.plot(cs, [e["tok_s"] for e in edge], "x:", color="C1", label=label)
+        ax2.plot(cs, [e["ttft_p99_ms"] / 1e3 for e in edge], "x:", color="C1", label=label)
     ax1.set(xscale="log", xlabel="concurrent streaming turns", ylabel="tokens/s received", title="Throughput")
     ax2.set(xscale="log", yscale="log", xlabel="concurrent streaming turns", ylabel="seconds",
             title="Time to first token, p99")
@@ -431,7 +438,8 @@ def plot(levels: dict[int, dict[str, Any]], threads: dict[str, int], cpu: dict[s
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     split = ", ".join(f"{pool} {threads.get(pool, 0)}" for pool in POOLS)
-    fig.suptitle(f"Real SmolLM2-135M tiers through the gateway, HTTP + Realtime; threads: {split}\n"
+    fig.suptitle(f"Real SmolLM2-135M tiers through the gateway, HTTP + Realtime; threads follow the load "
+                 f"(split when both busy: {split})\n"
                  f"{cpu['model']}, {cpu['cores']} cores", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -461,7 +469,7 @@ async def main_levels(args: argparse.Namespace, directory: Path, cpu: dict[str, 
                "thread_claims": claims, "thread_claim_wait_ms_mean": round(claim_wait_ms, 2) if claim_wait_ms else claim_wait_ms,
                "cpu": cpu["model"]}
     img = figure_path("cascade_load.png", args.smoke)
-    plot(levels, threads, cpu, img)
+    plot(levels, threads, cpu, img, static)
     write_json(result_path("cascade_load.json", args.smoke), {
         "summary": summary, "levels": {str(c): v for c, v in levels.items()}, "cpu": cpu,
         "static_levels": {str(c): v for c, v in static.items()},

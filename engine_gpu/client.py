@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import secrets
-import shutil
 import socket
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from engine_gpu.config import EngineConfig
+from engine_gpu.core_spawn import ready_address, remove_private_socket_dir, stop_process
 from engine_gpu.protocol import (
     MAX_REQUEST_ID_CHARS,
-    PRIVATE_SOCKET_PREFIX,
     AbortDone,
     AbortRequest,
     AddRequest,
@@ -66,7 +63,6 @@ from llm_shared.tokenizer import Tokenizer
 log = logging.getLogger("engine_gpu.client")
 
 CONNECT_TIMEOUT_S = 30.0
-SHUTDOWN_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -127,12 +123,12 @@ class EngineClient:
         )
         tokenizer_task = asyncio.create_task(asyncio.to_thread(tokenizer_for, model_cfg))
         try:
-            address = await asyncio.wait_for(_ready_address(process), startup_timeout)
+            address = await asyncio.wait_for(ready_address(process), startup_timeout)
             tokenizer = await tokenizer_task
             return await cls.connect(address, secret=secret, tokenizer=tokenizer, process=process)
         except BaseException:
             tokenizer_task.cancel()
-            await _stop_process(process)
+            await stop_process(process)
             raise
 
     @classmethod
@@ -269,8 +265,8 @@ class EngineClient:
         self._ready = False  # from here on the connection ends on purpose: no warning
         self._writer.close()
         if self._process is not None:
-            await _stop_process(self._process)
-            _remove_private_socket_dir(self.address)  # left behind if the core was killed
+            await stop_process(self._process)
+            remove_private_socket_dir(self.address)  # left behind if the core was killed
         self._read_task.cancel()
         await asyncio.gather(self._read_task, return_exceptions=True)
         self._fail_all("the engine client was closed")
@@ -468,44 +464,3 @@ def kv_use(stats: Mapping[str, float]) -> float:
     """Share of a torch engine's KV blocks in use (0 before it reported any), from ``stats()``."""
     total = stats.get("kv_blocks_total", 0.0)
     return stats.get("kv_blocks_in_use", 0.0) / total if total > 0 else 0.0
-
-
-async def _ready_address(process: asyncio.subprocess.Process) -> str:
-    """The address from the core's ready line, or the typed error it reported."""
-    assert process.stdout is not None
-    line = await process.stdout.readline()
-    if not line:
-        code = await process.wait()
-        raise errors.EngineUnavailableError(f"the engine core exited with code {code} before it was ready (see its log)")
-    try:
-        report = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise errors.EngineUnavailableError(f"the engine core wrote an unreadable ready line: {line[:200]!r}") from e
-    if "address" in report:
-        return str(report["address"])
-    message = str(report.get("error", "unknown error"))
-    if report.get("code") == errors.ModelFileError.code:
-        raise errors.ModelFileError(message)
-    if report.get("code") == "config_error":
-        raise errors.ConfigError(message)
-    raise errors.EngineUnavailableError(f"the engine core failed to start: {message}")
-
-
-async def _stop_process(process: asyncio.subprocess.Process) -> None:
-    if process.stdin is not None and not process.stdin.is_closing():
-        process.stdin.close()  # the core exits on its own when its stdin closes
-    try:
-        await asyncio.wait_for(process.wait(), SHUTDOWN_TIMEOUT_S)
-    except TimeoutError:
-        log.warning("engine core %d did not stop in %.0f s; killing it", process.pid, SHUTDOWN_TIMEOUT_S)
-        process.kill()
-        await process.wait()
-
-
-def _remove_private_socket_dir(address: str) -> None:
-    """The temp dir of a core's private unix socket ('unix:/tmp/engine-core-*/core.sock')."""
-    if not address.startswith("unix:"):
-        return
-    directory = Path(address[len("unix:"):]).parent
-    if directory.name.startswith(PRIVATE_SOCKET_PREFIX):
-        shutil.rmtree(directory, ignore_errors=True)

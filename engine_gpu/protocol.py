@@ -9,11 +9,10 @@ Challenge (a fresh random nonce), the client answers Authenticate (an HMAC-SHA25
 under the shared secret), and only then does the core send Hello and accept commands. Until
 then frames are capped at ``PRE_AUTH_MAX_FRAME_BYTES`` and the peer has ``AUTH_TIMEOUT_S``.
 
-Client -> core: Authenticate (first), AddRequest, AbortRequest, StatsRequest, SetThreads,
-Shutdown.
-Core -> client: Challenge (first), Hello (once authenticated), StepOutputs (each step), Rejected
-(an add refused), AbortDone (blocks freed), StatsReply (also the answer to SetThreads, once the
-new thread count is in force), ErrorReply (a message the core could not accept).
+Client -> core: Authenticate (first), AddRequest, AbortRequest, StatsRequest, SetThreads, Shutdown.
+Core -> client: Challenge (first), Hello (once authenticated), StepOutputs (each step), Rejected (an
+add refused), AbortDone (blocks freed), StatsReply (also SetThreads' answer, once it is in force),
+ErrorReply (a message the core could not accept).
 """
 
 from __future__ import annotations
@@ -105,12 +104,8 @@ class StatsRequest:
 
 
 @dataclass(frozen=True)
-class SetThreads:
-    """Compute with ``threads`` threads (torch's intra-op pool and the drafter's) from the next
-    step on; answered by a StatsReply with the same seq once in force. The gateway moves cores
-    between the tiers with it (gateway/tiers/cores.py)."""
-
-    seq: int
+class SetThreads:  # the gateway moving the host's threads between tiers (gateway/tiers/cores.py)
+    seq: int  # echoed in the StatsReply sent once the count is in force
     threads: int
     t: Literal["threads"] = "threads"
 
@@ -314,7 +309,7 @@ def _to_wire(m: ClientMessage | CoreMessage) -> dict[str, Any]:
             return {"t": m.t, "id": m.request_id, "seq": m.seq}
         case StatsRequest() | StatsReply():
             return {"t": m.t, "seq": m.seq, **({"stats": m.stats} if isinstance(m, StatsReply) else {})}
-        case SetThreads():
+        case SetThreads():  # torch's and the drafter's threads from the next step
             return {"t": m.t, "seq": m.seq, "threads": m.threads}
         case Shutdown():
             return {"t": m.t}
@@ -489,10 +484,8 @@ def decode_core_message(payload: bytes) -> CoreMessage:
 def _output_from_wire(raw: Any) -> RequestOutput:
     try:
         request_id, tokens, finish = raw
-        events = [
-            TokenEvent(int(tok), str(text), float(lp), tuple((int(i), float(p)) for i, p in top))
-            for tok, text, lp, top in tokens
-        ]
+        events = [TokenEvent(int(tok), str(text), float(lp), tuple((int(i), float(p)) for i, p in top))
+                  for tok, text, lp, top in tokens]
         fin = None
         if finish is not None:
             reason, prompt_tokens, completion_tokens, cached_tokens, text, message = finish

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from gated_share import GatedShare
 
 from engine_edge.config import EdgeConfig
 from engine_edge.llama_cpp_backend import LlamaCppBackend
@@ -17,24 +18,6 @@ from llm_shared.modelfile import default_gguf_path
 pytestmark = pytest.mark.model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-
-class GatedShare:
-    """Claims answer once ``open`` is set, with ``threads``."""
-
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
-        self.open = asyncio.Event()
-        self.claims = 0
-        self.releases = 0
-
-    async def claim(self) -> int:
-        self.claims += 1
-        await self.open.wait()
-        return self.threads
-
-    def release(self) -> None:
-        self.releases += 1
 
 
 @pytest.fixture

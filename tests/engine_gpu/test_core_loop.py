@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from gated_share import GatedShare
 from tiny_engine import write_tiny_model
 
 from engine_gpu.client import EngineClient
@@ -201,23 +202,6 @@ async def _collect_stream(stream: object) -> list[object]:
     return [e async for e in stream]  # type: ignore[attr-defined]
 
 
-class _GatedShare:
-    def __init__(self, threads: int) -> None:
-        import asyncio
-
-        self.threads = threads
-        self.open = asyncio.Event()
-        self.claims = self.releases = 0
-
-    async def claim(self) -> int:
-        self.claims += 1
-        await self.open.wait()
-        return self.threads
-
-    def release(self) -> None:
-        self.releases += 1
-
-
 async def test_a_request_to_the_idle_core_waits_for_its_claim_and_runs_on_the_granted_threads(
         client: EngineClient, engine: LLMEngine) -> None:
     import asyncio
@@ -225,7 +209,7 @@ async def test_a_request_to_the_idle_core_waits_for_its_claim_and_runs_on_the_gr
     import torch
 
     before = torch.get_num_threads()
-    share = _GatedShare(threads=2)
+    share = GatedShare(threads=2)
     assert client.share_cores(share)
     try:
         held = client.generate("held", [5, 6, 7, 8], GREEDY)
