@@ -103,6 +103,7 @@ class WorkerFront(EdgeBackend):
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._cores: ClaimOnWork | None = None  # share_cores: a claim on the host's cores while requests run
         self._held: list[GenerateCmd] = []  # requests waiting for that claim before they reach the worker
+        self._proposing = 0  # drafts asked for and not yet answered (work, like an open request)
         self._worker = worker_factory(self._commands)
         self._thread = threading.Thread(target=self._worker.run, name=thread_name, daemon=True)
         self._thread.start()
@@ -164,7 +165,7 @@ class WorkerFront(EdgeBackend):
         Runtime's session), which then computes on its static share."""
         if not callable(getattr(self._worker.context, "set_threads", None)):
             return False
-        self._cores = ClaimOnWork(share, self._apply_threads, lambda: bool(self._open))
+        self._cores = ClaimOnWork(share, self._apply_threads, lambda: bool(self._open) or self._proposing > 0)
         return True
 
     async def set_threads(self, threads: int) -> None:
@@ -281,8 +282,16 @@ class WorkerFront(EdgeBackend):
         self._require_ready()
         context = check_draft_request(context_ids, k, self.n_vocab, self.n_ctx_seq)
         cmd = ProposeCmd(context, k)
-        self._commands.put(cmd)
-        return await asyncio.wrap_future(cmd.done)
+        self._proposing += 1
+        try:
+            if self._cores is not None:
+                await self._cores.ready()  # a draft computes too: on the tier's claim
+            self._commands.put(cmd)
+            return await asyncio.wrap_future(cmd.done)
+        finally:
+            self._proposing -= 1
+            if self._cores is not None:
+                self._cores.settle()
 
     def stats(self) -> dict[str, float]:
         return {**self._worker.snapshot, "open_streams": float(len(self._open))}

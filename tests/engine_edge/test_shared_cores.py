@@ -77,3 +77,14 @@ async def test_set_threads_is_in_force_from_the_next_step(edge: LlamaCppBackend)
     await edge.set_threads(1)
     events = [e async for e in edge.generate("c", prompt(edge), GREEDY)]
     assert isinstance(events[-1], FinishEvent) and edge.stats()["threads"] == 1
+
+
+async def test_a_draft_waits_for_the_claim_too_and_releases_it(edge: LlamaCppBackend) -> None:
+    share = GatedShare(threads=2)
+    assert edge.share_cores(share)
+    draft = asyncio.create_task(edge.propose(prompt(edge), 3))
+    await edge.probe()
+    assert not draft.done() and edge.stats()["draft_prefill_tokens"] == 0  # the worker has not seen it
+    share.open.set()
+    assert len((await asyncio.wait_for(draft, 60)).token_ids) == 3
+    assert share.claims == share.releases == 1 and edge.stats()["threads"] == 2
