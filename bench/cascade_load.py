@@ -18,7 +18,8 @@ The threads each compute pool ran with come from ``/metrics`` (``gateway_host_th
 
 Threads follow the load as shipped (``[host] follow_load``); a second gateway in the same run
 serves the edge model id alone at 8 and 32 clients with the static split (``follow_load =
-false``), and llama-cpp-python's own OpenAI server (``python -m llama_cpp.server``, the same GGUF,
+false``), a third the same with the torch tier stopped (synthetic: the edge holds every core at
+every moment), and llama-cpp-python's own OpenAI server (``python -m llama_cpp.server``, the same GGUF,
 ``--interrupt_requests False``, its default threads; the ``bench-peer`` extra) serves the same
 streamed chat completions at 32 clients (the largest level below 32 in a shorter run).
 
@@ -31,7 +32,8 @@ and a plot in docs/img/cascade_load.png; the last stdout line is one JSON object
 ``cascade_failed_c8``, ``cascade_failed_c32``, ``failed`` (every arm), ``tier_down_transitions``
 (the whole run), ``threads`` (at start), ``by_level`` (per model id: tok/s, TTFT p50/p99 in ms,
 failed); the edge alone: ``edge_alone_tok_s_c8`` / ``_c32``, the same with the static split
-(``*_static``) and their ratio (``edge_alone_over_static_c8`` / ``_c32``), ``edge_ttft_p50_ms_c32``,
+(``*_static``) and their ratio (``edge_alone_over_static_c8`` / ``_c32``), holding every core
+(``*_whole``) and the ratio to it (``edge_alone_over_whole_c8`` / ``_c32``), ``edge_ttft_p50_ms_c32``,
 ``edge_ttft_p99_ms_c32``, ``edge_c32_over_c8_tok_s``, ``peer_tok_s_c32`` and
 ``edge_over_peer_tok_s_c32`` (HTTP arms only); the budget's moves over the main run:
 ``thread_reassignments_per_s``, ``thread_claims`` and ``thread_claim_wait_ms_mean`` (what a tier
@@ -239,12 +241,16 @@ async def run_arm(url: str, model: str, api: str, concurrency: int, n_turns: int
 # ---- the gateway -------------------------------------------------------------------------------------
 
 def derive_config(directory: Path, max_clients: int, threads: tuple[int, int, int] | None,
-                  follow_load: bool = True, tag: str = "") -> Path:
+                  budget: str = "follow", tag: str = "") -> Path:
     """The shipped default config with per-key limits raised for the benchmark's one key (and the
-    pools' threads set, for a split; the host's budget held static, for the static arm)."""
+    pools' threads set, for a split). ``budget``: "follow" as shipped, "static" (``[host]
+    follow_load = false``), or "whole": the torch tier synthetic (it computes nothing), so the
+    edge holds every core at every moment."""
     raw = tomllib.loads(DEFAULT_CONFIG.read_text(encoding="utf-8"))
-    if not follow_load:
+    if budget == "static":
         raw.setdefault("host", {})["follow_load"] = False
+    elif budget == "whole":
+        raw.setdefault("engine", {})["backend"] = "synthetic"
     server = raw.setdefault("server", {})
     server.update(api_keys=[API_KEY], api_keys_env="", requests_per_minute=1_000_000,
                   tokens_per_minute=100_000_000, max_sessions_per_key=4 * max_clients + 64,
@@ -287,8 +293,8 @@ def host_threads(server: GatewayProcess) -> dict[str, int]:
 
 class Gateway:
     def __init__(self, directory: Path, max_clients: int, threads: tuple[int, int, int] | None, tag: str,
-                 follow_load: bool = True) -> None:
-        self.config_path = derive_config(directory, max_clients, threads, follow_load, tag)
+                 budget: str = "follow") -> None:
+        self.config_path = derive_config(directory, max_clients, threads, budget, tag)
         self.process = GatewayProcess(self.config_path, directory / f"gateway-{tag}.log", "127.0.0.1")
         config = load_config(self.config_path)
         self.ids = {"cascade": config.routing.cascade_model, "edge": config.routing.edge_model,
@@ -359,9 +365,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def edge_figures(levels: dict[int, dict[str, Any]], static: dict[int, dict[str, Any]],
-                 peer: tuple[int, float] | None) -> dict[str, Any]:
+                 whole: dict[int, dict[str, Any]], peer: tuple[int, float] | None) -> dict[str, Any]:
     """The edge model id alone: with the moving budget (the shipped one), with the static split
-    (``*_static``, another gateway in the same run), and against llama-cpp-python's server."""
+    (``*_static``) and holding every core (``*_whole``, the torch tier stopped), each another
+    gateway in the same run, and against llama-cpp-python's server."""
     def edge(table: dict[int, dict[str, Any]], c: int, key: str) -> Any:
         value = table[c]["models"]["edge"][key] if c in table else None
         return round(value, 1) if value is not None else None
@@ -371,6 +378,8 @@ def edge_figures(levels: dict[int, dict[str, Any]], static: dict[int, dict[str, 
         out[f"edge_alone_tok_s_c{c}"] = edge(levels, c, "tok_s")
         out[f"edge_alone_tok_s_c{c}_static"] = edge(static, c, "tok_s")
         out[f"edge_alone_over_static_c{c}"] = ratio(edge(levels, c, "tok_s"), edge(static, c, "tok_s"))
+        out[f"edge_alone_tok_s_c{c}_whole"] = edge(whole, c, "tok_s")
+        out[f"edge_alone_over_whole_c{c}"] = ratio(edge(levels, c, "tok_s"), edge(whole, c, "tok_s"))
     out["edge_ttft_p50_ms_c32"] = edge(levels, 32, "ttft_p50_ms")
     out["edge_ttft_p99_ms_c32"] = edge(levels, 32, "ttft_p99_ms")
     out["edge_c32_over_c8_tok_s"] = ratio(edge(levels, 32, "tok_s"), edge(levels, 8, "tok_s"))
@@ -459,12 +468,16 @@ async def main_levels(args: argparse.Namespace, directory: Path, cpu: dict[str, 
         claim_wait_ms = metric_sum(gw.process, "gateway_thread_claim_wait_seconds_sum") * 1e3 / claims if claims else None
     static_levels = [c for c in (8, 32) if c in args.levels]
     static: dict[int, dict[str, Any]] = {}
+    whole: dict[int, dict[str, Any]] = {}
     if static_levels:
         progress(f"the edge model id alone with the static split ([host] follow_load = false) at {static_levels}")
-        async with Gateway(directory, max(static_levels), None, "static", follow_load=False) as gw:
+        async with Gateway(directory, max(static_levels), None, "static", budget="static") as gw:
             static = await run_levels(gw, static_levels, args.tokens, args.requests_min, args.apis, ["edge"])
+        progress(f"the edge model id alone holding every core (the torch tier synthetic) at {static_levels}")
+        async with Gateway(directory, max(static_levels), None, "whole", budget="whole") as gw:
+            whole = await run_levels(gw, static_levels, args.tokens, args.requests_min, args.apis, ["edge"])
     peer = await run_peer(args, directory, 32 if 32 in args.levels else max(args.levels))
-    summary = {**headline(levels, transitions, threads), **edge_figures(levels, static, peer),
+    summary = {**headline(levels, transitions, threads), **edge_figures(levels, static, whole, peer),
                "thread_reassignments_per_s": round(reassignments_per_s, 2),
                "thread_claims": claims, "thread_claim_wait_ms_mean": round(claim_wait_ms, 2) if claim_wait_ms else claim_wait_ms,
                "cpu": cpu["model"]}
@@ -473,6 +486,7 @@ async def main_levels(args: argparse.Namespace, directory: Path, cpu: dict[str, 
     write_json(result_path("cascade_load.json", args.smoke), {
         "summary": summary, "levels": {str(c): v for c, v in levels.items()}, "cpu": cpu,
         "static_levels": {str(c): v for c, v in static.items()},
+        "whole_levels": {str(c): v for c, v in whole.items()},
         "settings": {k: getattr(args, k) for k in ("levels", "tokens", "requests_min", "apis", "smoke")},
         "plot": str(img)})
     return summary
