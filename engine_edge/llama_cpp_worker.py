@@ -107,6 +107,7 @@ class LlamaWorker(SlotAdmission):
         if threads != self._ctx.n_threads:
             self._ctx.set_threads(threads)
             self._counters["thread_changes"] += 1
+            self._publish()  # before the caller hears it is done
 
     # ---- main loop -------------------------------------------------------------------------
 

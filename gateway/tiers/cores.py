@@ -171,6 +171,12 @@ class CoreArbiter:
         if self._on_threads is not None:
             self._on_threads(pool.name, threads)
 
+    async def settled(self) -> None:
+        """Returns once a lend under way (a tier that went idle) has been made."""
+        task = self._lend_task
+        if task is not None:
+            await asyncio.shield(task)
+
     async def close(self) -> None:
         task, self._lend_task = self._lend_task, None
         if task is not None:
