@@ -46,6 +46,7 @@ class GatewayState:
     engines: dict[str, Engine] = field(default_factory=dict)
     router: Router | None = None
     cores: CoreArbiter | None = None  # moves the host's threads to the tiers with work ([host] follow_load)
+    _drafter_follows_torch: bool = field(default=False, init=False)  # its gauge moves with torch's threads
     models: dict[str, str] = field(default_factory=dict)  # served model id -> route (cascade, edge, gpu)
     owns_engines: bool = False  # close the engines at cleanup (False when a test passed them in)
     connections: set[RealtimeConnection] = field(default_factory=set)  # live WebSocket sessions
@@ -112,6 +113,7 @@ class GatewayState:
         for pool, threads in (("cpus", plan.cpus), ("edge", plan.edge), ("torch", plan.engine),
                               ("drafter", plan.drafter)):
             self.metrics.host_threads.labels(pool).set(threads)
+        self._drafter_follows_torch = plan.drafter > 0  # the drafter takes turns with torch's threads
         self.cores = arbiter_for(self.config, self.engines, self._threads_moved,
                                  lambda pool, seconds: self.metrics.thread_claim_wait.labels(pool).observe(seconds))
         self.router = build_router(self.config, self.engines, self.metrics)
@@ -126,8 +128,8 @@ class GatewayState:
     def _threads_moved(self, pool: str, threads: int) -> None:
         self.metrics.thread_reassignments.inc()
         self.metrics.host_threads.labels(pool).set(threads)
-        if pool == "torch" and host_plan(self.config).drafter:
-            self.metrics.host_threads.labels("drafter").set(threads)  # it takes turns with torch's threads
+        if pool == "torch" and self._drafter_follows_torch:
+            self.metrics.host_threads.labels("drafter").set(threads)
 
     def start_router(self) -> None:
         if self.router is not None:

@@ -77,9 +77,7 @@ class CoreArbiter:
         self._lock = asyncio.Lock()
         self._lend_task: asyncio.Task[None] | None = None
         self.reassignments = 0  # pool thread counts changed (claims and lends)
-        self.change_seconds = 0.0  # waiting for busy pools to confirm a change
         self.claims = 0
-        self.claim_wait_seconds = 0.0  # what idle tiers waited for their cores before computing
 
     def add(self, name: str, tier: SharesCores, split: int, threads: int) -> bool:
         """Move ``tier``'s threads from now on; it computes on ``threads`` now and on ``split``
@@ -95,12 +93,6 @@ class CoreArbiter:
     def pools(self) -> dict[str, int]:
         """Each pool's threads now."""
         return {name: pool.threads for name, pool in self._pools.items()}
-
-    def stats(self) -> dict[str, float]:
-        return {"reassignments": float(self.reassignments), "change_seconds": self.change_seconds,
-                "claims": float(self.claims), "claim_wait_seconds": self.claim_wait_seconds,
-                **{f"threads_{name}": float(pool.threads) for name, pool in self._pools.items()},
-                **{f"busy_{name}": float(pool.busy) for name, pool in self._pools.items()}}
 
     def _wanted(self) -> dict[str, int]:
         """The busy pools' threads: the whole budget for one alone, the static split for several."""
@@ -125,11 +117,9 @@ class CoreArbiter:
                 raise
             room = self.cpus - sum(p.threads for p in self._pools.values() if p is not pool and p.busy)
             self._set(pool, max(1, min(wanted[name], room)))
-        waited = self._clock() - started
         self.claims += 1
-        self.claim_wait_seconds += waited
         if self._on_claim is not None:
-            self._on_claim(name, waited)
+            self._on_claim(name, self._clock() - started)
         return pool.threads
 
     def release(self, name: str) -> None:
@@ -151,7 +141,6 @@ class CoreArbiter:
 
     async def _change(self, pool: _Pool, threads: int) -> None:
         """Set a busy pool's threads and wait until it computes on them."""
-        started = self._clock()
         try:
             await asyncio.wait_for(pool.tier.set_threads(threads), self.change_timeout_s)
         except (EngineError, TimeoutError, OSError) as e:
@@ -159,8 +148,6 @@ class CoreArbiter:
             # keeps the count it had, and the claimant gets what is left.
             log.warning("the %s pool did not take %d threads: %s", pool.name, threads, e)
             return
-        finally:
-            self.change_seconds += self._clock() - started
         self._set(pool, threads)
 
     def _set(self, pool: _Pool, threads: int) -> None:
