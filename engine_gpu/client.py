@@ -377,7 +377,8 @@ class EngineClient:
                     if out.finish is not None:
                         live.events.put(out.finish)
                         del self._live[out.request_id]
-                self._settle()
+                if not self._live:  # the last request ended (a step's frame with some left costs no call)
+                    self._settle()
             case Rejected():
                 live = self._live.pop(msg.request_id, None)
                 if live is not None:
