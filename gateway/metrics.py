@@ -182,6 +182,9 @@ class GatewayMetrics:
                                      registry=r)
         self.voice_wait = Histogram("gateway_voice_queue_wait_seconds", "Time a voice job queued for a worker",
                                     ["kind"], buckets=VOICE_BUCKETS, registry=r)
+        self.foresight = Counter("gateway_voice_answers_ahead", "Answers started at a pause before the turn ended: "
+                                 "adopted by the turn's response, dropped (the user went on), refused (no room), "
+                                 "failed", ["outcome"], registry=r)
         r.register(EngineStatsCollector(engines))
         self._token_series: dict[str, TokenSeries] = {}
         r.register(TokenCollector(self._token_series))

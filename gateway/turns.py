@@ -111,6 +111,12 @@ class Turn:
         self.dropped: tuple[str, ...] = ()  # item ids a cut left out of the prompt, after prepare
 
     @property
+    def aborted(self) -> bool:
+        """``abort`` was called (an abort before the stream started leaves nothing to abort: the
+        caller must not start it then)."""
+        return self._aborted
+
+    @property
     def sticky_cut(self) -> bool:
         """The prompt was the session's conversation: what ``dropped`` left out stays out of later turns."""
         return self._cuts is not None and self._cuts.sticky

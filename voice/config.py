@@ -77,6 +77,10 @@ class VoiceConfig:
     # resumes makes that job moot), so the transcript is ready when silence_duration_ms ends the
     # turn. 0: transcribe only then. A wasted job costs one utterance's recognition.
     eager_transcribe_ms: int = 160
+    # Once that transcript is in and the turn may end there, its answer is started (prefill and
+    # first tokens, held from the client; docs/voice.md, "Answering ahead"). A turn that goes on
+    # throws that work away: false for a deployment that would rather not spend it.
+    answer_ahead: bool = True
 
     def __post_init__(self) -> None:
         require(self.asr_compute_type in ("int8", "float32"),

@@ -129,7 +129,15 @@ class SpeechPaused:
     speech_end_ms: int
 
 
-VadEvent = SpeechStarted | SpeechPaused | SpeechStopped
+@dataclass(frozen=True)
+class SpeechResumed:
+    """Speech came back within the silence a ``SpeechPaused`` reported (begun at
+    ``speech_end_ms``): the turn did not end there, and what was started for that end is moot."""
+
+    speech_end_ms: int
+
+
+VadEvent = SpeechStarted | SpeechPaused | SpeechResumed | SpeechStopped
 
 
 class SpeechSegmenter:
@@ -221,7 +229,10 @@ class SpeechSegmenter:
             self._speaking_since, self._candidate, self._silence_since = self._candidate, None, None
             return SpeechStarted(max(start_ms - params.prefix_padding_ms, self._floor_ms), start_ms)
         if p >= params.threshold:
-            self._silence_since = None
+            paused = self._silence_since is not None and self._paused_at == self._silence_since
+            silence_since, self._silence_since = self._silence_since, None
+            if paused and silence_since is not None:
+                return SpeechResumed(silence_since * WINDOW_MS)
         elif p < params.neg_threshold and self._silence_since is None:
             self._silence_since = w
         if self._silence_since is None:

@@ -11,14 +11,18 @@ from gateway.ws.responses import ResponseStream
 
 class ActiveResponse:
     def __init__(self, current: Callable[[], ResponseStream | None], cancel: Callable[[ResponseStream, str], None],
-                 release_held: Callable[[], None], error: Callable[[ProtocolError], None]) -> None:
+                 release_held: Callable[[], None], error: Callable[[ProtocolError], None], *,
+                 foresee: Callable[[str, int, str], None], drop_foresight: Callable[[], None]) -> None:
         """``current``: the active response, if any; ``cancel``: end it with a reason;
         ``release_held``: start a response waiting for transcripts if they are in; ``error``: tell
-        the client (an ``error`` event), the session going on."""
+        the client (an ``error`` event), the session going on; ``foresee``, ``drop_foresight``: start
+        the answer a turn would get if it ended at a pause, or drop it (``gateway.ws.foresight``)."""
         self._current = current
         self._cancel = cancel
         self._release_held = release_held
         self._error = error
+        self.foresee = foresee
+        self.drop_foresight = drop_foresight
 
     def writes(self, item_id: str) -> bool:
         active = self._current()

@@ -33,6 +33,11 @@ class SpeechPaused:
 
 
 @dataclass(frozen=True)
+class SpeechResumed:
+    speech_end_ms: int  # the paused silence that speech came back in: the turn did not end there
+
+
+@dataclass(frozen=True)
 class SpeechEndProposed:
     """semantic_vad: the audio says the turn ended, at ``audio_end_ms``, in the silence begun at
     ``speech_end_ms``; the words confirm it (``InputAudio.confirm_end``)."""
@@ -47,7 +52,7 @@ class SpeechStopped:
     speech_end_ms: int  # where that silence began
 
 
-SpeechEvent = SpeechStarted | SpeechPaused | SpeechEndProposed | SpeechStopped
+SpeechEvent = SpeechStarted | SpeechPaused | SpeechResumed | SpeechEndProposed | SpeechStopped
 
 
 class Segmenter(Protocol):
@@ -167,6 +172,8 @@ class InputAudio:
             return SpeechStarted(event.audio_start_ms + origin)
         if isinstance(event, SpeechPaused):
             return SpeechPaused(event.speech_end_ms + origin)
+        if isinstance(event, SpeechResumed):
+            return SpeechResumed(event.speech_end_ms + origin)
         if isinstance(event, SpeechEndProposed):
             return SpeechEndProposed(event.speech_end_ms + origin, event.audio_end_ms + origin)
         return SpeechStopped(event.audio_end_ms + origin, event.speech_end_ms + origin)

@@ -26,6 +26,10 @@ class StartGeneration:
     constraints: OutputConstraints | None = None
     # How the prompt may shrink to fit the serving tier's context (the session's truncation); None: disabled.
     cuts: PromptCuts | None = None
+    # This very request was started before the turn ended (``Foresee``, under this response id):
+    # the adapter hands that engine request to this response instead of starting one. False: start
+    # one (and drop any answer started ahead: it was for another turn).
+    foreseen: bool = False
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,21 @@ class AbortGeneration:
     response_id: str
 
 
+
+
+@dataclass(frozen=True)
+class Foresee:
+    """Command: start ``request`` now, before the user's turn has ended (at a pause whose
+    transcript came), and hold its engine events: the response the turn will start if it ends
+    there takes them over (``StartGeneration.foreseen``, under the same response id). Nothing of it reaches
+    the client unless taken over; a new ``Foresee`` or ``DropForesight`` ends the one held."""
+
+    request: StartGeneration  # its ``response_id``: the one the turn's response gets if it takes it over
+
+
+@dataclass(frozen=True)
+class DropForesight:
+    """Command: the answer started ahead is moot (the user went on, the buffer was cleared): abort it."""
 
 
 @dataclass(frozen=True)
@@ -91,5 +110,5 @@ class CancelSpeech:
     response_id: str
 
 
-Command = (StartGeneration | AbortGeneration | AdmitResponse | Transcribe | CancelTranscription | Synthesize
-           | CancelSpeech)
+Command = (StartGeneration | AbortGeneration | Foresee | DropForesight | AdmitResponse | Transcribe
+           | CancelTranscription | Synthesize | CancelSpeech)

@@ -29,7 +29,8 @@ from gateway.shaping import Grammars
 from gateway.turns import Turn
 from gateway.ws.client_frames import ClientFrames
 from gateway.ws.codec import FrameCodec
-from gateway.ws.commands import AbortGeneration, AdmitResponse, StartGeneration
+from gateway.ws.commands import AbortGeneration, AdmitResponse, DropForesight, Foresee, StartGeneration
+from gateway.ws.foreseen import AnswersAhead
 from gateway.ws.frame_gate import FrameGate
 from gateway.ws.outbox import Outbox
 from gateway.ws.server_events import ErrorEvent, ResponseDone, ServerEvent, TextDelta
@@ -96,6 +97,9 @@ class RealtimeConnection:
         self._turns: dict[str, Turn] = {}  # response id -> its turn, once created
         self._engines_used: set[Engine] = set()  # told at teardown that this conversation is over
         self._aborted: set[str] = set()  # aborted before the engine request started
+        self._ahead = AnswersAhead(self._turn, self._turns, on_engine=self._engines_used.add,
+                                   deliver=self._engine_event, ended=self._pump_soon,
+                                   counted=lambda outcome: metrics.foresight.labels(outcome).inc())
         self._writer: asyncio.Task[None] | None = None
         self._closing = False  # set the moment a close is decided: no client frame is taken after it
         self._close_task: asyncio.Task[None] | None = None  # a server-side close: flush, then the close frame
@@ -190,9 +194,10 @@ class RealtimeConnection:
         await self._pump()
         if self._voice is not None:
             await self._voice.close()
+        self._ahead.drop()
         for response_id in list(self._turns):
             await self._abort(response_id)
-        tasks = list(self._tasks.values())
+        tasks = list(self._tasks.values()) + list(self._ahead.tasks)
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=ABORT_GRACE_S)
             for task in pending:
@@ -330,6 +335,11 @@ class RealtimeConnection:
                 self._start(command)
             elif isinstance(command, AbortGeneration):
                 await self._abort(command.response_id)
+            elif isinstance(command, Foresee):
+                if command.request.constraints is None or self._grammars is not None:
+                    self._ahead.start(command)
+            elif isinstance(command, DropForesight):
+                self._ahead.drop()
             elif isinstance(command, AdmitResponse):  # server VAD's turn: charged like a client's
                 self.session.response_admitted(await self._admit())
             elif self._voice is not None:
@@ -366,8 +376,17 @@ class RealtimeConnection:
             elif event.status == "failed":
                 self._metrics.errors.labels("realtime", str(event.error_code)).inc()
 
+    def _turn(self, command: StartGeneration) -> Turn:
+        return Turn(router=self._router, model=command.model, messages=command.messages, params=command.params,
+                    priority=Priority.REALTIME, request_id=command.response_id, api="realtime",
+                    metrics=self._metrics, limits=self._limits, key_id=self.key_id, session_id=self.session_id,
+                    abort_timeout_s=self._config.engine_abort_timeout_s, grammars=self._grammars,
+                    constraints=command.constraints, cuts=command.cuts)
+
     def _start(self, command: StartGeneration) -> None:
         rid = command.response_id
+        if self._ahead.adopt(command, self.session):  # the answer started before the turn ended
+            return
         if command.constraints is not None and self._grammars is None:
             # Never run a turn that may call tools without its grammar (its calls would be unchecked).
             self.session.engine_failed(rid, InvalidRequestError("this server cannot enforce tool calls",
@@ -375,11 +394,7 @@ class RealtimeConnection:
             return
         # With tools, the grammar is compiled at prepare for the chosen engine's tokenizer; a schema
         # it cannot enforce fails the response with an error naming the field (RealtimeSession.engine_failed).
-        turn = Turn(router=self._router, model=command.model, messages=command.messages, params=command.params,
-                    priority=Priority.REALTIME, request_id=rid, api="realtime", metrics=self._metrics,
-                    limits=self._limits, key_id=self.key_id, session_id=self.session_id,
-                    abort_timeout_s=self._config.engine_abort_timeout_s, grammars=self._grammars,
-                    constraints=command.constraints, cuts=command.cuts)
+        turn = self._turn(command)
         try:
             turn.choose()
         except EngineError as e:
@@ -417,7 +432,7 @@ class RealtimeConnection:
                     self.session.context_truncated(turn.dropped)
                 if rid in self._aborted:
                     return
-                await turn.run(lambda event: self._engine_event(turn, event))
+                await turn.run(lambda event: self._engine_event(rid, turn, event))
             except EngineError as e:
                 self.session.engine_failed(rid, e)
             except Exception:  # a bug in an engine must end this response, not the connection
@@ -429,10 +444,9 @@ class RealtimeConnection:
             self._aborted.discard(rid)
             await turn.aclose()
 
-    def _engine_event(self, turn: Turn, event: StreamEvent) -> None:
-        """One engine event of ``turn``, called from the engine's step (``Turn.run``): into the
-        session, and its events out at once."""
-        rid = turn.request_id
+    def _engine_event(self, rid: str, turn: Turn, event: StreamEvent) -> None:
+        """One engine event of ``turn`` (response ``rid``), called from the engine's step
+        (``Turn.run``): into the session, and its events out at once."""
         session = self.session
         if type(event) is TokenEvent and not self._pump_lock.locked():
             # Most events: a token whose one event is its delta, with nothing ahead of it (no pump

@@ -18,12 +18,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from gateway.shaping import CallStream
 from gateway.ws.active_response import ActiveResponse
 from gateway.ws.commands import AbortGeneration, CancelSpeech, CancelTranscription, Command, StartGeneration
-from gateway.ws.conversation import Conversation
+from gateway.ws.conversation import Conversation, Item
 from gateway.ws.events import (
     AudioEvent,
     ClientEvent,
@@ -38,16 +39,17 @@ from gateway.ws.events import (
     SessionUpdate,
     parse_client_event,
 )
+from gateway.ws.foresight import Foresight
 from gateway.ws.ids import SessionIds
 from gateway.ws.items import ItemStore
-from gateway.ws.prompt import ResponsePrompt
+from gateway.ws.response_plan import plan_response
 from gateway.ws.responses import ResponseStream
 from gateway.ws.server_events import Emitter, ServerEvent, TextDelta
 from gateway.ws.settings import SessionSettings
 from gateway.ws.speech_out import SpeechOut
 from gateway.ws.voice_input import VoiceHooks, VoiceInput
 from gateway.ws.wire import item_wire, session_wire
-from llm_shared.contract import FinishEvent, SamplingParams, StreamEvent, TokenEvent
+from llm_shared.contract import FinishEvent, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError
 from llm_shared.structured import SchemaError, ToolCallFamily
 from voice.alignment import Mark
@@ -96,7 +98,9 @@ class RealtimeSession:
         self._started = False
         self._voice = voice
         self._held: Callable[[], None] | None = None  # starts the active response once transcripts are in
-        active = ActiveResponse(lambda: self._active, self._cancel, self._release_held, self._error)
+        self._foresight = Foresight(self._commands)  # the answer started at a pause, before the turn ended
+        active = ActiveResponse(lambda: self._active, self._cancel, self._release_held, self._error,
+                                foresee=self._foresee, drop_foresight=self._foresight.drop)
         self._items = ItemStore(self._conversation, limits, self._ids, self._events, beta, writer=active)
         self._voice_in = VoiceInput(limits, voice, self._items, self._ids, self._events, self._commands, turns=active,
                                     clock=clock)
@@ -258,6 +262,7 @@ class RealtimeSession:
         started meanwhile) or refused (the adapter has told the client why). Never raises."""
         self._voice_in.admission_answered()
         if not ok or self._active is not None:
+            self._foresight.drop()
             return
         try:
             self._response_create(ResponseCreate(event_id=None))
@@ -295,6 +300,7 @@ class RealtimeSession:
             self._session_update(event)
         elif isinstance(event, ItemCreate):
             self._items.create(event)
+            self._foresight.drop()
         elif isinstance(event, ItemDelete):
             self._item_delete(event)
         elif isinstance(event, ItemRetrieve):
@@ -320,6 +326,7 @@ class RealtimeSession:
 
     def _item_delete(self, event: ItemDelete) -> None:
         self._items.delete(event.item_id)
+        self._foresight.drop()  # the conversation an answer was started for has changed
         if self._voice_in.forget(event.item_id):
             self._commands.append(CancelTranscription(event.item_id))  # its job's work is moot: freed now
         self._release_held()
@@ -351,45 +358,33 @@ class RealtimeSession:
             raise ProtocolError("invalid_value", "conversation must be \"auto\", \"none\" or this session's "
                                 "conversation id", "response.conversation")
         in_conversation = event.conversation != "none"
-        settings = self._settings.view
-        constraints = settings.constraints
-        if event.tools is not None:
-            constraints = self._settings.tools(event.tools, "response", constraints)
-        audio = self._settings.audio(event.audio, "response")
-        if audio.output_audio:
-            self._voice_in.seat("response.output_modalities")
         items = self._items.in_context() if event.input is None else self._items.resolve_input(event.input)
-        prompt = ResponsePrompt(settings.instructions if event.instructions is None else event.instructions, items,
-                                constraints, self._settings.family, max_chars=self._limits.max_conversation_chars,
-                                param="response.input" if event.input is not None else None)
+        plan = plan_response(self._settings, self._limits, event, items, in_conversation=in_conversation)
+        if plan.audio.output_audio:
+            self._voice_in.seat("response.output_modalities")
+        prompt = plan.prompt
         waits = any(self._voice_in.waits_for(item.id) for item in items)
         messages = [] if waits else prompt.render()
         if in_conversation:
             self._items.check_room(extra_items=1, extra_chars=0, param=None)
-        max_output = event.max_output_tokens if event.max_output_tokens is not None else settings.max_output_tokens
-        max_tokens = self._limits.max_output_tokens if max_output == "inf" else int(max_output)
-        temperature = settings.temperature if event.temperature is None else event.temperature
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=event.ignore_eos)
-        # The grammar Turn compiles allows calls exactly when the constraints do (build_grammar), so
-        # the output is parsed for calls from the first token, before the grammar exists.
-        # (_apply_tools refused callable tools already where the model has no family.)
-        family = self._settings.family if constraints.calls_allowed else None
+        # The answer started ahead of this turn's end (gateway.ws.foresight), when it is this very
+        # request, is this response: it has the id that answer was started under.
+        ahead = None if waits else self._foresight.take(plan.command("", messages), [i.id for i in items])
+        if waits:
+            self._foresight.drop()
+        family = plan.family
         response = ResponseStream(
-            response_id=self._ids("resp"), conversation=self._conversation if in_conversation else None,
-            conversation_id=self._conversation.id, max_output_tokens=max_output, temperature=temperature,
-            metadata=event.metadata, beta=self._beta, ids=self._ids, events=self._events,
-            calls=CallStream(family.new_parser()) if family is not None else None,
-            audio=audio, speech=self._speech_factory())
+            response_id=ahead or self._ids("resp"), conversation=self._conversation if in_conversation else None,
+            conversation_id=self._conversation.id, max_output_tokens=plan.max_output,
+            temperature=plan.params.temperature, metadata=event.metadata, beta=self._beta, ids=self._ids,
+            events=self._events, calls=CallStream(family.new_parser()) if family is not None else None,
+            audio=plan.audio, speech=self._speech_factory())
         self._active = response
         self._active_event_id = event.event_id
         response.created()
-        cuts = prompt.cuts(settings.truncation, sticky=in_conversation and event.input is None)
 
         def start(messages: list[dict[str, str]]) -> None:
-            self._commands.append(StartGeneration(response_id=response.id, messages=messages, params=params,
-                                                  metadata=dict(event.metadata or {}), model=settings.model,
-                                                  constraints=constraints if family is not None else None,
-                                                  cuts=cuts))
+            self._commands.append(replace(plan.command(response.id, messages), foreseen=ahead is not None))
 
         if not waits:
             start(messages)
@@ -407,6 +402,20 @@ class RealtimeSession:
             start(messages)
 
         self._held = release
+
+    def _foresee(self, item_id: str, cut: int, transcript: str) -> None:
+        """The user paused, and the words so far are ``transcript``: start the answer the turn will
+        get if it ends here (``gateway.ws.foresight``). Nothing is said to the client."""
+        if self._active is not None:
+            return
+        speech = Item(id=item_id, role="user", parts=[transcript], audio=True)
+        items = [*self._items.in_context(), speech]
+        try:
+            plan = plan_response(self._settings, self._limits, ResponseCreate(event_id=None), items, in_conversation=True)
+            command = plan.command(self._ids("resp"), plan.prompt.render())
+        except ProtocolError:
+            return  # the response says why, if the turn ends here
+        self._foresight.start(command, [i.id for i in items])
 
     def _response_cancel(self, event: ResponseCancel) -> None:
         active = self._active

@@ -45,6 +45,7 @@ from gateway.ws.audio_input import (
     SegmenterFactory,
     SpeechEndProposed,
     SpeechPaused,
+    SpeechResumed,
     SpeechStarted,
     SpeechStopped,
 )
@@ -96,12 +97,13 @@ class VoiceSeats:
 @dataclass(frozen=True)
 class VoiceHooks:
     """What a session needs of the voice pipeline without doing I/O: a server VAD per session, a
-    phrase splitter per audio response, and the server's voice seats (None: unbounded). None where
-    the server has no voice."""
+    phrase splitter per audio response, the server's voice seats (None: unbounded), and whether a
+    turn's answer is started at its pause (``gateway.ws.foresight``). None where the server has no voice."""
 
     segmenters: SegmenterFactory
     phrases: Callable[[], PhraseSplitter]
     seats: VoiceSeats | None = None
+    answer_ahead: bool = True
 
 
 class Turns(Protocol):
@@ -116,6 +118,13 @@ class Turns(Protocol):
     def transcripts_changed(self) -> None:
         """A transcript came, failed or was dropped: a response waiting for them may start."""
 
+    def foresee(self, item_id: str, cut: int, transcript: str) -> None:
+        """The speech ``item_id`` paused at ``cut`` and its words so far are ``transcript``: start the
+        answer the turn will get if it ends there (``gateway.ws.foresight``)."""
+
+    def drop_foresight(self) -> None:
+        """The answer started ahead is moot: the user went on, or the buffer is gone."""
+
     def error(self, e: ProtocolError) -> None:
         """Tell the client (an ``error`` event), the session going on."""
 
@@ -125,6 +134,7 @@ class VoiceInput:
                  events: Emitter, commands: list[Command], turns: Turns, clock: Callable[[], float]) -> None:
         self._input = InputAudio(limits, hooks.segmenters if hooks is not None else None, clock=clock)
         self._seats = hooks.seats if hooks is not None else None
+        self._answer_ahead = hooks is not None and hooks.answer_ahead
         self._seated = False
         self._limits = limits
         self._items = items
@@ -202,12 +212,14 @@ class VoiceInput:
             audio = self._input.commit()
             self._speech_item, self._proposed = None, None
             self._idle_from = None
+            self._turns.drop_foresight()  # a commit of the client's own is not answered by itself
             self._commit(previous_speech or self._ids("item"), audio, respond=False)
         elif isinstance(event, AudioClear):
             self._input.clear()
             self._speech_item = None
             self._idle_from = None
             self._eager, self._early, self._proposed = None, None, None  # a job started at a pause is moot
+            self._turns.drop_foresight()
             self._events.emit("input_audio_buffer.cleared")
 
     def _check_size(self, audio: bytes) -> None:
@@ -226,6 +238,7 @@ class VoiceInput:
         self._streamed.pop(item_id, None)
         if transcribing or (self._eager is not None and self._eager[0] == item_id):
             self._eager = None
+            self._turns.drop_foresight()
             return True
         return False
 
@@ -250,6 +263,9 @@ class VoiceInput:
                         item_id=self._speech_item, tag=speech.speech_end_ms,
                         audio=self._input.peek(self._speech_start_ms, speech.speech_end_ms),
                         judge_end=vad is not None and vad.kind == "semantic_vad"))
+                continue
+            if isinstance(speech, SpeechResumed):
+                self._turns.drop_foresight()  # the user went on: the turn did not end at that pause
                 continue
             if isinstance(speech, SpeechEndProposed):
                 self._proposed = speech.speech_end_ms
@@ -290,6 +306,7 @@ class VoiceInput:
             self._commit(item_id, audio, respond=vad is not None and vad.create_response, cut=speech.speech_end_ms)
         except ProtocolError as e:  # no room for the item: said, and the chunk's later speech still counts
             self._eager, self._early = None, None
+            self._turns.drop_foresight()
             self._turns.error(e)
 
     def response_finished(self, audio_ms: int) -> None:
@@ -385,6 +402,7 @@ class VoiceInput:
             if self._eager == (item_id, tag):
                 self._early = _Early(transcript, seconds, finished)  # the turn may end at this pause
                 self._check_proposal()
+                self._foresee(item_id, tag, transcript, finished)
             return
         item, expected = entry
         if tag != expected:
@@ -401,6 +419,16 @@ class VoiceInput:
         self._events.emit("conversation.item.input_audio_transcription.completed", item_id=item_id, content_index=0,
                           transcript=transcript, usage={"type": "duration", "seconds": round(seconds, 3)})
         self._turns.transcripts_changed()
+
+    def _foresee(self, item_id: str, cut: int, transcript: str, finished: bool | None) -> None:
+        """The words of the pause at ``cut`` came and the turn is still open: its answer is
+        started ahead if the turn's end will start one (not when the words say it goes on)."""
+        vad = self._vad
+        if (not self._answer_ahead or vad is None or not vad.create_response or finished is False or not transcript.strip()
+                or self._eager != (item_id, cut) or self._speech_item != item_id
+                or self._admitting or self._turns.responding()):
+            return
+        self._turns.foresee(item_id, cut, transcript)
 
     def transcription_failed(self, item_id: str, message: str, tag: int = 0, code: str = "transcription_failed") -> None:
         """The item's speech could not be transcribed: it stays in the conversation without a

@@ -20,7 +20,14 @@ from collections.abc import Callable, Hashable
 import numpy as np
 
 from gateway.ws.audio_events import EAGERNESS_MAX_WAIT_MS, ServerVad
-from gateway.ws.audio_input import SpeechEndProposed, SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
+from gateway.ws.audio_input import (
+    SpeechEndProposed,
+    SpeechEvent,
+    SpeechPaused,
+    SpeechResumed,
+    SpeechStarted,
+    SpeechStopped,
+)
 from gateway.ws.voice_input import VoiceHooks, VoiceSeats
 from gateway.ws.voice_link import Heard
 from voice.alignment import Mark
@@ -30,6 +37,7 @@ from voice.semantic import SemanticEvent, SemanticSegmenter
 from voice.semantic import SpeechEndProposed as VadProposed
 from voice.service import VoiceService
 from voice.vad import SpeechPaused as VadPaused
+from voice.vad import SpeechResumed as VadResumed
 from voice.vad import SpeechSegmenter, VadParams
 from voice.vad import SpeechStarted as VadStarted
 
@@ -72,6 +80,8 @@ def _speech_event(event: SemanticEvent) -> SpeechEvent:
         return SpeechStarted(event.audio_start_ms)
     if isinstance(event, VadPaused):
         return SpeechPaused(event.speech_end_ms)
+    if isinstance(event, VadResumed):
+        return SpeechResumed(event.speech_end_ms)
     if isinstance(event, VadProposed):
         return SpeechEndProposed(event.speech_end_ms, event.audio_end_ms)
     return SpeechStopped(event.audio_end_ms, event.speech_end_ms)
@@ -85,7 +95,7 @@ class GatewayVoice:
         self.service = service = VoiceService(config, observer=observer)
         self.seats = VoiceSeats(config.voice_sessions(len(os.sched_getaffinity(0))))
         self.hooks = VoiceHooks(segmenters=lambda vad: _Segmenter(service, vad), phrases=service.phrase_splitter,
-                                seats=self.seats)
+                                seats=self.seats, answer_ahead=config.answer_ahead)
         turns = ("Smart Turn" + (f" with the words read by {service.text_turn.path.name}" if service.text_turn else "")
                  if service.turn is not None else "no turn model")
         log.info("voice ready in %.1f s: Silero VAD, Whisper (%s), %s; semantic_vad: %s", time.perf_counter() - started,

@@ -9,17 +9,27 @@ from __future__ import annotations
 import base64
 import itertools
 import struct
+from dataclasses import replace
 from typing import Any
 
 from session_helpers import drain
 
 from gateway.ws.audio_events import PCM_BYTES_PER_MS, ServerVad
-from gateway.ws.audio_input import SpeechEndProposed, SpeechEvent, SpeechPaused, SpeechStarted, SpeechStopped
+from gateway.ws.audio_input import (
+    SpeechEndProposed,
+    SpeechEvent,
+    SpeechPaused,
+    SpeechResumed,
+    SpeechStarted,
+    SpeechStopped,
+)
 from gateway.ws.commands import (
     AbortGeneration,
     AdmitResponse,
     CancelSpeech,
     CancelTranscription,
+    DropForesight,
+    Foresee,
     StartGeneration,
     Synthesize,
     Transcribe,
@@ -53,6 +63,8 @@ class LoudnessVad:
                 self.speaking, self.quiet_ms = True, 0
                 events.append(SpeechStarted(max(self.ms - self.vad.prefix_padding_ms, 0)))
             elif self.speaking:
+                if loud and self.pause_ms and self.quiet_ms >= self.pause_ms:
+                    events.append(SpeechResumed(self.ms - self.quiet_ms))
                 self.quiet_ms = 0 if loud else self.quiet_ms + 10
                 if self.pause_ms and self.quiet_ms == self.pause_ms:
                     events.append(SpeechPaused(self.ms + 10 - self.pause_ms))
@@ -372,6 +384,8 @@ def test_transcription_starts_at_a_pause_and_its_transcript_serves_the_turn() ->
     assert len(eager.audio) == 800 * PCM_BYTES_PER_MS  # the speech so far, without the silence
     session.transcribed(eager.item_id, "Lights on.", 0.8, eager.tag)  # ready before the turn ends
     assert drain(session) == []
+    (ahead,) = session.commands()  # the answer the turn gets if it ends here, started now
+    assert isinstance(ahead, Foresee) and ahead.request.messages[-1]["content"] == "Lights on."
     events = append(session, tone(300, QUIET))
     assert types(events) == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
                              "conversation.item.added", "conversation.item.done",
@@ -381,8 +395,77 @@ def test_transcription_starts_at_a_pause_and_its_transcript_serves_the_turn() ->
     assert isinstance(admit, AdmitResponse)
     session.response_admitted(True)
     assert types(drain(session)) == ["response.created"]
-    (start,) = session.commands()  # the transcript is in: the response starts at once
+    (start,) = session.commands()  # the transcript is in: the response starts at once, on the answer started ahead
     assert isinstance(start, StartGeneration) and start.messages[-1]["content"] == "Lights on."
+    assert start.foreseen and start.messages == ahead.request.messages and start.params == ahead.request.params
+    assert start.response_id == ahead.request.response_id  # the response has the id the answer was started under
+
+
+def test_an_answer_started_at_a_pause_is_dropped_when_the_user_goes_on() -> None:
+    session = make(hooks=EAGER)
+    append(session, tone(200, QUIET) + tone(600, LOUD) + tone(300, QUIET))
+    (eager,) = session.commands()
+    session.transcribed(eager.item_id, "Turn on the", 0.8, eager.tag)
+    (ahead,) = session.commands()
+    assert isinstance(ahead, Foresee)
+    append(session, tone(400, LOUD))  # the user goes on: the turn did not end at that pause
+    assert [type(c) for c in session.commands()] == [DropForesight]
+    append(session, tone(200, QUIET))
+    (second,) = session.commands()
+    session.transcribed(second.item_id, "Turn on the lights.", 1.4, second.tag)
+    (again,) = session.commands()
+    assert isinstance(again, Foresee) and again.request.response_id != ahead.request.response_id
+    assert again.request.messages[-1]["content"] == "Turn on the lights."
+    append(session, tone(400, QUIET))
+    session.commands()
+    session.response_admitted(True)
+    (start,) = session.commands()
+    assert start.foreseen and start.response_id == again.request.response_id
+    assert start.messages[-1]["content"] == "Turn on the lights."
+
+
+def test_an_answer_started_ahead_is_not_taken_over_by_another_conversation() -> None:
+    session = make(hooks=EAGER)
+    append(session, tone(200, QUIET) + tone(600, LOUD) + tone(300, QUIET))
+    (eager,) = session.commands()
+    session.transcribed(eager.item_id, "Lights on.", 0.8, eager.tag)
+    (ahead,) = session.commands()
+    session.receive({"type": "session.update", "session": {"instructions": "Answer in French."}})
+    append(session, tone(300, QUIET))
+    session.commands()
+    session.response_admitted(True)
+    (start,) = session.commands()  # the prompt changed since the pause: the answer ahead is not this one
+    assert isinstance(start, StartGeneration) and not start.foreseen and start.response_id != ahead.request.response_id
+    assert start.messages[0]["content"] != ahead.request.messages[0]["content"]
+
+
+def test_an_answer_started_ahead_is_dropped_with_the_buffer_or_a_refused_turn() -> None:
+    session = make(hooks=EAGER)
+
+    def pause() -> Foresee:
+        append(session, tone(600, LOUD) + tone(300, QUIET))
+        (eager,) = session.commands()
+        session.transcribed(eager.item_id, "Lights on.", 0.8, eager.tag)
+        (ahead,) = session.commands()
+        assert isinstance(ahead, Foresee)
+        return ahead
+
+    pause()
+    append(session, tone(300, QUIET))
+    (admit,) = session.commands()
+    assert isinstance(admit, AdmitResponse)
+    session.response_admitted(False)  # the key's limits refused the turn: nothing will take it over
+    assert [type(c) for c in session.commands()] == [DropForesight]
+    pause()
+    session.receive({"type": "input_audio_buffer.clear"})
+    assert [type(c) for c in session.commands()] == [DropForesight]
+    # Words that are only silence start nothing ahead; nor does a server configured not to.
+    for hooks, words in ((EAGER, "  "), (replace(EAGER, answer_ahead=False), "Lights on.")):
+        session = make(hooks=hooks)
+        append(session, tone(600, LOUD) + tone(300, QUIET))
+        (eager,) = session.commands()
+        session.transcribed(eager.item_id, words, 0.8, eager.tag)
+        assert session.commands() == []
 
 
 def test_speech_that_resumes_after_a_pause_is_transcribed_again() -> None:

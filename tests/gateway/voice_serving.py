@@ -12,10 +12,13 @@ A test module makes its own module-scoped fixtures from these (loading the model
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import re
 import wave
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from fake_engine import FakeEngine
@@ -28,6 +31,8 @@ from voice.config import VoiceConfig
 from voice.tts import FliteSynthesizer
 
 QUESTION = "Please turn on the kitchen lights."
+# flite's ``rms`` voice (the API's "echo"): on it the turn model judges clips as a listener would
+SAID_VOICE = "echo"
 CHUNK_MS = 100
 
 
@@ -87,3 +92,60 @@ async def serve(voice: GatewayVoice, engine: FakeEngine, **server: object) -> As
         yield Served(running.url, engine)
     finally:
         await running.stop()
+
+
+def silence(ms: int) -> np.ndarray:
+    return np.zeros(REALTIME_RATE * ms // 1000, np.int16)
+
+
+def said(text: str, *, pause_after: str | None = None, pause_ms: int = 500, voice: str = SAID_VOICE,
+         after_ms: int = 1500) -> tuple[np.ndarray, int]:
+    """``text`` in flite's voice at 24 kHz with 500 ms before and ``after_ms`` after, optionally a pause
+    after the word ``pause_after`` (one utterance cut, so the words before keep their mid-sentence
+    prosody); and where the voice really ends, in ms."""
+    made = FliteSynthesizer().synthesize(text, voice)
+    samples = to_int16(resample(made.samples, made.sample_rate, REALTIME_RATE))
+    parts = [silence(500), samples]
+    if pause_after is not None:
+        char_end = text.index(f" {pause_after} ") + len(pause_after) + 1
+        cut = round(dict(made.marks)[char_end] * REALTIME_RATE / made.sample_rate)
+        parts = [silence(500), samples[:cut], silence(pause_ms), samples[cut:]]
+    audio = np.concatenate([*parts, silence(after_ms)])
+    loud = np.flatnonzero(np.abs(audio.astype(np.int32)) > 328)  # -40 dBFS
+    return audio, (loud[-1] + 1) * 1000 // REALTIME_RATE
+
+
+async def turn(conn: Any, audio: np.ndarray, *, real_time: bool = False) -> dict[str, Any]:
+    """Stream ``audio`` (as fast as it goes, or as a microphone does) and read the events up to
+    the response's end."""
+    if real_time:
+        microphone = asyncio.create_task(stream_in_real_time(conn, audio))
+    else:
+        for chunk in chunks(encode_pcm16(audio)):
+            await conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
+    seen: dict[str, Any] = {"types": [], "transcripts": [], "stopped": []}
+    async for event in conn:
+        seen["types"].append(event.type)
+        if event.type == "input_audio_buffer.speech_stopped":
+            seen["stopped"].append(event.audio_end_ms)
+        elif event.type == "conversation.item.input_audio_transcription.completed":
+            seen["transcripts"].append(event.transcript)
+        elif event.type == "session.updated":
+            seen["turn_detection"] = event.session.audio.input.turn_detection  # type: ignore[union-attr]
+        elif event.type == "error":
+            raise AssertionError(event.error)
+        elif event.type == "response.done":
+            if real_time:
+                await microphone
+            return seen
+    raise AssertionError("the connection closed")
+
+
+async def stream_in_real_time(conn: Any, audio: np.ndarray) -> None:
+    """A microphone: each 40 ms chunk when its time comes (so the server's decisions in a pause
+    are made before the speech after it has arrived)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for n, chunk in enumerate(chunks(encode_pcm16(audio), CHUNK_MS)):
+        await asyncio.sleep(max(0.0, start + n * CHUNK_MS / 1000 - loop.time()))
+        await conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())

@@ -21,7 +21,7 @@ from voice.semantic import CONFIRMED_PAUSE_MS, SemanticSegmenter, SpeechEndPropo
 from voice.text_turn import MAX_WORDS, TextTurnJudge, normalize
 from voice.tts import FliteSynthesizer
 from voice.turn import TurnModel
-from voice.vad import SileroVad, SpeechPaused, SpeechStarted, SpeechStopped, VadParams
+from voice.vad import SileroVad, SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped, VadParams
 
 THRESHOLD = VoiceConfig().text_turn_threshold
 
@@ -172,8 +172,9 @@ def test_the_audio_alone_ends_a_turn_inside_a_pause_and_the_proposal_waits_for_t
     segmenter = SemanticSegmenter(vad_model, turn, VadParams(), max_wait_ms=2000, confirm=True)
     events = fed(segmenter, audio, chunk_ms=40)
     kinds = [type(e) for e in events]
-    assert kinds == [SpeechStarted, SpeechPaused, SpeechEndProposed, SpeechPaused, SpeechEndProposed, SpeechStopped]
-    first, last = events[2], events[4]
+    assert kinds == [SpeechStarted, SpeechPaused, SpeechEndProposed, SpeechResumed, SpeechPaused, SpeechEndProposed,
+                     SpeechStopped]
+    first, last = events[2], events[5]
     assert first.speech_end_ms == cut_off.speech_end_ms  # the pause after "for"
     # proposed sooner than the audio alone ends (160 ms into the silence, not 224), the words to confirm
     assert first.audio_end_ms - first.speech_end_ms == CONFIRMED_PAUSE_MS < cut_off.audio_end_ms - cut_off.speech_end_ms

@@ -14,6 +14,7 @@ from voice.vad import (
     WINDOW,
     SileroVad,
     SpeechPaused,
+    SpeechResumed,
     SpeechSegmenter,
     SpeechStarted,
     SpeechStopped,
@@ -55,20 +56,21 @@ def all_events(model: SileroVad, samples: np.ndarray, params: VadParams | None =
 def events(model: SileroVad, samples: np.ndarray, params: VadParams | None = None,
            chunk: int | None = None) -> list[SpeechStarted | SpeechStopped]:
     """The starts and stops (the API's events; pauses are tested on their own)."""
-    return [e for e in all_events(model, samples, params, chunk) if not isinstance(e, SpeechPaused)]
+    return [e for e in all_events(model, samples, params, chunk) if not isinstance(e, SpeechPaused | SpeechResumed)]
 
 
 def test_a_pause_is_reported_before_the_stop_it_may_become(vad_model: SileroVad, two_sentences: Clip) -> None:
     found = all_events(vad_model, two_sentences.samples, VadParams(silence_duration_ms=1500, pause_ms=160))
     kinds = [type(e) for e in found]
     # A pause after each sentence: the first one is resumed (the second sentence), the last one stops.
-    assert kinds == [SpeechStarted, SpeechPaused, SpeechPaused, SpeechStopped]
-    first, last, stopped = found[1], found[2], found[3]
+    assert kinds == [SpeechStarted, SpeechPaused, SpeechResumed, SpeechPaused, SpeechStopped]
+    first, resumed, last, stopped = found[1], found[2], found[3], found[4]
     assert isinstance(first, SpeechPaused) and isinstance(last, SpeechPaused) and isinstance(stopped, SpeechStopped)
+    assert isinstance(resumed, SpeechResumed) and resumed.speech_end_ms == first.speech_end_ms  # that pause is over
     assert first.speech_end_ms < last.speech_end_ms == stopped.speech_end_ms
     # Chunking changes nothing, and pause_ms 0 reports none.
     assert all_events(vad_model, two_sentences.samples, VadParams(silence_duration_ms=1500), chunk=640) == found
-    assert all(not isinstance(e, SpeechPaused)
+    assert all(not isinstance(e, SpeechPaused | SpeechResumed)
                for e in all_events(vad_model, two_sentences.samples, VadParams(pause_ms=0)))
 
 
