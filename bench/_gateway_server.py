@@ -126,10 +126,11 @@ class GatewayProcess:
         return status == 200 and not [line for line in body.decode().splitlines()
                                       if line.startswith("gateway_worker_up{") and not line.endswith(" 1.0")]
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, default: float | None = None) -> float:
         """The value of a metric in ``/metrics``: ``name`` as it appears there, labels included
         (``'x_count{generation="2"}'``); with several workers, their sum (their ``worker`` label
-        left out of the comparison)."""
+        left out of the comparison). A series not there is an error, or ``default`` where given
+        (a labelled counter appears with its first count)."""
         status, body = self._get("/metrics")
         if status != 200:
             raise BenchError(f"/metrics answered {status}")
@@ -137,6 +138,8 @@ class GatewayProcess:
                                                      if line and not line.startswith("#"))
                   if _WORKER_LABEL.sub("", series).replace("{}", "") == name]
         if not values:
+            if default is not None:
+                return default
             raise BenchError(f"/metrics has no {name}")
         return sum(values)
 

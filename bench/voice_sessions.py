@@ -36,6 +36,11 @@ Measured:
   pause inside them ("I'd like to book a table for ... four people tonight.") whose turn was
   committed inside the pause, before the user finished.
 
+- ``by_sessions_without_ahead``: server VAD's levels ``--without-ahead`` (1 and 4) again, on a
+  second gateway with ``[voice] answer_ahead = false``, after the others in the same run: what
+  starting the answer at the pause gains; ``answers_ahead``: the first gateway's answers started
+  ahead, by outcome (adopted by the turn's response, dropped when the user went on, ...).
+
 Results in bench/out/voice.json, the plot in docs/img/voice.png; the last stdout line is one JSON
 object with those keys (p50 and p99 of the latencies at one session), ``by_sessions`` and ``cpu``.
 ``--format``: the sessions' audio both ways (``audio/pcm`` at 24 kHz, the default; ``audio/pcmu``
@@ -87,7 +92,7 @@ PAUSED = (("I'd like to book a table for", "four people tonight."), ("Can you re
 PAUSES_MS = (300, 450, 600, 800)
 
 
-def derive_config(directory: Path, sessions: int) -> Path:
+def derive_config(directory: Path, sessions: int, *, answer_ahead: bool = True) -> Path:
     raw = tomllib.loads(Path(DEFAULT_CONFIG).read_text(encoding="utf-8"))
     raw.setdefault("routing", {})["default"] = "edge"  # the edge route: the llama.cpp tier alone
     edge = raw.setdefault("edge", {})
@@ -98,7 +103,9 @@ def derive_config(directory: Path, sessions: int) -> Path:
     server["tokens_per_minute"] = 100_000_000
     # Every level's sessions are admitted: this benchmark measures how many fit (voice.max_sessions' default).
     raw.setdefault("voice", {})["max_sessions"] = 4 * sessions + 16
-    path = directory / "voice-bench.toml"
+    if not answer_ahead:
+        raw["voice"]["answer_ahead"] = False
+    path = directory / ("voice-bench.toml" if answer_ahead else "voice-bench-no-ahead.toml")
     path.write_text(dump_toml(raw), encoding="utf-8")
     return path
 
@@ -177,6 +184,27 @@ async def false_endpoints(url: str, model: str, args: argparse.Namespace, clips:
                 continue
             said += 1
     return cut_off, said
+
+
+async def levels_without_ahead(directory: Path, args: argparse.Namespace, clips: dict[str, bytes],
+                               model: str) -> list[dict[str, Any]]:
+    """Server VAD's levels ``args.without_ahead`` again, on a gateway whose turns start their answer
+    only when they end (``[voice] answer_ahead = false``): what answering ahead gains, side by side."""
+    config = derive_config(directory, max(args.without_ahead), answer_ahead=False)
+    gw = GatewayProcess(config, directory / "gateway-no-ahead.log", "127.0.0.1")
+    progress("starting a gateway without answering ahead")
+    gw.start()
+    levels = []
+    try:
+        await gw.wait_ready()
+        for sessions in args.without_ahead:
+            summary = (await run_level(gw.url, model, sessions, args.turns, 0, args, clips, [])).summary()
+            levels.append(summary)
+            progress(f"  without answering ahead, {sessions} session(s): first audio p50 "
+                     f"{summary['speech_to_first_audio_ms_p50']} ms, p99 {summary['speech_to_first_audio_ms_p99']} ms")
+    finally:
+        gw.stop()
+    return levels
 
 
 def words(text: str) -> list[str]:
@@ -277,7 +305,7 @@ def rtf(gw: GatewayProcess, kind: str) -> float | None:
 
 
 def plot(levels: list[dict[str, Any]], cpu: dict[str, Any], path: Path,
-         semantic: list[dict[str, Any]] | None = None) -> None:
+         semantic: list[dict[str, Any]] | None = None, without: list[dict[str, Any]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -285,7 +313,8 @@ def plot(levels: list[dict[str, Any]], cpu: dict[str, Any], path: Path,
 
     xs = [lv["sessions"] for lv in levels]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for name, arm, color in (("server_vad", levels, "C0"), ("semantic_vad", semantic or [], "C1")):
+    for name, arm, color in (("server_vad", levels, "C0"), ("semantic_vad", semantic or [], "C1"),
+                             ("server_vad, no answer ahead", without or [], "C2")):
         for key, style in (("speech_to_first_audio_ms_p50", "o-"), ("speech_to_first_audio_ms_p99", "s--")):
             if arm:
                 ax.plot([lv["sessions"] for lv in arm], [lv[key] for lv in arm], style, color=color,
@@ -341,9 +370,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             cut_off, paused = await false_endpoints(gw.url, model, args, clips, args.paused)
             progress(f"  semantic_vad: {cut_off} of {paused} questions with a pause inside cut off")
             rtfs = {"asr": rtf(gw, "asr"), "tts": rtf(gw, "tts")}
+            ahead = {o: gw.metric(f'gateway_voice_answers_ahead_total{{outcome="{o}"}}', default=0.0)
+                     for o in ("adopted", "dropped", "refused", "failed")}
             problems = gw.log_problems()
         finally:
             gw.stop()
+        without = await levels_without_ahead(Path(tmp), args, clips, model) if args.without_ahead else []
     if problems:
         progress(f"gateway log: {len(problems)} warning/error lines, e.g. {problems[0][:200]}")
     progress(f"truncate exactness: aligning {len(cuts)} played cuts (forced alignment; Whisper word timestamps)")
@@ -374,14 +406,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "by_sessions_semantic": {str(lv["sessions"]): {k: lv[k] for k in ("speech_to_first_audio_ms_p50",
                                                                           "speech_to_first_audio_ms_p99", "failed")}
                                  for lv in semantic},
+        # server VAD on a gateway with [voice] answer_ahead = false, after the others (the same run)
+        "by_sessions_without_ahead": {str(lv["sessions"]): {k: lv[k] for k in (
+            "speech_to_first_audio_ms_p50", "speech_to_first_audio_ms_p99", "failed")} for lv in without},
+        "answers_ahead": ahead,
         "cpu": cpu["model"],
     }
     # A run in another format writes files of its own: the 24 kHz run's plot and figures stay.
     name = "voice" if args.format == "audio/pcm" else f"voice_{args.format.removeprefix('audio/')}"
     img = figure_path(f"{name}.png", args.smoke)
-    plot(levels, cpu, img, semantic)
+    plot(levels, cpu, img, semantic, without)
     write_json(result_path(f"{name}.json", args.smoke), {
-        "summary": summary, "levels": levels, "semantic_levels": semantic, "truncate": exactness, "cpu": cpu, "plot": str(img),
+        "summary": summary, "levels": levels, "semantic_levels": semantic, "without_ahead_levels": without,
+        "truncate": exactness, "cpu": cpu, "plot": str(img),
         "settings": {k: getattr(args, k) for k in ("sessions", "turns", "barge_every", "silence_ms", "tokens",
                                                    "format", "smoke")} | {"chunk_ms": CHUNK_MS}})
     return summary
@@ -396,11 +433,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48, help="max_output_tokens of an answer")
     p.add_argument("--paused", type=int, default=20, help="questions with a pause inside, for false_endpoint_rate")
     p.add_argument("--format", choices=sorted(FORMATS), default="audio/pcm", help="the sessions' audio, both ways")
+    p.add_argument("--without-ahead", type=int, nargs="*", default=[1, 4],
+                   help="server VAD levels measured again on a gateway without [voice] answer_ahead")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
     if args.smoke:
         # one plain turn, one barge-in; two questions with a pause inside
         args.sessions, args.turns, args.barge_every, args.tokens, args.paused = [1], 2, 2, 16, 2
+        args.without_ahead = []
     started = time.perf_counter()
     summary = asyncio.run(main_async(args))
     progress(f"done in {time.perf_counter() - started:.0f} s")
