@@ -24,7 +24,10 @@ from llm_shared.errors import EngineError
 
 log = logging.getLogger(__name__)
 
-HOLD_S = 10.0  # longer than any wait for a turn's end: semantic_vad's longest bound is 3 s, the API's 8 s
+# Longer than any wait for a turn's end (server VAD's silence_duration_ms is at most 10 s,
+# semantic_vad's bound 3 s): a turn that ends never finds its answer expired (whose id it then
+# could not reuse while the engine was still aborting it), and one that never ends frees it.
+HOLD_S = 30.0
 
 
 class ForeseenAnswer:
