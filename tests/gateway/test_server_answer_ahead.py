@@ -100,7 +100,7 @@ async def test_the_answer_starts_at_the_pause_and_the_turns_response_takes_it_ov
 
 async def test_an_answer_started_at_a_pause_the_user_talks_through_is_aborted_and_never_heard(
         voice: GatewayVoice) -> None:
-    audio, _ = said(QUESTION, pause_after="the", pause_ms=900, after_ms=3000)  # "Please turn on the ... kitchen lights."
+    audio, _ = said(QUESTION, pause_after="the", pause_ms=1200, after_ms=3000)  # "Please turn on the ... kitchen lights."
     engine = AskedEngine(tokens_per_second=2.0)  # still answering the half when the user goes on
     async for served in serve(voice, engine):
         seen = await session_turn(served.url, audio)
