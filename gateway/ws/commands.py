@@ -49,6 +49,7 @@ class Foresee:
     the client unless taken over; a new ``Foresee`` or ``DropForesight`` ends the one held."""
 
     request: StartGeneration  # its ``response_id``: the one the turn's response gets if it takes it over
+    voice: str | None = None  # the answer is spoken in this voice: its first phrase is spoken ahead too
 
 
 @dataclass(frozen=True)

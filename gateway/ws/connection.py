@@ -97,9 +97,6 @@ class RealtimeConnection:
         self._turns: dict[str, Turn] = {}  # response id -> its turn, once created
         self._engines_used: set[Engine] = set()  # told at teardown that this conversation is over
         self._aborted: set[str] = set()  # aborted before the engine request started
-        self._ahead = AnswersAhead(self._turn, self._turns, on_engine=self._engines_used.add,
-                                   deliver=self._engine_event, ended=self._pump_soon,
-                                   counted=lambda outcome: metrics.foresight.labels(outcome).inc())
         self._writer: asyncio.Task[None] | None = None
         self._closing = False  # set the moment a close is decided: no client frame is taken after it
         self._close_task: asyncio.Task[None] | None = None  # a server-side close: flush, then the close frame
@@ -110,6 +107,9 @@ class RealtimeConnection:
         self._voice = (VoiceLink(voice, session, self._pump_soon, metrics,
                                  spend=lambda seconds: limits.spend_audio(key_id, seconds))
                        if voice is not None else None)
+        self._ahead = AnswersAhead(self._turn, self._turns, on_engine=self._engines_used.add,
+                                   deliver=self._engine_event, ended=self._pump_soon, speech=self._voice,
+                                   counted=lambda outcome: metrics.foresight.labels(outcome).inc())
         self._gate = gate
         self._frames = ClientFrames(codec, gate, session, metrics, config.max_frame_bytes)
         if gate is not None:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from gateway.turns import Turn
 from gateway.ws.commands import Foresee, StartGeneration
 from gateway.ws.session import RealtimeSession
-from llm_shared.contract import Engine, StreamEvent
+from gateway.ws.speech_out import PhraseSplitter
+from llm_shared.contract import Engine, FinishEvent, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -33,9 +35,14 @@ HOLD_S = 30.0
 class ForeseenAnswer:
     """One engine request started ahead: ``adopt`` hands its events, held and to come, to a response."""
 
-    def __init__(self, turn: Turn, *, on_engine: Callable[[Engine], None], hold_s: float = HOLD_S) -> None:
-        """``on_engine``: told the engine chosen (the connection ends the session there at its end)."""
+    def __init__(self, turn: Turn, *, on_engine: Callable[[Engine], None], hold_s: float = HOLD_S,
+                 phrases: PhraseSplitter | None = None, first_phrase: Callable[[str], None] | None = None) -> None:
+        """``on_engine``: told the engine chosen (the connection ends the session there at its end);
+        ``phrases``: the response's phrase splitter, where it will be spoken: ``first_phrase`` is
+        told its first phrase as soon as the held tokens make one (to speak it ahead too)."""
         self.turn = turn
+        self._phrases = phrases
+        self._first_phrase = first_phrase
         self.failed = False
         self._held: list[StreamEvent] = []
         self._deliver: Callable[[StreamEvent], None] | None = None
@@ -95,8 +102,23 @@ class ForeseenAnswer:
     def _event(self, event: StreamEvent) -> None:
         if self._deliver is not None:
             self._deliver(event)
+            return
+        self._held.append(event)
+        splitter = self._phrases
+        if splitter is None or self._first_phrase is None:
+            return
+        # The phrases the response will ask for, cut the same way (``ResponseStream``): the first
+        # one with words, as soon as it is whole (or at the end, with what is left).
+        if isinstance(event, TokenEvent):
+            phrases = splitter.feed(event.text)
+        elif isinstance(event, FinishEvent) and event.reason in ("stop", "length"):
+            phrases = splitter.feed(event.text or "") + splitter.flush()
         else:
-            self._held.append(event)
+            phrases = []
+        spoken = [p for p in phrases if p.strip()]
+        if spoken:
+            self._phrases = None
+            self._first_phrase(spoken[0])
 
     def _failed(self, error: EngineError) -> None:
         if self._fail is not None:
@@ -106,16 +128,29 @@ class ForeseenAnswer:
             self._held.clear()
 
 
+class SpeechAhead(Protocol):
+    """The connection's voice, as an answer started ahead speaks its first phrase (``VoiceLink``)."""
+
+    def phrases(self) -> PhraseSplitter: ...
+
+    def speak_ahead(self, response_id: str, text: str, voice: str) -> None: ...
+
+    def drop_ahead(self) -> None: ...
+
+
 class AnswersAhead:
     """A connection's answer started ahead (at most one) and the tasks of those still ending."""
 
     def __init__(self, make_turn: Callable[[StartGeneration], Turn], turns: dict[str, Turn], *,
                  on_engine: Callable[[Engine], None], deliver: Callable[[str, Turn, StreamEvent], None],
-                 ended: Callable[[], None], counted: Callable[[str], None], hold_s: float = HOLD_S) -> None:
+                 ended: Callable[[], None], counted: Callable[[str], None], hold_s: float = HOLD_S,
+                 speech: SpeechAhead | None = None) -> None:
         """``make_turn``: the connection's turn for a request; ``turns``: the connection's turns
         by response id (an answer taken over joins them until it ends); ``deliver(response_id,
         turn, event)``: an engine event into the session; ``ended``: a response's request ended
-        (the connection pumps); ``counted(outcome)``: the metric."""
+        (the connection pumps); ``counted(outcome)``: the metric; ``speech``: where a spoken
+        answer's first phrase is spoken ahead (None: the server has no voice)."""
+        self._speech = speech
         self._make_turn = make_turn
         self._turns = turns
         self._deliver = deliver
@@ -134,7 +169,12 @@ class AnswersAhead:
         except EngineError:  # no room now: the response, if the turn ends, asks again
             self._counted("refused")
             return
-        held = ForeseenAnswer(turn, on_engine=self._on_engine, hold_s=self._hold_s)
+        speech, rid = self._speech, turn.request_id
+        spoken = speech is not None and command.voice is not None
+        held = ForeseenAnswer(turn, on_engine=self._on_engine, hold_s=self._hold_s,
+                              phrases=speech.phrases() if speech is not None and spoken else None,
+                              first_phrase=(lambda text: speech.speak_ahead(rid, text, command.voice or ""))
+                              if speech is not None and spoken else None)
         self._held = held
         self.tasks.add(held.task)
         held.task.add_done_callback(self.tasks.discard)
@@ -143,6 +183,8 @@ class AnswersAhead:
         held, self._held = self._held, None
         if held is not None:
             held.drop()
+            if self._speech is not None:
+                self._speech.drop_ahead()
             self._counted("dropped")
 
     def adopt(self, command: StartGeneration, session: RealtimeSession) -> bool:

@@ -40,11 +40,12 @@ class Foresight:
         self._commands = commands
         self._held: tuple[str, tuple[Any, ...]] | None = None  # (its response id, the request it was started for)
 
-    def start(self, command: StartGeneration, item_ids: Sequence[str]) -> None:
+    def start(self, command: StartGeneration, item_ids: Sequence[str], voice: str | None) -> None:
         """Start ``command`` ahead (replacing any held: the adapter holds one); its ``response_id``
-        is the id the turn's response will have if it takes the answer over."""
+        is the id the turn's response will have if it takes the answer over; ``voice``: the
+        answer is spoken in it (its first phrase is spoken ahead too)."""
         self._held = (command.response_id, _same_request(command, item_ids))
-        self._commands.append(Foresee(command))
+        self._commands.append(Foresee(command, voice))
 
     def drop(self) -> None:
         if self._held is not None:

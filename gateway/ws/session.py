@@ -415,7 +415,8 @@ class RealtimeSession:
             command = plan.command(self._ids("resp"), plan.prompt.render())
         except ProtocolError:
             return  # the response says why, if the turn ends here
-        self._foresight.start(command, [i.id for i in items])
+        speaks = plan.audio.output_audio and plan.family is None  # (a call parsed out of it would change its phrases)
+        self._foresight.start(command, [i.id for i in items], plan.audio.voice if speaks else None)
 
     def _response_cancel(self, event: ResponseCancel) -> None:
         active = self._active

@@ -19,12 +19,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.metrics import GatewayMetrics
 from gateway.ws.commands import CancelSpeech, CancelTranscription, Synthesize, Transcribe
 from gateway.ws.server_events import AudioDelta, OtherEvent, ServerEvent
 from gateway.ws.session import RealtimeSession
+from gateway.ws.speech_out import PhraseSplitter
 from gateway.ws.voice_input import VoiceHooks
 from llm_shared.errors import EngineError
 from voice.alignment import Mark
@@ -78,6 +79,9 @@ class VoiceLink:
         self._tasks: set[asyncio.Task[None]] = set()
         self._speech: dict[str, set[asyncio.Task[None]]] = {}  # response id -> its phrases being made
         self._transcripts: dict[str, asyncio.Task[None]] = {}  # item id -> its latest transcription
+        # The first phrase of an answer started ahead of its turn's end, being spoken before its
+        # response asks: (response id, text, voice, the job).
+        self._ahead: tuple[str, str, str, asyncio.Task[tuple[bytes, tuple[Mark, ...]]]] | None = None
         self._closed = False  # the connection is over: pieces still coming from a worker are dropped
 
     def run(self, command: Transcribe | CancelTranscription | Synthesize | CancelSpeech) -> None:
@@ -102,6 +106,21 @@ class VoiceLink:
             for task in self._speech.pop(command.response_id, set()):
                 task.cancel()
 
+    def phrases(self) -> PhraseSplitter:
+        """A splitter that cuts an answer into the phrases a response asks to speak."""
+        return self._service.hooks.phrases()
+
+    def speak_ahead(self, response_id: str, text: str, voice: str) -> None:
+        """Start speaking ``text``, the first phrase of the answer started ahead as ``response_id``
+        (``gateway.ws.foresight``), so that its audio is ready when the response asks for it."""
+        self.drop_ahead()
+        self._ahead = (response_id, text, voice, self._spawn(self._speak(text, voice), f"speak-ahead-{response_id}"))
+
+    def drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[3].cancel()
+
     def observe(self, event: ServerEvent) -> bool:
         """Count a voice event on its way out (VAD decisions, speech-to-first-audio); True if it was one."""
         if isinstance(event, AudioDelta):
@@ -125,7 +144,7 @@ class VoiceLink:
                 await task
         self._speech.clear()
 
-    def _spawn(self, work: object, name: str) -> asyncio.Task[None]:
+    def _spawn(self, work: object, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(work, name=name)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -151,10 +170,26 @@ class VoiceLink:
             self._session.transcribed(command.item_id, heard.text, heard.seconds, command.tag, heard.finished)
         self._pump()
 
+    async def _speak(self, text: str, voice: str) -> tuple[bytes, tuple[Mark, ...]]:
+        await self._spend(max(len(text.strip()), 1) / SPOKEN_CHARS_PER_S)
+        return await self._service.synthesize(text, voice, owner=self)
+
+    def _spoken_ahead(self, command: Synthesize) -> asyncio.Task[tuple[bytes, tuple[Mark, ...]]] | None:
+        """The job speaking ``command``'s phrase ahead, if it is that phrase (one spoken ahead for
+        this response that is not its first phrase after all is dropped)."""
+        ahead = self._ahead
+        if ahead is None or ahead[0] != command.response_id or command.index != 0:
+            return None
+        self._ahead = None
+        if ahead[1:3] == (command.text, command.voice):
+            return ahead[3]
+        ahead[3].cancel()
+        return None
+
     async def _synthesize(self, command: Synthesize) -> None:
+        ahead = self._spoken_ahead(command)
         try:
-            await self._spend(max(len(command.text.strip()), 1) / SPOKEN_CHARS_PER_S)
-            audio, marks = await self._service.synthesize(command.text, command.voice, owner=self)
+            audio, marks = await (ahead if ahead is not None else self._speak(command.text, command.voice))
         except EngineError as e:
             self._session.speech_failed(command.response_id, e.message, e.code)
         except Exception:

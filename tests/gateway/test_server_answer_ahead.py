@@ -48,7 +48,8 @@ class AskedEngine(FakeEngine):
         return list(ANSWER)
 
 
-async def session_turn(served_url: str, audio: object, *, silence_ms: int = SILENCE_MS) -> dict[str, object]:
+async def session_turn(served_url: str, audio: object, *, silence_ms: int = SILENCE_MS,
+                       modality: str = "text") -> dict[str, object]:
     """One turn streamed in real time; the events seen, with the loop time of speech_stopped."""
     from openai import AsyncOpenAI
 
@@ -56,7 +57,7 @@ async def session_turn(served_url: str, audio: object, *, silence_ms: int = SILE
     seen: dict[str, object] = {"types": [], "transcripts": [], "text": ""}
     types: list[str] = seen["types"]  # type: ignore[assignment]
     async with client, client.realtime.connect(model=MODEL) as conn:
-        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "audio": {
+        await conn.session.update(session={"type": "realtime", "output_modalities": [modality], "audio": {
             "input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": silence_ms}}}})
         microphone = asyncio.create_task(stream_in_real_time(conn, audio))  # type: ignore[arg-type]
         async for event in conn:
@@ -65,8 +66,10 @@ async def session_turn(served_url: str, audio: object, *, silence_ms: int = SILE
                 seen["stopped_at"] = asyncio.get_running_loop().time()
             elif event.type == "conversation.item.input_audio_transcription.completed":
                 seen["transcripts"].append(event.transcript)  # type: ignore[attr-defined]
-            elif event.type == "response.output_text.delta":
+            elif event.type in ("response.output_text.delta", "response.output_audio_transcript.delta"):
                 seen["text"] = f"{seen['text']}{event.delta}"
+            elif event.type == "response.output_audio.delta":
+                seen["audio_at"] = seen.get("audio_at") or asyncio.get_running_loop().time()
             elif event.type == "error":
                 raise AssertionError(event.error)
             elif event.type == "response.done":
@@ -116,3 +119,33 @@ async def test_an_answer_started_at_a_pause_the_user_talks_through_is_aborted_an
     assert types.count("input_audio_buffer.committed") == 1 and types.count("response.created") == 1
     assert seen["status"] == "completed" and seen["text"] == "".join(ANSWER)
     assert [words(t) for t in seen["transcripts"]] == [words(QUESTION)]  # type: ignore[attr-defined]
+
+
+class TimedVoice:
+    """The voice pipeline, noting when each phrase's synthesis was asked for."""
+
+    def __init__(self, voice: GatewayVoice) -> None:
+        self._voice = voice
+        self.spoken: list[tuple[float, str]] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._voice, name)
+
+    async def synthesize(self, text: str, voice: str, owner: object = None) -> object:
+        self.spoken.append((asyncio.get_running_loop().time(), text))
+        return await self._voice.synthesize(text, voice, owner=owner)
+
+
+async def test_a_spoken_answer_started_ahead_has_its_first_phrase_spoken_before_the_turn_ends(
+        voice: GatewayVoice) -> None:
+    audio, _ = said(QUESTION, after_ms=3000)
+    timed = TimedVoice(voice)
+    engine = AskedEngine()
+    async for served in serve(timed, engine):  # type: ignore[arg-type]
+        seen = await session_turn(served.url, audio, modality="audio")
+    first = "The lights are on."
+    assert seen["status"] == "completed" and seen["text"] == "".join(ANSWER).rstrip()
+    # Its first phrase was made once, inside the silence, and is what the response sent first.
+    (spoken_at,) = [at for at, t in timed.spoken if t == first]
+    assert spoken_at < seen["stopped_at"] < seen["audio_at"]  # type: ignore[operator]
+    assert [t for _, t in timed.spoken] == [first]  # (the answer is one phrase: nothing else to say)

@@ -386,6 +386,7 @@ def test_transcription_starts_at_a_pause_and_its_transcript_serves_the_turn() ->
     assert drain(session) == []
     (ahead,) = session.commands()  # the answer the turn gets if it ends here, started now
     assert isinstance(ahead, Foresee) and ahead.request.messages[-1]["content"] == "Lights on."
+    assert ahead.voice is None  # a written answer: nothing to speak ahead
     events = append(session, tone(300, QUIET))
     assert types(events) == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
                              "conversation.item.added", "conversation.item.done",
