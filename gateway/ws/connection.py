@@ -335,10 +335,9 @@ class RealtimeConnection:
                 self._start(command)
             elif isinstance(command, AbortGeneration):
                 await self._abort(command.response_id)
-            elif isinstance(command, Foresee):
-                if command.request.constraints is None or self._grammars is not None:
-                    self._ahead.start(command)
-            elif isinstance(command, DropForesight):
+            elif isinstance(command, Foresee) and (command.request.constraints is None or self._grammars is not None):
+                self._ahead.start(command)
+            elif isinstance(command, Foresee | DropForesight):  # (one this server could not run replaces the last too)
                 self._ahead.drop()
             elif isinstance(command, AdmitResponse):  # server VAD's turn: charged like a client's
                 self.session.response_admitted(await self._admit())
