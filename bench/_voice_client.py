@@ -33,6 +33,9 @@ ONSET_LEVEL = 328  # -40 dBFS: where a clip's voice begins
 BARGE_AFTER_S = (0.4, 0.9, 1.5, 2.2)
 TURN_TIMEOUT_S = 120.0
 LONG_ANSWER_TOKENS = 400  # a barge-in turn's answer: still being generated when the user talks over it
+# After an answer has played, the user replies this much later (people take turns ~0.2-0.5 s apart
+# in conversation; a voice app's user, thinking of the next question, rather more).
+REPLY_GAP_S = 0.5
 
 
 def speech_clips(texts: list[str]) -> dict[str, bytes]:
@@ -95,8 +98,10 @@ class _Response:
 class VoiceSession:
     def __init__(self, url: str, model: str, *, silence_ms: int, max_output_tokens: int,
                  api_key: str | None = None, wire_format: AudioFormat = PCM16,
-                 eagerness: str | None = None) -> None:
-        """``eagerness``: turn detection by ``semantic_vad`` with it (else server VAD with ``silence_ms``)."""
+                 eagerness: str | None = None, listen: bool = True) -> None:
+        """``eagerness``: turn detection by ``semantic_vad`` with it (else server VAD with ``silence_ms``);
+        ``listen``: a turn ends once its answer has played (else at its ``response.done``)."""
+        self._listen = listen
         self._url = f"{url.replace('http', 'ws', 1)}/v1/realtime?model={model}"
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._silence_ms = silence_ms
@@ -161,6 +166,7 @@ class VoiceSession:
                             transcribed_ms=_since(self._transcribed_at, end_of_speech))
         if interruption is None:
             await self._wait(response.done)
+            await self._hear_out(response)
             return result
         await asyncio.sleep(BARGE_AFTER_S[self._barges % len(BARGE_AFTER_S)])
         self._barges += 1
@@ -184,6 +190,7 @@ class VoiceSession:
         await speaking
         follow_up = await self._wait(self._new_response.get())  # the interruption is answered too
         await self._wait(self._responses[follow_up].done)
+        await self._hear_out(self._responses[follow_up])
         return result
 
     async def paused_turn(self, before: bytes, pause_ms: int, after: bytes) -> bool:
@@ -205,6 +212,15 @@ class VoiceSession:
                 return false_end
 
     # ----- internals ------------------------------------------------------------------------
+
+    async def _hear_out(self, response: _Response) -> None:
+        """Until ``response`` has played in real time from its first audio, and the user's reply
+        gap after it (nothing when the client does not listen)."""
+        if not self._listen or response.first_audio_at is None:
+            return
+        loop = asyncio.get_running_loop()
+        played_at = response.first_audio_at + len(response.audio) / self._format.bytes_per_ms / 1000
+        await asyncio.sleep(max(0.0, played_at + REPLY_GAP_S - loop.time()))
 
     async def _wait(self, awaitable: Any) -> Any:
         try:

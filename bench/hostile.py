@@ -107,7 +107,10 @@ class Arm:
 
 async def voice_sessions(url: str, arm: Arm, sessions: int, turns: int, clips: dict[str, bytes]) -> None:
     async def one(n: int) -> None:
-        async with VoiceSession(url, MODEL, silence_ms=500, max_output_tokens=24, api_key=KEYS["voice"]) as session:
+        # back to back (each question right after the last answer's response.done): the load its
+        # figures were measured under, a ratio against its own baseline arm
+        async with VoiceSession(url, MODEL, silence_ms=500, max_output_tokens=24, api_key=KEYS["voice"],
+                                listen=False) as session:
             for t in range(turns):
                 try:
                     turn = await session.turn(clips[QUESTIONS[(n + t) % len(QUESTIONS)]])

@@ -1,6 +1,6 @@
 """Voice sessions over the Realtime WebSocket, with the real models: latency, barge-in, capacity.
 
-    .venv/bin/python bench/voice_sessions.py [--sessions 1 2 4 8] [--turns 6] [--format audio/pcmu] [--smoke]
+    .venv/bin/python bench/voice_sessions.py [--sessions 1 2 4 8] [--listening-turns 6] [--format audio/pcmu] [--smoke]
 
 One ``python -m gateway serve`` subprocess with the shipped config on the edge route (the
 llama.cpp tier alone, the embedded model; voice as shipped: Silero VAD, Whisper tiny.en, flite),
@@ -9,6 +9,15 @@ that streams 24 kHz PCM16 in real time (40 ms chunks, silence between utterances
 with the API's defaults (``--silence-ms`` to change), answers spoken (``output_modalities
 ["audio"]``) and played back in real time (simulated: played = time since the first audio).
 Questions are flite's speech of a few short sentences.
+
+The users listen: at a level of several sessions each user asks the next question once the last
+answer has played (and a 0.5 s reply gap), and the users' first questions fall at random moments
+of the first 6 s (seeded), as independent people's turns do (``--listening-turns`` each). A user
+alone asks ``--turns`` questions back to back (nothing else runs, so waiting out the playback would
+only lengthen the run). The stress form (``--back-to-back`` levels: ``by_sessions_back_to_back``,
+``max_voice_sessions_back_to_back``) is how every level ran before 2026-11-29 10:30: all the users
+start at once and each asks again at the last answer's ``response.done``, talking over an answer
+that would still be playing for seconds, a load several times a listening user's.
 
 Measured:
 - ``speech_to_first_audio_ms``: from the moment the last sample of the user's speech was sent to
@@ -29,14 +38,14 @@ Measured:
 - ``asr_rtf``, ``tts_rtf``: the gateway's own figures (/metrics: compute seconds / audio seconds).
 - ``max_voice_sessions``: the most concurrent sessions (of ``--sessions``) whose
   speech-to-first-audio p99 stays under 1.2 s (server VAD); ``max_voice_sessions_semantic``: the
-  same under ``semantic_vad`` (eagerness ``auto``).
+  same under ``semantic_vad`` (eagerness ``auto``, levels ``--semantic-sessions``).
 - ``semantic_first_audio_ms_p50`` / ``_p99``: speech to first audio at one session under
   ``semantic_vad`` (eagerness ``auto``).
 - ``false_endpoint_rate``: under ``semantic_vad``, the share of questions said with a 300-800 ms
   pause inside them ("I'd like to book a table for ... four people tonight.") whose turn was
   committed inside the pause, before the user finished.
 
-- ``by_sessions_without_ahead``: server VAD's levels ``--without-ahead`` (1 and 4) again, on a
+- ``by_sessions_without_ahead``: server VAD's levels ``--without-ahead`` (4) again, on a
   second gateway with ``[voice] answer_ahead = false``, after the others in the same run: what
   starting the answer at the pause gains; ``answers_ahead``: the first gateway's answers started
   ahead, by outcome (adopted by the turn's response, dropped when the user went on, ...).
@@ -46,7 +55,8 @@ object with those keys (p50 and p99 of the latencies at one session), ``by_sessi
 ``--format``: the sessions' audio both ways (``audio/pcm`` at 24 kHz, the default; ``audio/pcmu``
 or ``audio/pcma``: G.711 at 8 kHz, a phone line's), every figure measured the same way (the cuts'
 audio decoded to 24 kHz for the aligners).
-``--smoke``: one session, two turns, short answers, and one session on the gateway without answering ahead (well under a minute).
+``--smoke``: one session, two turns, short answers; two sessions back to back; two listening sessions on the
+gateway without answering ahead, a turn each (well under a minute).
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import re
 import tempfile
 import time
@@ -77,7 +88,7 @@ from bench._common import (
     write_json,
 )
 from bench._gateway_server import GatewayProcess
-from bench._voice_client import CHUNK_MS, ONSET_LEVEL, Cut, VoiceSession, speech_clips
+from bench._voice_client import CHUNK_MS, ONSET_LEVEL, REPLY_GAP_S, Cut, VoiceSession, speech_clips
 from gateway.config import DEFAULT_CONFIG
 from voice.formats import FORMATS
 
@@ -85,6 +96,7 @@ QUESTIONS = ("What is the capital of France?", "Turn on the kitchen lights.", "H
              "Tell me a fun fact about cats.", "What time does the store open?", "Set a timer for ten minutes.")
 INTERRUPTION = "Wait, stop. Tell me something else."
 LATENCY_GOAL_MS = 1200.0
+ARRIVALS_S = 6.0  # about one turn of a listening user (question, answer heard, reply gap)
 # Questions said with a pause inside them (the pause cycles through PAUSES_MS): a turn detector
 # that answers in the pause cuts the user off (``false_endpoint_rate``).
 PAUSED = (("I'd like to book a table for", "four people tonight."), ("Can you remind me to call", "my sister tomorrow?"),
@@ -132,13 +144,25 @@ class Level:
                 "errors": self.errors[:5]}
 
 
-async def run_level(url: str, model: str, sessions: int, turns: int, barge_every: int, args: argparse.Namespace,
-                    clips: dict[str, bytes], cuts: list[Cut], eagerness: str | None = None) -> Level:
+async def run_level(url: str, model: str, sessions: int, barge_every: int, args: argparse.Namespace,
+                    clips: dict[str, bytes], cuts: list[Cut], eagerness: str | None = None,
+                    back_to_back: bool = False) -> Level:
+    """``sessions`` users, each ``args.turns`` turns when alone, else ``args.listening_turns``.
+    Users listen to each answer before the next question, and the first questions of several fall
+    at random moments of the first ``ARRIVALS_S`` (seeded: the same each run), as independent users'
+    do. A user alone does not wait out the playback: nothing else runs on the gateway meanwhile, so
+    it would change nothing but the run's length. ``back_to_back``: the stress form, the users
+    all start at once and each question follows the last answer's ``response.done``."""
     level = Level(sessions)
+    listen = sessions > 1 and not back_to_back
+    turns = args.listening_turns if listen else args.turns
+    rng = random.Random(sessions)
+    starts = [rng.uniform(0.0, ARRIVALS_S) if listen else 0.0 for _ in range(sessions)]
 
     async def one(n: int) -> None:
         async with VoiceSession(url, model, silence_ms=args.silence_ms, max_output_tokens=args.tokens,
-                                wire_format=FORMATS[args.format], eagerness=eagerness) as session:
+                                wire_format=FORMATS[args.format], eagerness=eagerness, listen=listen) as session:
+            await asyncio.sleep(starts[n])
             for t in range(turns):
                 question = clips[QUESTIONS[(n + t) % len(QUESTIONS)]]
                 barge = barge_every > 0 and t % barge_every == barge_every - 1
@@ -198,7 +222,7 @@ async def levels_without_ahead(directory: Path, args: argparse.Namespace, clips:
     try:
         await gw.wait_ready()
         for sessions in args.without_ahead:
-            summary = (await run_level(gw.url, model, sessions, args.turns, 0, args, clips, [])).summary()
+            summary = (await run_level(gw.url, model, sessions, 0, args, clips, [])).summary()
             levels.append(summary)
             progress(f"  without answering ahead, {sessions} session(s): first audio p50 "
                      f"{summary['speech_to_first_audio_ms_p50']} ms, p99 {summary['speech_to_first_audio_ms_p99']} ms")
@@ -299,22 +323,28 @@ def truncate_exactness(cuts: list[Cut]) -> dict[str, Any]:
             "exact_whisper": round(exact, 3), "within_one_word": round(near, 3), "forced": forced, "rows": rows}
 
 
+def by_sessions(levels: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {str(lv["sessions"]): {k: lv[k] for k in ("speech_to_first_audio_ms_p50", "speech_to_first_audio_ms_p99",
+                                                     "failed")} for lv in levels}
+
+
 def rtf(gw: GatewayProcess, kind: str) -> float | None:
     audio = gw.metric(f'gateway_voice_audio_seconds_total{{kind="{kind}"}}')
     return round(gw.metric(f'gateway_voice_compute_seconds_total{{kind="{kind}"}}') / audio, 3) if audio else None
 
 
-def plot(levels: list[dict[str, Any]], cpu: dict[str, Any], path: Path,
-         semantic: list[dict[str, Any]] | None = None, without: list[dict[str, Any]] | None = None) -> None:
+def plot(levels: list[dict[str, Any]], cpu: dict[str, Any], path: Path, semantic: list[dict[str, Any]] | None = None,
+         without: list[dict[str, Any]] | None = None, stress: list[dict[str, Any]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     xs = [lv["sessions"] for lv in levels]
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for name, arm, color in (("server_vad", levels, "C0"), ("semantic_vad", semantic or [], "C1"),
-                             ("server_vad, no answer ahead", without or [], "C2")):
+                             ("server_vad, no answer ahead", without or [], "C2"),
+                             ("server_vad, back to back", stress or [], "C3")):
         for key, style in (("speech_to_first_audio_ms_p50", "o-"), ("speech_to_first_audio_ms_p99", "s--")):
             if arm:
                 ax.plot([lv["sessions"] for lv in arm], [lv[key] for lv in arm], style, color=color,
@@ -325,7 +355,7 @@ def plot(levels: list[dict[str, Any]], cpu: dict[str, Any], path: Path,
     ax.set_xlabel("concurrent voice sessions")
     ax.set_ylabel("end of speech to first audio (ms)")
     ax.set_title(f"Voice on the edge route, {cpu['cores']} cores ({cpu['model'][:40]})", fontsize=9)
-    ax.legend()
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -339,7 +369,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     clips = speech_clips([*QUESTIONS, INTERRUPTION, *(part for pair in PAUSED for part in pair)])
     cuts: list[Cut] = []
     with tempfile.TemporaryDirectory(prefix="voice-bench-") as tmp:
-        config = derive_config(Path(tmp), max(args.sessions))
+        config = derive_config(Path(tmp), max([*args.sessions, *args.semantic_sessions, *args.back_to_back]))
         gw = GatewayProcess(config, Path(tmp) / "gateway.log", "127.0.0.1")
         progress("starting the gateway (edge model, VAD, Whisper, flite)")
         gw.start()
@@ -351,7 +381,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             levels = []
             for n, sessions in enumerate(args.sessions):
                 # One session measures barge-in too; more sessions measure latency under load.
-                level = await run_level(gw.url, model, sessions, args.turns, args.barge_every if n == 0 else 0, args,
+                level = await run_level(gw.url, model, sessions, args.barge_every if n == 0 else 0, args,
                                         clips, cuts if n == 0 else [])
                 summary = level.summary()
                 levels.append(summary)
@@ -360,9 +390,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                          f"{summary['barge_in_cancel_ms_p99']} ms (after the end of speech, p50: speech_stopped "
                          f"{summary['speech_stopped_ms_p50']} ms, transcript {summary['transcribed_ms_p50']} ms), "
                          f"failed {level.failed}")
+            stress = []
+            for sessions in args.back_to_back:  # the stress form: no listening, all at once
+                level = await run_level(gw.url, model, sessions, 0, args, clips, [], back_to_back=True)
+                stress.append(level.summary())
+                progress(f"  back to back, {sessions} session(s): first audio p50 "
+                         f"{stress[-1]['speech_to_first_audio_ms_p50']} ms, p99 "
+                         f"{stress[-1]['speech_to_first_audio_ms_p99']} ms, failed {level.failed}")
             semantic = []
-            for sessions in args.sessions:  # the same levels, turns ended by semantic_vad (eagerness auto)
-                level = await run_level(gw.url, model, sessions, args.turns, 0, args, clips, [], eagerness="auto")
+            for sessions in args.semantic_sessions:  # turns ended by semantic_vad (eagerness auto)
+                level = await run_level(gw.url, model, sessions, 0, args, clips, [], eagerness="auto")
                 semantic.append(level.summary())
                 progress(f"  semantic_vad, {sessions} session(s): first audio p50 "
                          f"{semantic[-1]['speech_to_first_audio_ms_p50']} ms, p99 "
@@ -386,6 +423,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 and lv["speech_to_first_audio_ms_p99"] <= LATENCY_GOAL_MS and lv["failed"] == 0]
 
     fit, fit_semantic = fits(levels), fits(semantic)
+    # the one-session level's users do not wait out the playback either: it counts for both
+    fit_stress = fits([lv for lv in levels if lv["sessions"] == 1] + stress)
     summary = {
         "speech_to_first_audio_ms_p50": one["speech_to_first_audio_ms_p50"],
         "speech_to_first_audio_ms_p99": one["speech_to_first_audio_ms_p99"],
@@ -399,48 +438,56 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "semantic_first_audio_ms_p99": semantic[0]["speech_to_first_audio_ms_p99"],
         "false_endpoint_rate": round(cut_off / paused, 3) if paused else None,
         "max_voice_sessions_semantic": max(fit_semantic) if fit_semantic else 0,
-        "failed": sum(lv["failed"] for lv in (*levels, *semantic)) + args.paused - paused,
-        "by_sessions": {str(lv["sessions"]): {k: lv[k] for k in ("speech_to_first_audio_ms_p50",
-                                                                 "speech_to_first_audio_ms_p99", "failed")}
-                        for lv in levels},
-        "by_sessions_semantic": {str(lv["sessions"]): {k: lv[k] for k in ("speech_to_first_audio_ms_p50",
-                                                                          "speech_to_first_audio_ms_p99", "failed")}
-                                 for lv in semantic},
+        "max_voice_sessions_back_to_back": max(fit_stress) if fit_stress else 0,
+        "failed": sum(lv["failed"] for lv in (*levels, *stress, *semantic, *without)) + args.paused - paused,
+        "by_sessions": by_sessions(levels),
+        "by_sessions_semantic": by_sessions(semantic),
+        "by_sessions_back_to_back": by_sessions(stress),
         # server VAD on a gateway with [voice] answer_ahead = false, after the others (the same run)
-        "by_sessions_without_ahead": {str(lv["sessions"]): {k: lv[k] for k in (
-            "speech_to_first_audio_ms_p50", "speech_to_first_audio_ms_p99", "failed")} for lv in without},
+        "by_sessions_without_ahead": by_sessions(without),
         "answers_ahead": ahead,
         "cpu": cpu["model"],
     }
     # A run in another format writes files of its own: the 24 kHz run's plot and figures stay.
     name = "voice" if args.format == "audio/pcm" else f"voice_{args.format.removeprefix('audio/')}"
     img = figure_path(f"{name}.png", args.smoke)
-    plot(levels, cpu, img, semantic, without)
+    plot(levels, cpu, img, semantic, without, stress)
     write_json(result_path(f"{name}.json", args.smoke), {
         "summary": summary, "levels": levels, "semantic_levels": semantic, "without_ahead_levels": without,
-        "truncate": exactness, "cpu": cpu, "plot": str(img),
-        "settings": {k: getattr(args, k) for k in ("sessions", "turns", "barge_every", "silence_ms", "tokens",
-                                                   "format", "smoke")} | {"chunk_ms": CHUNK_MS}})
+        "back_to_back_levels": stress, "truncate": exactness, "cpu": cpu, "plot": str(img),
+        "settings": {k: getattr(args, k) for k in ("sessions", "semantic_sessions", "back_to_back", "turns",
+                                                   "listening_turns", "barge_every", "silence_ms", "tokens",
+                                                   "format", "smoke")}
+        | {"chunk_ms": CHUNK_MS, "arrivals_s": ARRIVALS_S, "reply_gap_s": REPLY_GAP_S}})
     return summary
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent sessions per level")
-    p.add_argument("--turns", type=int, default=16, help="turns per session and level")
+    p.add_argument("--semantic-sessions", type=int, nargs="+", default=[1, 4, 8],
+                   help="the levels again, turns ended by semantic_vad (eagerness auto)")
+    p.add_argument("--back-to-back", type=int, nargs="*", default=[2, 4],
+                   help="server VAD levels in the stress form: all start at once, no listening")
+    p.add_argument("--turns", type=int, default=16, help="turns of a session alone (and of the stress form's)")
+    p.add_argument("--listening-turns", type=int, default=6,
+                   help="turns per session at levels of more than one (each one's answer heard out)")
     p.add_argument("--barge-every", type=int, default=2, help="at the first level, every n-th turn is interrupted")
     p.add_argument("--silence-ms", type=int, default=500, help="server VAD silence_duration_ms (the API's default)")
     p.add_argument("--tokens", type=int, default=48, help="max_output_tokens of an answer")
     p.add_argument("--paused", type=int, default=20, help="questions with a pause inside, for false_endpoint_rate")
     p.add_argument("--format", choices=sorted(FORMATS), default="audio/pcm", help="the sessions' audio, both ways")
-    p.add_argument("--without-ahead", type=int, nargs="*", default=[1, 4],
+    p.add_argument("--without-ahead", type=int, nargs="*", default=[4],
                    help="server VAD levels measured again on a gateway without [voice] answer_ahead")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
     if args.smoke:
         # one plain turn, one barge-in; two questions with a pause inside
         args.sessions, args.turns, args.barge_every, args.tokens, args.paused = [1], 2, 2, 16, 2
-        args.without_ahead = [1]  # (the second gateway's arm runs too, so that a change cannot break it unseen)
+        args.semantic_sessions, args.listening_turns = [1], 1
+        # every arm runs, so that a change cannot break one unseen: two listening sessions on the
+        # second gateway, two back to back
+        args.without_ahead, args.back_to_back = [2], [2]
     started = time.perf_counter()
     summary = asyncio.run(main_async(args))
     progress(f"done in {time.perf_counter() - started:.0f} s")
