@@ -15,6 +15,11 @@ from llm_shared.configtools import require
 from voice.audio import REALTIME_RATE, bytes_per_second, encoded_length
 from voice.tts import OPENAI_VOICES
 
+# Voice sessions admitted per core by default: bench/voice_sessions.py held 8 users who listen to
+# their answers on 2 cores (AVX-512 EPYC, 2026-11-29) within a 1.2 s p99 first audio, its 8-session
+# p99 ~10% under the bound; three a core keeps a quarter of that in reserve for a slower CPU.
+SESSIONS_PER_CORE = 3
+
 
 @dataclass(frozen=True)
 class VoiceConfig:
@@ -46,8 +51,7 @@ class VoiceConfig:
     voice: str = "alloy"  # audio.output.voice when a session sets none
     pool_threads: int = 2  # worker threads for recognition and synthesis, shared by all sessions
     # Sessions that may use voice at once (the rest are refused voice_sessions_full and may go on in
-    # text). 0: one per core of this host, what two cores hold within a 1.2 s p99 first audio
-    # (bench/voice_sessions.py's max_voice_sessions; docs/voice.md, "Sizing").
+    # text). 0: SESSIONS_PER_CORE per core of this host (docs/voice.md, "Sizing").
     max_sessions: int = 0
     # The pool refuses work (voice_busy) past this much audio work outstanding (queued and running;
     # a recognition counts the window Whisper encodes: 12 s for a short utterance with asr_window
@@ -97,7 +101,7 @@ class VoiceConfig:
         require(1 <= self.asr_threads <= 64, "voice.asr_threads must be in 1..64")
         require(1 <= self.asr_beam_size <= 10, "voice.asr_beam_size must be in 1..10")
         require(1 <= self.pool_threads <= 64, "voice.pool_threads must be in 1..64")
-        require(0 <= self.max_sessions <= 100_000, "voice.max_sessions must be in 0..100000 (0: one per core)")
+        require(0 <= self.max_sessions <= 100_000, "voice.max_sessions must be in 0..100000 (0: by the cores)")
         require(1 <= self.max_queued_jobs <= 100_000, "voice.max_queued_jobs must be in 1..100000")
         require(1 <= self.max_session_jobs <= self.max_queued_jobs,
                 "voice.max_session_jobs must be in 1..voice.max_queued_jobs")
@@ -122,7 +126,7 @@ class VoiceConfig:
 
     def voice_sessions(self, cores: int) -> int:
         """``max_sessions``, with 0 resolved for a host of ``cores`` cores."""
-        return self.max_sessions or max(1, cores)
+        return self.max_sessions or max(1, SESSIONS_PER_CORE * cores)
 
     @property
     def max_input_buffer_bytes(self) -> int:

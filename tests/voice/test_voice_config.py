@@ -18,6 +18,13 @@ def test_defaults_are_valid_and_derived_bounds_follow() -> None:
     assert config.max_append_base64_chars == 15 * 2**20  # 11,796,480 bytes as base64: the API's 15 MiB
 
 
+def test_voice_seats_default_to_three_a_core_and_a_configured_count_wins() -> None:
+    """What bench/voice_sessions.py measured (docs/voice.md, "Sizing"): 6 seats on a 2-core host."""
+    assert VoiceConfig().voice_sessions(2) == 6
+    assert VoiceConfig().voice_sessions(16) == 48
+    assert VoiceConfig(max_sessions=5).voice_sessions(2) == 5
+
+
 def test_a_table_loads() -> None:
     config = build(VoiceConfig, {"pool_threads": 4, "voice": "ash", "max_queued_audio_s": 300,
                                  "asr_compute_type": "float32"}, "voice")
