@@ -16,8 +16,8 @@ from voice.audio import REALTIME_RATE, bytes_per_second, encoded_length
 from voice.tts import OPENAI_VOICES
 
 # Voice sessions admitted per core by default: bench/voice_sessions.py held 8 users who listen to
-# their answers on 2 cores (AVX-512 EPYC, 2026-11-29) within a 1.2 s p99 first audio, its 8-session
-# p99 ~10% under the bound; three a core keeps a quarter of that in reserve for a slower CPU.
+# their answers on 2 cores (AVX-512 EPYC, 2026-11-29) within a 1.2 s p99 first audio (1,107 and
+# 724 ms in two runs); three a core keeps a quarter of that in reserve for a slower CPU.
 SESSIONS_PER_CORE = 3
 
 
