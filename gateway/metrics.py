@@ -139,7 +139,8 @@ class GatewayMetrics:
             "fallback, spilled)", ["api", "tier", "route"], registry=r)
         self.cascade_spills = Counter(
             "gateway_cascade_spills", "Turns the cascade sent to the tier that could start them now: edge_busy (to "
-            "the torch tier), gpu_busy (kept on the edge)", ["reason"], registry=r)
+            "the torch tier), cores_shared (to the torch tier, not waking the edge beside it on shared cores), "
+            "gpu_busy (kept on the edge)", ["reason"], registry=r)
         self.cascade_degraded = Counter(
             "gateway_cascade_degraded_turns", "Turns the edge served because the torch tier was down or full",
             ["api", "reason"], registry=r)

@@ -77,8 +77,11 @@ class CascadeEngine:
     tier = "cascade"
 
     def __init__(self, tiers: Sequence[Tier], config: CascadeConfig, scorer: ConfidenceScorer,
-                 health: HealthMonitor, metrics: GatewayMetrics) -> None:
-        """``tiers``: one drafter and one target (``route.Tier``), by the names health knows them by."""
+                 health: HealthMonitor, metrics: GatewayMetrics,
+                 computing: Callable[[Engine], bool] | None = None) -> None:
+        """``tiers``: one drafter and one target (``route.Tier``), by the names health knows them by.
+        ``computing(engine)``: whether that tier holds a share of cores it shares with the other
+        now (``gateway.tiers.cores``); None where the tiers do not share the host's cores."""
         self.drafter = with_role(tiers, "drafter")
         self.target = with_role(tiers, "target")
         self.config = config
@@ -90,6 +93,10 @@ class CascadeEngine:
         # held tokens scored), and from a torch-tier stage's start to its first event.
         self.drafter_decide_s: float | None = None
         self.target_first_s: float | None = None
+        # Of the turns decided on the edge lately, the share the torch tier had to take (smoothed):
+        # what a turn started on the edge is likely to wait for after its decision.
+        self.escalation_share: float | None = None
+        self.computing = computing
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -193,9 +200,10 @@ class CascadeEngine:
             info, engine = RouteInfo(self.target.name, "fallback", reason=f"{self.drafter.name}_unavailable"), self.target.engine
         else:
             info, engine = None, None
-        if info is None and self.config.spill and self._drafter_busy():
-            info, engine = RouteInfo(self.target.name, "spilled", reason=f"{self.drafter.name}_busy"), self.target.engine
-            self._metrics.cascade_spills.labels(f"{self.drafter.name}_busy").inc()
+        spill = self._spill_reason() if info is None and self.config.spill else None
+        if spill is not None:
+            info, engine = RouteInfo(self.target.name, "spilled", reason=spill), self.target.engine
+            self._metrics.cascade_spills.labels(spill).inc()
         if info is not None and engine is not None:
             yield info
             forward = self._stage(flight, engine, rid, prompt, params, ask)
@@ -236,6 +244,8 @@ class CascadeEngine:
         ok = finish is None or finish.reason != "error"
         confidence = self.scorer.score([t.logprob for t in held]) if held and ok else 0.0
         self._metrics.cascade_confidence.observe(confidence)
+        if ok:
+            self.escalation_share = _smoothed(self.escalation_share, float(confidence < threshold))
         keep: RouteInfo | None = None
         if confidence >= threshold:
             keep = RouteInfo(self.drafter.name, "confident", confidence, threshold)
@@ -276,19 +286,40 @@ class CascadeEngine:
         agreement = _DraftAgreement(drafts, self._metrics)
         yield Forward(target_stream, [first], on_event=agreement.seen, at_end=agreement.record)
 
+    def _spill_reason(self) -> str | None:
+        """Why the turn goes straight to the torch tier (``_drafter_busy``): the edge is busy, or
+        (``cores_shared``) it is idle and waking it would take cores from the torch tier."""
+        if not self._drafter_busy():
+            return None
+        return "cores_shared" if self._in_flight(self.drafter.engine) == 0 and self._wakes_edge_beside_busy_target() \
+            else f"{self.drafter.name}_busy"
+
     def _drafter_busy(self) -> bool:
         """Spill to the torch tier: the edge cannot start the turn now and the torch tier is less
-        full; or the edge is serving others and, at its recent pace and queue, would take over
-        ``spill_slack`` times as long to decide the turn as the torch tier at its own to start one."""
+        full; or the edge is serving others (or, where the tiers share the host's cores, idle beside
+        a torch tier that computes: waking it would take cores from that one) and a turn started
+        there would take over ``spill_slack`` times as long to its first token as one the torch tier
+        starts: the edge's recent time to decide, scaled by its queue, and for the share of turns
+        that escalate lately, the torch tier's start after it."""
         edge, gpu = self._backlog(self.drafter.engine), self._backlog(self.target.engine)
         if edge is None or gpu is None:
             return False
         if edge > 1.0 and gpu < edge:
             return True
-        if self._in_flight(self.drafter.engine) == 0 or self.drafter_decide_s is None or self.target_first_s is None:
+        decide, start = self.drafter_decide_s, self.target_first_s
+        if decide is None or start is None:
+            return False
+        if self._in_flight(self.drafter.engine) == 0 and not self._wakes_edge_beside_busy_target():
             return False  # an idle edge starts at once (and refreshes its pace)
-        return (self.drafter_decide_s * max(1.0, edge)
-                > self.config.spill_slack * self.target_first_s * max(1.0, gpu))
+        torch_start = start * max(1.0, gpu)
+        on_edge = decide * max(1.0, edge) + (self.escalation_share or 0.0) * torch_start
+        return on_edge > self.config.spill_slack * torch_start
+
+    def _wakes_edge_beside_busy_target(self) -> bool:
+        """The tiers share the host's cores, the torch tier computes on them and the edge does not:
+        a turn started on the edge would claim a share of the torch tier's cores for itself."""
+        computing = self.computing
+        return (computing is not None and computing(self.target.engine) and not computing(self.drafter.engine))
 
     def _in_flight(self, engine: Engine) -> int:
         """This cascade's turns on ``engine`` now: known at once, where a tier's stats lag its queue

@@ -79,9 +79,11 @@ class CascadeConfig:
     # tier when that one can, and a turn that would escalate stays on the edge while the torch tier
     # cannot start it now
     spill: bool = True
-    # ...and a turn also goes straight to the torch tier while the edge, busy with others, would take
-    # over this many times as long to decide it (its recent hold-and-score time, scaled by its queue)
-    # as the torch tier to start one (1: whichever answers first; larger keeps more turns cascading)
+    # ...and a turn also goes straight to the torch tier while the edge, busy with others (or idle
+    # beside a torch tier computing on cores the two share), would take over this many times as
+    # long to its first token (its recent hold-and-score time, scaled by its queue, plus the torch
+    # tier's start for the share of turns escalating lately) as the torch tier to start one (1:
+    # whichever answers first; larger keeps more turns cascading)
     spill_slack: float = 1.0
     # ...and the edge counts as full for the cascade at this many of its turns there, whatever its
     # slots (0: its slots): the pinned edge model id may batch 32 conversations, but on a CPU whose

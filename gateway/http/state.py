@@ -116,7 +116,8 @@ class GatewayState:
         self._drafter_follows_torch = plan.drafter > 0  # the drafter takes turns with torch's threads
         self.cores = arbiter_for(self.config, self.engines, self._threads_moved,
                                  lambda pool, seconds: self.metrics.thread_claim_wait.labels(pool).observe(seconds))
-        self.router = build_router(self.config, self.engines, self.metrics)
+        self.router = build_router(self.config, self.engines, self.metrics,
+                                   self.cores.computing if self.cores is not None else None)
         self.models = dict(self.router.routes)
         self.owns_engines = owned
         try:

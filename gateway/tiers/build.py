@@ -167,8 +167,11 @@ async def close_engines(engines: Mapping[str, Engine]) -> None:
             log.exception("closing the %s engine failed", tier)
 
 
-def build_router(config: Config, engines: Mapping[str, Engine], metrics: GatewayMetrics) -> Router:
-    """The router over the built tiers; for the cascade, its engine and the tiers' health probes."""
+def build_router(config: Config, engines: Mapping[str, Engine], metrics: GatewayMetrics,
+                 computing: Callable[[Engine], bool] | None = None) -> Router:
+    """The router over the built tiers; for the cascade, its engine and the tiers' health probes.
+    ``computing``: where the tiers share the host's cores, whether a tier computes on them now
+    (``gateway.tiers.cores.CoreArbiter.computing``)."""
     missing = [tier for tier in needed_tiers(config) if tier not in engines]
     if missing:
         raise ConfigError(f"routing.default = {config.routing.default!r} needs the {' and '.join(missing)} tier(s), "
@@ -190,7 +193,7 @@ def build_router(config: Config, engines: Mapping[str, Engine], metrics: Gateway
                            stall_timeout_s=cascade_cfg.stall_timeout_s, on_change=tier_changed)
     for tier in engines:
         metrics.tier_up.labels(tier).set(1.0)
-    cascade = CascadeEngine(tiers, cascade_cfg, build_scorer(cascade_cfg), health, metrics)
+    cascade = CascadeEngine(tiers, cascade_cfg, build_scorer(cascade_cfg), health, metrics, computing)
     metrics.cascade_threshold.set_function(cascade.threshold)
     return Router(routes, engines, cascade, cascade_cfg.escalate_keywords, cache_salts=salts)
 

@@ -89,6 +89,11 @@ class CoreArbiter:
         self._pools[name] = _Pool(name, tier, split, threads)
         return True
 
+    def computing(self, tier: object) -> bool:
+        """Whether ``tier`` (a pool's tier, by identity) holds a claim: it has work and computes on
+        its share of the cores now."""
+        return any(pool.busy for pool in self._pools.values() if pool.tier is tier)
+
     @property
     def pools(self) -> dict[str, int]:
         """Each pool's threads now."""

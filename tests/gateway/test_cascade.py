@@ -430,6 +430,45 @@ async def test_a_turn_spills_while_the_busy_edge_decides_slower_than_the_torch_t
         await busy
 
 
+async def test_on_shared_cores_an_idle_edge_is_not_woken_beside_a_busy_torch_tier_when_turns_escalate() -> None:
+    """Where the tiers share the host's cores, a turn started on the idle edge claims cores the torch
+    tier computes on; when most turns escalate lately it would also wait for the torch tier after
+    its decision, so it goes there at once (``cores_shared``). Not where the edge's turns are
+    confident, not when the torch tier is idle, and not where the tiers do not share cores."""
+    edge, gpu = tiers(edge_logprob=UNSURE)
+    edge.extra_stats.update(max_running=8.0)
+    gpu.extra_stats.update(max_running=8.0)
+    async with cascade_gateway(edge, gpu) as cascade:
+        engine = cascade.state.router.cascade
+        assert engine is not None and engine.computing is None  # fakes: no shared cores
+        _, response = await one_turn(cascade)
+        assert response["metadata"]["x_route"] == "escalated" and engine.escalation_share == 1.0
+        engine.drafter_decide_s, engine.target_first_s = 0.05, 0.1  # the edge decides faster than torch starts
+        _, response = await one_turn(cascade)
+        assert response["metadata"]["x_route"] == "escalated"  # no shared cores: the idle edge starts at once
+        engine.computing = lambda tier: tier is gpu  # the torch tier computes on the shared cores
+        engine.drafter_decide_s, engine.target_first_s = 0.05, 0.1
+        _, response = await one_turn(cascade)
+        meta = response["metadata"]
+        assert (meta["x_tier"], meta["x_route"], meta["x_route_reason"]) == ("gpu", "spilled", "cores_shared")
+        assert cascade.metric("gateway_cascade_spills_total", reason="cores_shared") == 1
+        engine.computing = lambda tier: False  # the torch tier idle: the edge takes the turn
+        _, response = await one_turn(cascade)
+        assert response["metadata"]["x_route"] == "escalated"
+    edge, gpu = tiers(edge_logprob=SURE)  # turns the edge keeps: waking it costs no torch start after
+    edge.extra_stats.update(max_running=8.0)
+    gpu.extra_stats.update(max_running=8.0)
+    async with cascade_gateway(edge, gpu) as cascade:
+        engine = cascade.state.router.cascade
+        assert engine is not None
+        _, response = await one_turn(cascade)
+        assert response["metadata"]["x_route"] == "confident" and engine.escalation_share == 0.0
+        engine.computing = lambda tier: tier is gpu
+        engine.drafter_decide_s, engine.target_first_s = 0.05, 0.1
+        _, response = await one_turn(cascade)
+        assert response["metadata"]["x_route"] == "confident"
+
+
 async def test_an_unsure_turn_stays_on_the_edge_while_the_torch_tier_cannot_start_it() -> None:
     edge, gpu = tiers(edge_logprob=UNSURE)
     gpu.extra_stats.update(running=4.0, max_running=4.0)

@@ -74,6 +74,21 @@ def two_tiers(cpus: int = 2, lend_after_s: float = 0.0) -> tuple[CoreArbiter, Ti
     return arbiter, edge, torch
 
 
+async def test_a_tier_is_computing_from_its_claim_to_its_release() -> None:
+    """What the cascade asks before it wakes an idle edge beside a busy torch tier."""
+    arbiter, edge, torch = two_tiers(cpus=2)
+    assert not arbiter.computing(edge) and not arbiter.computing(torch)
+    until = asyncio.Event()
+    job = asyncio.create_task(torch.job(1, until))
+    while torch.cores is None or not torch.cores.claimed:
+        await asyncio.sleep(0)
+    assert arbiter.computing(torch) and not arbiter.computing(edge)
+    assert not arbiter.computing(object())  # not one of its tiers
+    until.set()
+    await job
+    assert not arbiter.computing(torch)
+
+
 async def test_a_tier_alone_with_work_computes_on_every_core() -> None:
     arbiter, edge, torch = two_tiers(cpus=2)
     await edge.job(3)
