@@ -20,7 +20,7 @@ from typing import Protocol
 from gateway.turns import Turn
 from gateway.ws.commands import Foresee, StartGeneration
 from gateway.ws.session import RealtimeSession
-from gateway.ws.speech_out import PhraseSplitter
+from gateway.ws.speech_out import PhraseSplitter, SpeechOut
 from llm_shared.contract import Engine, FinishEvent, StreamEvent, TokenEvent
 from llm_shared.errors import EngineError
 
@@ -36,13 +36,12 @@ class ForeseenAnswer:
     """One engine request started ahead: ``adopt`` hands its events, held and to come, to a response."""
 
     def __init__(self, turn: Turn, *, on_engine: Callable[[Engine], None], hold_s: float = HOLD_S,
-                 phrases: PhraseSplitter | None = None, first_phrase: Callable[[str], None] | None = None) -> None:
+                 speech: SpeechOut | None = None) -> None:
         """``on_engine``: told the engine chosen (the connection ends the session there at its end);
-        ``phrases``: the response's phrase splitter, where it will be spoken: ``first_phrase`` is
-        told its first phrase as soon as the held tokens make one (to speak it ahead too)."""
+        ``speech``: where the answer will be spoken, its phrases cut as the response's will be: the
+        held tokens are fed to it until it asks for its first phrase (to speak that one ahead)."""
         self.turn = turn
-        self._phrases = phrases
-        self._first_phrase = first_phrase
+        self._speech = speech
         self.failed = False
         self._held: list[StreamEvent] = []
         self._deliver: Callable[[StreamEvent], None] | None = None
@@ -104,21 +103,16 @@ class ForeseenAnswer:
             self._deliver(event)
             return
         self._held.append(event)
-        splitter = self._phrases
-        if splitter is None or self._first_phrase is None:
+        speech = self._speech
+        if speech is None:
             return
-        # The phrases the response will ask for, cut the same way (``ResponseStream``): the first
-        # one with words, as soon as it is whole (or at the end, with what is left).
         if isinstance(event, TokenEvent):
-            phrases = splitter.feed(event.text)
+            speech.feed(event.text)
         elif isinstance(event, FinishEvent) and event.reason in ("stop", "length"):
-            phrases = splitter.feed(event.text or "") + splitter.flush()
-        else:
-            phrases = []
-        spoken = [p for p in phrases if p.strip()]
-        if spoken:
-            self._phrases = None
-            self._first_phrase(spoken[0])
+            speech.feed(event.text or "")
+            speech.flush()  # the rest is the last phrase, as at a response's end
+        if speech.pending:
+            self._speech = None  # its first phrase is asked for: the rest is the response's
 
     def _failed(self, error: EngineError) -> None:
         if self._fail is not None:
@@ -169,15 +163,24 @@ class AnswersAhead:
         except EngineError:  # no room now: the response, if the turn ends, asks again
             self._counted("refused")
             return
-        speech, rid = self._speech, turn.request_id
-        spoken = speech is not None and command.voice is not None
         held = ForeseenAnswer(turn, on_engine=self._on_engine, hold_s=self._hold_s,
-                              phrases=speech.phrases() if speech is not None and spoken else None,
-                              first_phrase=(lambda text: speech.speak_ahead(rid, text, command.voice or ""))
-                              if speech is not None and spoken else None)
+                              speech=self._speech_out(turn.request_id, command.voice))
         self._held = held
         self.tasks.add(held.task)
         held.task.add_done_callback(self.tasks.discard)
+
+    def _speech_out(self, response_id: str, voice: str | None) -> SpeechOut | None:
+        """For an answer spoken in ``voice``: phrases cut as its response will cut them, the first
+        one spoken ahead (None: not spoken, or no voice on this server)."""
+        speech = self._speech
+        if speech is None or voice is None:
+            return None
+
+        def first_phrase(index: int, text: str) -> None:
+            if index == 0:
+                speech.speak_ahead(response_id, text, voice)
+
+        return SpeechOut(speech.phrases(), first_phrase)
 
     def drop(self) -> None:
         held, self._held = self._held, None
