@@ -45,6 +45,17 @@ class Heard:
     finished: bool | None = None  # asked for (judge_end): the words are a finished turn; None: not judged
 
 
+@dataclass(frozen=True)
+class _SpokenAhead:
+    """The first phrase of an answer started ahead of its turn's end, being spoken before its
+    response asks for it."""
+
+    response_id: str
+    text: str
+    voice: str
+    job: asyncio.Task[tuple[bytes, tuple[Mark, ...]]]
+
+
 class VoiceService(Protocol):
     """Speech in and out for every session of a gateway process."""
 
@@ -79,9 +90,7 @@ class VoiceLink:
         self._tasks: set[asyncio.Task[None]] = set()
         self._speech: dict[str, set[asyncio.Task[None]]] = {}  # response id -> its phrases being made
         self._transcripts: dict[str, asyncio.Task[None]] = {}  # item id -> its latest transcription
-        # The first phrase of an answer started ahead of its turn's end, being spoken before its
-        # response asks: (response id, text, voice, the job).
-        self._ahead: tuple[str, str, str, asyncio.Task[tuple[bytes, tuple[Mark, ...]]]] | None = None
+        self._ahead: _SpokenAhead | None = None
         self._closed = False  # the connection is over: pieces still coming from a worker are dropped
 
     def run(self, command: Transcribe | CancelTranscription | Synthesize | CancelSpeech) -> None:
@@ -114,12 +123,13 @@ class VoiceLink:
         """Start speaking ``text``, the first phrase of the answer started ahead as ``response_id``
         (``gateway.ws.foresight``), so that its audio is ready when the response asks for it."""
         self.drop_ahead()
-        self._ahead = (response_id, text, voice, self._spawn(self._speak(text, voice), f"speak-ahead-{response_id}"))
+        self._ahead = _SpokenAhead(response_id, text, voice,
+                                   self._spawn(self._speak(text, voice), f"speak-ahead-{response_id}"))
 
     def drop_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            ahead[3].cancel()
+            ahead.job.cancel()
 
     def observe(self, event: ServerEvent) -> bool:
         """Count a voice event on its way out (VAD decisions, speech-to-first-audio); True if it was one."""
@@ -178,12 +188,12 @@ class VoiceLink:
         """The job speaking ``command``'s phrase ahead, if it is that phrase (one spoken ahead for
         this response that is not its first phrase after all is dropped)."""
         ahead = self._ahead
-        if ahead is None or ahead[0] != command.response_id or command.index != 0:
+        if ahead is None or ahead.response_id != command.response_id or command.index != 0:
             return None
         self._ahead = None
-        if ahead[1:3] == (command.text, command.voice):
-            return ahead[3]
-        ahead[3].cancel()
+        if (ahead.text, ahead.voice) == (command.text, command.voice):
+            return ahead.job
+        ahead.job.cancel()
         return None
 
     async def _synthesize(self, command: Synthesize) -> None:
