@@ -287,33 +287,29 @@ class CascadeEngine:
         yield Forward(target_stream, [first], on_event=agreement.seen, at_end=agreement.record)
 
     def _spill_reason(self) -> str | None:
-        """Why the turn goes straight to the torch tier (``_drafter_busy``): the edge is busy, or
-        (``cores_shared``) it is idle and waking it would take cores from the torch tier."""
-        if not self._drafter_busy():
-            return None
-        return "cores_shared" if self._in_flight(self.drafter.engine) == 0 and self._wakes_edge_beside_busy_target() \
-            else f"{self.drafter.name}_busy"
-
-    def _drafter_busy(self) -> bool:
-        """Spill to the torch tier: the edge cannot start the turn now and the torch tier is less
-        full; or the edge is serving others (or, where the tiers share the host's cores, idle beside
-        a torch tier that computes: waking it would take cores from that one) and a turn started
-        there would take over ``spill_slack`` times as long to its first token as one the torch tier
+        """Why the turn goes straight to the torch tier, or None: the edge cannot start it now and
+        the torch tier is less full (``edge_busy``); or the edge is serving others (``edge_busy``),
+        or where the tiers share the host's cores it is idle beside a torch tier that computes
+        (``cores_shared``: waking it would take cores from that one), and a turn started there
+        would take over ``spill_slack`` times as long to its first token as one the torch tier
         starts: the edge's recent time to decide, scaled by its queue, and for the share of turns
         that escalate lately, the torch tier's start after it."""
+        busy = f"{self.drafter.name}_busy"
         edge, gpu = self._backlog(self.drafter.engine), self._backlog(self.target.engine)
         if edge is None or gpu is None:
-            return False
+            return None
         if edge > 1.0 and gpu < edge:
-            return True
+            return busy
         decide, start = self.drafter_decide_s, self.target_first_s
         if decide is None or start is None:
-            return False
-        if self._in_flight(self.drafter.engine) == 0 and not self._wakes_edge_beside_busy_target():
-            return False  # an idle edge starts at once (and refreshes its pace)
+            return None
+        if self._in_flight(self.drafter.engine) == 0:
+            if not self._wakes_edge_beside_busy_target():
+                return None  # an idle edge starts at once (and refreshes its pace)
+            busy = "cores_shared"
         torch_start = start * max(1.0, gpu)
         on_edge = decide * max(1.0, edge) + (self.escalation_share or 0.0) * torch_start
-        return on_edge > self.config.spill_slack * torch_start
+        return busy if on_edge > self.config.spill_slack * torch_start else None
 
     def _wakes_edge_beside_busy_target(self) -> bool:
         """The tiers share the host's cores, the torch tier computes on them and the edge does not:
