@@ -20,7 +20,9 @@ export interface Message { role: "system" | "user" | "assistant"; content: strin
 export const FAMILY_NAMES: readonly string[];
 export function pyJson(value: unknown): string;
 export function conversationMessages(conversation: ConversationItem[], instructions: string, family?: string): Message[];
-export function renderPrompt(family: string, messages: Message[], continueText?: string): string;
+/** `next: "user"` opens the user's turn (the start of the question after an answer). */
+export function renderPrompt(family: string, messages: Message[], continueText?: string,
+  options?: { next?: "assistant" | "user" }): string;
 
 export interface GeneratePart { text: string; done?: undefined }
 export interface GenerateEnd { done: true; finishReason: "stop" | "length" | string; usage: Usage }
@@ -28,6 +30,8 @@ export interface GenerateEnd { done: true; finishReason: "stop" | "length" | str
 /** The engine interface: llama.cpp in WebAssembly here; llama.rn or another runtime elsewhere. */
 export interface DeviceEngine {
   load(model: Blob | string): Promise<void>;
+  /** The form the engine keeps the model file in (called once, before it is stored); optional. */
+  storedForm?(file: ArrayBuffer): ArrayBuffer;
   generate(request: { prompt: string; maxTokens: number; temperature?: number; signal?: AbortSignal }):
     AsyncIterable<GeneratePart | GenerateEnd>;
   readonly loaded?: boolean;
@@ -36,15 +40,25 @@ export interface DeviceEngine {
 
 export class ModelStore {
   constructor(options?: { caches?: CacheStorage; fetch?: typeof fetch; base?: string; maxAttempts?: number });
-  stored(): Promise<DeviceCard | null>;
+  /** The stored model's card, with the length of the file as kept (`storedBytes`). */
+  stored(): Promise<(DeviceCard & { storedBytes: number; storedAt: number }) | null>;
   load(card: DeviceCard): Promise<Blob | null>;
   download(card: DeviceCard, options?: { headers?: Record<string, string>;
-    onProgress?: (p: { loaded: number; total: number }) => void; signal?: AbortSignal }): Promise<Blob>;
+    onProgress?: (p: { loaded: number; total: number }) => void; signal?: AbortSignal;
+    storedForm?: (file: ArrayBuffer) => ArrayBuffer }): Promise<Blob>;
   clear(): Promise<void>;
 }
 
 export class WllamaEngine implements DeviceEngine {
-  constructor(options?: { assetsUrl?: string; threads?: number | null; nCtx?: number; Wllama?: unknown });
+  /** `widen` (default true): Q4_1 tensors reach llama.cpp as Q5_1, the same weights (gguf.js). */
+  /** `kvType` (default "f32"): the KV cache's element; f16 halves its memory, and is slower in WebAssembly. */
+  constructor(options?: { assetsUrl?: string; threads?: number | null; nCtx?: number; Wllama?: unknown;
+    widen?: boolean; kvType?: "f32" | "f16" });
+  readonly widen: boolean;
+  readonly kvType: "f32" | "f16";
+  /** The latest load: ms spent widening (0 for a file stored widened), ms in all, bytes given to llama.cpp. */
+  readonly lastLoad: { widenMs: number; loadMs: number; bytes: number } | null;
+  storedForm(file: ArrayBuffer): ArrayBuffer;
   static defaultThreads(): number;
   readonly loaded: boolean;
   readonly threads: number;

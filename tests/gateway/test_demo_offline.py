@@ -52,6 +52,14 @@ def device_prompt(page: Any) -> str:
     return str(page.evaluate("() => window.rtgwDemo.device().lastPrompt ?? ''"))
 
 
+def stored_form(page: Any) -> dict[str, int]:
+    """The length of the model file as stored, and as the engine's latest load handed it to llama.cpp."""
+    return dict(page.evaluate("""async () => {
+      const d = window.rtgwDemo.device();
+      return { stored: (await d.store.stored()).storedBytes, given: d.engine.lastLoad.bytes };
+    }"""))
+
+
 def online_then_device(page: Any, gateway: GatewayProcess, log: RequestLog) -> None:
     page.goto(f"{gateway.url}/")
     page.wait_for_selector('#status[data-state="connected"]', timeout=WAIT_MS)
@@ -70,6 +78,8 @@ def online_then_device(page: Any, gateway: GatewayProcess, log: RequestLog) -> N
     assert states[:3] == ["downloading", "loading", "ready"], states
     assert "downloading" in [m for m, _ in page.evaluate("() => window.__offline.modes")]
     assert log.count(FILE) == 1
+    # kept in the engine's form: Q4_1 tensors as Q5_1 (gguf.js), which llama.cpp is given
+    assert stored_form(page)["stored"] == stored_form(page)["given"] > total, stored_form(page)
 
     assert wait_done(page, ask(page, "My name is Zorblat. Please remember my name.", 32)) in ("completed", "incomplete")
     assert wait_done(page, ask(page, "What is the capital of France?", 32)) in ("completed", "incomplete")
@@ -115,6 +125,7 @@ def reload_without_isolation(page: Any, gateway: GatewayProcess, config: Path, l
     assert page.evaluate("() => crossOriginIsolated") is False
     assert page.evaluate("() => window.rtgwDemo.device().engine.threads") == 1
     assert log.count(FILE) == downloads, "the stored model was downloaded again"
+    assert stored_form(page)["stored"] == stored_form(page)["given"], stored_form(page)  # loaded as stored
     text = page.evaluate("""async () => {
       let text = '';
       for await (const part of window.rtgwDemo.device().engine.generate({

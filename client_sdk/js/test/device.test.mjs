@@ -6,9 +6,11 @@ import assert from "node:assert/strict";
 import { createHash } from "node:crypto";
 import { test } from "node:test";
 
-import { DeviceFallback, DeviceModelError, ModelStore, conversationMessages, renderPrompt } from "../rtgw-device.js";
+import { readLayout } from "../gguf.js";
+import { DeviceFallback, DeviceModelError, ModelStore, WllamaEngine, conversationMessages, renderPrompt } from "../rtgw-device.js";
 import { RealtimeClient } from "../rtgw.js";
 import { FakeServer } from "./fake_server.mjs";
+import { buildGguf } from "./gguf_fixture.mjs";
 
 // --- fakes ------------------------------------------------------------------------------------
 
@@ -75,7 +77,7 @@ test("the model is downloaded with progress, checked, stored, and loaded again w
   assert.deepEqual(progress[0], { loaded: 0, total: BYTES.length });
   assert.deepEqual(progress.at(-1), { loaded: BYTES.length, total: BYTES.length });
   assert.ok(progress.every((p, i) => i === 0 || p.loaded > progress[i - 1].loaded));
-  assert.deepEqual(await store.stored(), { ...CARD, storedAt: (await store.stored()).storedAt });
+  assert.deepEqual(await store.stored(), { ...CARD, storedBytes: BYTES.length, storedAt: (await store.stored()).storedAt });
   const again = await new ModelStore({ caches, fetch: async () => { throw new Error("no request expected"); },
     base: "http://gw.test:8000" }).load(CARD);
   assert.equal(sha(new Uint8Array(await again.arrayBuffer())), CARD.sha256);
@@ -121,6 +123,52 @@ test("a storage quota too small says so, and nothing half-stored is left", async
 test("a refused file (no key, not downloadable) is an error naming the gateway's reason", async () => {
   const store = new ModelStore({ caches: new FakeCaches(), fetch: fileServer({ status: 401 }).fetch, base: "http://gw.test:8000" });
   await assert.rejects(store.download(CARD), (e) => e.code === "download_refused" && /nope/.test(e.message));
+});
+
+test("the engine's form of the file is what is stored and loaded; the hash is checked on the file as served", async () => {
+  const caches = new FakeCaches();
+  const store = new ModelStore({ caches, fetch: fileServer().fetch, base: "http://gw.test:8000" });
+  const storedForm = (buffer) => new Uint8Array(buffer).slice(0, 1000).reverse().buffer;
+  const blob = await store.download(CARD, { storedForm });
+  const expected = BYTES.slice(0, 1000).reverse();
+  assert.deepEqual(new Uint8Array(await blob.arrayBuffer()), expected);
+  assert.equal((await store.stored()).storedBytes, 1000);
+  assert.deepEqual(new Uint8Array(await (await store.load(CARD)).arrayBuffer()), expected);
+});
+
+test("a file the engine cannot read is discarded with a clear error", async () => {
+  const store = new ModelStore({ caches: new FakeCaches(), fetch: fileServer().fetch, base: "http://gw.test:8000" });
+  await assert.rejects(store.download(CARD, { storedForm: (b) => new WllamaEngine().storedForm(b) }),
+    (e) => e.code === "model_unreadable" && /not a GGUF file.*discarded/.test(e.message));
+  assert.equal(await store.stored(), null);
+});
+
+/** wllama's class as the engine sees it: records the Blob it is given. */
+class RecordingWllama {
+  static loaded = [];
+  setCompat() {}
+  async loadModel(blobs, options) { RecordingWllama.loaded.push({ blob: blobs[0], options }); }
+  async exit() {}
+}
+
+test("the engine hands llama.cpp Q4_1 weights as Q5_1, whether the file comes as served or as stored", async () => {
+  const { buffer } = buildGguf({ tensors: [{ name: "w", dims: [64, 4], type: 3 }, { name: "n", dims: [8], type: 0 }] });
+  const types = async (blob) => readLayout(await blob.arrayBuffer()).tensors.map((t) => t.typeName);
+  for (const given of [new Blob([buffer]), new Blob([new WllamaEngine().storedForm(buffer)])]) {
+    RecordingWllama.loaded = [];
+    const engine = new WllamaEngine({ Wllama: RecordingWllama, threads: 1 });
+    await engine.load(given);
+    assert.deepEqual(await types(RecordingWllama.loaded[0].blob), ["Q5_1", "F32"]);
+    assert.equal(engine.lastLoad.bytes, RecordingWllama.loaded[0].blob.size);
+    const { options } = RecordingWllama.loaded[0];
+    assert.deepEqual([options.cache_type_k, options.cache_type_v, options.flash_attn], ["f32", "f32", false]);
+  }
+  assert.throws(() => new WllamaEngine({ kvType: "q4_0" }), /kvType must be "f32" or "f16"/);
+  RecordingWllama.loaded = [];
+  await new WllamaEngine({ Wllama: RecordingWllama, widen: false }).load(new Blob([buffer]));
+  assert.deepEqual(await types(RecordingWllama.loaded[0].blob), ["Q4_1", "F32"]);
+  await assert.rejects(new WllamaEngine({ Wllama: RecordingWllama }).load(new Blob([new Uint8Array(64)])),
+    (e) => e instanceof DeviceModelError && e.code === "model_unreadable");
 });
 
 // --- the prompt -------------------------------------------------------------------------------
@@ -306,16 +354,16 @@ test("after an online turn a ready device reads the conversation, so a later dev
   assert.equal(engine.requests.length, 2); // at the request, and once the answer was in
   const warm = engine.requests[1];
   assert.equal(warm.maxTokens, 1);
-  assert.match(warm.prompt, /Remember 42\.<\|im_end\|>\n<\|im_start\|>assistant\nNoted: 42\.<\|im_end\|>\n<\|im_start\|>assistant\n$/);
+  // the conversation, and the opening of the user's next turn
+  assert.match(warm.prompt, /Remember 42\.<\|im_end\|>\n<\|im_start\|>assistant\nNoted: 42\.<\|im_end\|>\n<\|im_start\|>user\n$/);
   server.drop(server.last, 1006, "");
   await c.once("disconnected");
   server.refuse = 100;
   const result = await (await c.send("Which number?")).result;
   assert.equal(result.tier, "device");
   const answer = engine.requests[2].prompt;
-  // the answer's prompt extends what was read, up to the last message's end
-  const shared = warm.prompt.slice(0, warm.prompt.lastIndexOf("<|im_start|>assistant\n"));
-  assert.ok(answer.startsWith(shared));
+  // the answer's prompt extends all that was read
+  assert.ok(answer.startsWith(warm.prompt) && answer.endsWith("Which number?<|im_end|>\n<|im_start|>assistant\n"), answer);
   c.close();
 });
 
