@@ -48,7 +48,7 @@ COPY --chown=gateway:gateway configs /app/configs
 # package: the gateway reads them from GATEWAY_WEB_ROOT, laid out as in the repository.
 COPY --chown=gateway:gateway gateway/static /app/web/gateway/static
 COPY --chown=gateway:gateway --from=web /web/node_modules /app/web/gateway/static/vendor/node_modules
-COPY --chown=gateway:gateway client_sdk/js/rtgw.js client_sdk/js/rtgw-voice.js client_sdk/js/rtgw-device.js client_sdk/js/msgpack.js client_sdk/js/gguf.js /app/web/client_sdk/js/
+COPY --chown=gateway:gateway client_sdk/js/rtgw.js client_sdk/js/rtgw-voice.js client_sdk/js/rtgw-device.js client_sdk/js/model-store.js client_sdk/js/gguf.js client_sdk/js/msgpack.js /app/web/client_sdk/js/
 ENV PATH=/opt/venv/bin:$PATH GATEWAY_WEB_ROOT=/app/web
 WORKDIR /app
 USER gateway

@@ -40,7 +40,7 @@ CONTENT_TYPES = {
     ".ico": "image/x-icon",
     ".wasm": "application/wasm",
 }
-SDK_FILES = frozenset({"rtgw.js", "rtgw-voice.js", "rtgw-device.js", "msgpack.js", "gguf.js"})
+SDK_FILES = frozenset({"rtgw.js", "rtgw-voice.js", "rtgw-device.js", "model-store.js", "gguf.js", "msgpack.js"})
 # served name -> the file inside gateway/static/vendor/node_modules (versions: its package-lock.json)
 VENDOR_FILES = {
     "wllama.js": "@wllama/wllama/esm/index.js",
