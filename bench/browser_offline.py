@@ -247,7 +247,7 @@ def plot(result: dict[str, Any], smoke: bool) -> Path:
     prefill = [d["prompt_ms"] for d in result["drop_breakdown"]]
     x = range(1, len(drops) + 1)
     drop.bar(x, killed, color="#d5d9de", label="gateway killed and reaped (the benchmark)")
-    drop.bar(x, [s - k for s, k in zip(drops, killed)], bottom=killed, color="#9aa3ad",
+    drop.bar(x, [s - k for s, k in zip(drops, killed, strict=True)], bottom=killed, color="#9aa3ad",
              label="question sent, gateway tried, device chosen")
     drop.bar(x, prefill, bottom=drops, color="#8a5a00", label="device reads the new message")
     drop.axhline(1500, color="#c93c3c", linestyle="--", linewidth=1)

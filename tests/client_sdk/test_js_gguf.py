@@ -47,7 +47,7 @@ def test_every_tensor_dequantizes_to_the_same_numbers(files: tuple[Path, Path]) 
     assert [t.name for t in served.tensors] == [t.name for t in widened.tensors]
     widened_types = {t.tensor_type for t in widened.tensors}
     assert GGMLQuantizationType.Q4_1 not in widened_types and GGMLQuantizationType.Q5_1 in widened_types
-    for a, b in zip(served.tensors, widened.tensors):
+    for a, b in zip(served.tensors, widened.tensors, strict=True):
         expected = {GGMLQuantizationType.Q4_1: GGMLQuantizationType.Q5_1}.get(a.tensor_type, a.tensor_type)
         assert b.tensor_type == expected, a.name
         assert list(a.shape) == list(b.shape), a.name
