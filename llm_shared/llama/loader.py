@@ -124,11 +124,12 @@ def _assemble(args: ModelArgs, t: dict[str, torch.Tensor], device: torch.device 
 
 def load_model(
     path: Path, fmt: Literal["gguf", "safetensors"], *, dtype: torch.dtype, device: torch.device | str = "cpu",
-    cache: LoadCache | None = None,
+    cache: LoadCache | None = None, packed4: bool = False,
 ) -> LlamaModel:
-    """Load a checkpoint; a GGUF through ``cache`` when given (safetensors load mapped anyway)."""
+    """Load a checkpoint; a GGUF through ``cache`` when given (safetensors load mapped anyway),
+    keeping its 4-bit blocks with ``packed4``."""
     if fmt == "gguf":
-        return load_gguf(path, dtype=dtype, device=device, cache=cache)
+        return load_gguf(path, dtype=dtype, device=device, cache=cache, packed4=packed4)
     if fmt == "safetensors":
         return load_safetensors(path, dtype=dtype, device=device)
     raise ModelFileError(f"unknown model format {fmt!r}; expected 'gguf' or 'safetensors'")
@@ -145,23 +146,38 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_gguf(path: Path, *, dtype: torch.dtype, device: torch.device | str = "cpu",
-              cache: LoadCache | None = None) -> LlamaModel:
+              cache: LoadCache | None = None, packed4: bool = False) -> LlamaModel:
     """The model in a GGUF file; through ``cache`` when given (keyed by the file's SHA-256, the
-    dtype and ``weight_cache.CACHE_VERSION``), storing the loaded weights on a miss."""
+    dtype, ``packed4`` and ``weight_cache.CACHE_VERSION``), storing the loaded weights on a miss.
+    ``packed4`` (a CPU model): the 4-bit projections keep their blocks too (``attach_packed4``)."""
     check_gguf(path)
     if cache is None or not cache.enabled:
-        return _parse_gguf(path, dtype=dtype, device=device)
-    key = weights_key(cache.source_sha256(path), dtype)
+        return _forget_parts(_parse_gguf(path, dtype=dtype, device=device, packed4=packed4))
+    key = weights_key(cache.source_sha256(path), dtype, packed4)
     model = cache.load(key, lambda folder: read_model(folder, dtype=dtype, device=device))
     if model is not None:
         log.info("loading %s: %d tensors mapped from the load cache", path, len(model.state_dict()))
-        return model
-    model = _parse_gguf(path, dtype=dtype, device=device)
+        return _forget_parts(model)
+    model = _parse_gguf(path, dtype=dtype, device=device, packed4=packed4)
     cache.store(key, lambda folder: write_model(model, folder))
+    return _forget_parts(model)
+
+
+def _parse_gguf(path: Path, *, dtype: torch.dtype, device: torch.device | str, packed4: bool) -> LlamaModel:
+    model = _parse_gguf_weights(path, dtype=dtype, device=device)
+    if packed4:
+        attach_packed4(model, path)
     return model
 
 
-def _parse_gguf(path: Path, *, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
+def _forget_parts(model: LlamaModel) -> LlamaModel:
+    """The 4-bit blocks' stored form is for the load cache; a loaded model keeps the kernel's only."""
+    for _, packed in model.packed_projections():
+        packed.forget_parts()
+    return model
+
+
+def _parse_gguf_weights(path: Path, *, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
     import gguf
 
     try:
@@ -195,6 +211,50 @@ def _parse_gguf(path: Path, *, dtype: torch.dtype, device: torch.device | str) -
 
     source = TensorSource(shapes, read, str(path), "dequantized")
     return build_model(args, source, names, dtype=dtype, device=device)
+
+
+# the model's fused projections and the GGUF tensors stacked in each, in order
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "wqkv": ("q", "k", "v"), "wo": ("o",), "w_gate_up": ("gate", "up"), "w_down": ("down",),
+}
+
+
+def attach_packed4(model: LlamaModel, path: Path) -> int:
+    """Give each projection of ``model`` (loaded from the GGUF at ``path``) whose tensors are all
+    Q4_0 or Q4_1 its 4-bit blocks in the CPU kernel's layout (``Linear.packed``, see
+    ``packed4``), as llama.cpp stores them, Q and K un-permuted like the dequantized weights.
+    Returns how many projections got them (0 for another block type, or a torch without the kernel)."""
+    import gguf
+
+    from llm_shared.llama import packed4
+
+    if not packed4.available():
+        return 0
+    args = model.args
+    dtype = model.embed.weight.dtype
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    heads = {"q": args.num_heads, "k": args.num_kv_heads}
+    attached = 0
+    for i, layer in enumerate(model.layers):
+        for module_name, roles in FUSED_PROJECTIONS.items():
+            parts = []
+            for role in roles:
+                t = tensors[f"blk.{i}.{LAYER_TENSORS[role][0]}"]
+                blocks = packed4.Blocks4.from_gguf(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape)))
+                if blocks is None:
+                    break
+                if role in heads:
+                    rows = torch.arange(blocks.q.shape[0])[:, None]
+                    blocks = blocks.rows(unpermute_qk(rows, heads[role])[:, 0])
+                parts.append(blocks)
+            else:
+                fused = packed4.Blocks4.cat(parts)
+                if packed4.Packed4.fits(tuple(fused.q.shape)):
+                    getattr(layer, module_name).packed = packed4.Packed4(fused, dtype)
+                    attached += 1
+    log.info("%s: %d of %d projections keep their 4-bit blocks for few-row products", path, attached,
+             len(FUSED_PROJECTIONS) * len(model.layers))
+    return attached
 
 
 def _gguf_value(reader: Any, key: str, default: Any = None, *, required: bool = False) -> Any:

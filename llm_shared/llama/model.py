@@ -19,6 +19,7 @@ from torch import nn
 
 from llm_shared.errors import ModelFileError
 from llm_shared.llama.matmul import Linear, linear
+from llm_shared.llama.packed4 import Packed4
 from llm_shared.llama.rope import RopeScaling, apply_rope, inv_frequencies, rope_cos_sin
 
 PastKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), each [B, KVH, S, D]
@@ -203,6 +204,10 @@ class LlamaModel(nn.Module):
         """Every matrix a forward multiplies by (for ``matmul.tune``)."""
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return [head, *(m.weight for m in self.modules() if isinstance(m, Linear))]
+
+    def packed_projections(self) -> list[tuple[torch.Tensor, Packed4]]:
+        """The projections that kept their 4-bit blocks (``loader.attach_packed4``), with them."""
+        return [(m.weight, m.packed) for m in self.modules() if isinstance(m, Linear) and m.packed is not None]
 
     def forward_contiguous(
         self,

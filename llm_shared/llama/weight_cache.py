@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from llm_shared.errors import ModelFileError
+from llm_shared.llama.matmul import Linear
 from llm_shared.llama.model import LlamaModel, ModelArgs
+from llm_shared.llama.packed4 import Packed4
 from llm_shared.llama.rope import RopeScaling
 from llm_shared.load_cache import CorruptEntry
 
@@ -25,12 +27,13 @@ from llm_shared.load_cache import CorruptEntry
 # fusing, names), so older entries miss instead of loading stale weights.
 CACHE_VERSION = "1"
 WEIGHTS_FILE = "model.safetensors"
+PACKED_FILE = "packed4.safetensors"  # the projections' 4-bit blocks, where they were kept (packed4)
 ARGS_KEY = "model_args"  # in the safetensors header's metadata
 
 
-def weights_key(source_sha256: str, dtype: torch.dtype) -> dict[str, str]:
+def weights_key(source_sha256: str, dtype: torch.dtype, packed4: bool = False) -> dict[str, str]:
     return {"kind": "weights", "source_sha256": source_sha256, "version": CACHE_VERSION,
-            "dtype": str(dtype).removeprefix("torch.")}
+            "dtype": str(dtype).removeprefix("torch."), "packed4": "kept" if packed4 else "no"}
 
 
 def args_to_json(args: ModelArgs) -> str:
@@ -55,6 +58,11 @@ def write_model(model: LlamaModel, folder: Path) -> None:
 
     state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
     save_file(state, str(folder / WEIGHTS_FILE), metadata={ARGS_KEY: args_to_json(model.args)})
+    packed = {f"{name}.{part}": t.contiguous() for name, module in model.named_modules()
+              if isinstance(module, Linear) and module.packed is not None
+              for part, t in module.packed.parts().items()}
+    if packed:
+        save_file(packed, str(folder / PACKED_FILE))
 
 
 def read_model(folder: Path, *, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
@@ -77,6 +85,33 @@ def read_model(folder: Path, *, dtype: torch.dtype, device: torch.device | str) 
     if torch.device(device).type != "cpu":
         state = {name: t.to(device) for name, t in state.items()}
     try:
-        return LlamaModel.from_state_dict(args, state, device)
+        model = LlamaModel.from_state_dict(args, state, device)
     except RuntimeError as e:  # load_state_dict: missing, unexpected or misshapen tensors
         raise CorruptEntry(f"{WEIGHTS_FILE} does not fit the model it describes: {e}") from e
+    if (folder / PACKED_FILE).exists():
+        _read_packed(model, folder / PACKED_FILE, dtype)
+    return model
+
+
+def _read_packed(model: LlamaModel, path: Path, dtype: torch.dtype) -> None:
+    """The 4-bit blocks ``write_model`` kept, given back to their projections."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:
+        raise CorruptEntry(f"{PACKED_FILE} does not open: {e}") from e
+    modules = dict(model.named_modules())
+    for name in {key.rsplit(".", 1)[0] for key in tensors}:
+        module = modules.get(name)
+        if not isinstance(module, Linear):
+            raise CorruptEntry(f"{PACKED_FILE} names {name!r}, which is no projection of the model")
+        try:
+            module.packed = Packed4.from_parts({part: tensors.get(f"{name}.{part}") for part in ("q", "scale", "zero")},
+                                               dtype)
+        except (ValueError, AttributeError, RuntimeError) as e:
+            raise CorruptEntry(f"{PACKED_FILE}: the 4-bit blocks of {name!r} are unusable: {e}") from e
+        if module.packed.shape != tuple(module.weight.shape):
+            raise CorruptEntry(f"{PACKED_FILE}: the 4-bit blocks of {name!r} are {list(module.packed.shape)}, "
+                               f"the weight {list(module.weight.shape)}")

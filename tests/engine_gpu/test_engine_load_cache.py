@@ -38,7 +38,9 @@ def test_a_warm_start_serves_the_same_greedy_tokens_from_the_same_weights(
         prompts = [cold.tokenizer.encode_chat(chat) for chat in CHATS]
         want = cold.generate(prompts, GREEDY)
         cold_state = cold.runner.model.state_dict()
-        cold_transposed = set(matmul._TRANSPOSED)
+        cold_transposed, cold_packed = set(matmul._TRANSPOSED), set(matmul._PACKED)
+        kept = len(cold.runner.model.packed_projections())
+        assert kept == 4 * cold.runner.model.args.num_layers  # the GGUF's 4-bit blocks, on a CPU
         matmul.reset()
 
         def reader(*args: object, **kwargs: object) -> object:
@@ -49,7 +51,8 @@ def test_a_warm_start_serves_the_same_greedy_tokens_from_the_same_weights(
         with caplog.at_level(logging.INFO, logger="engine_gpu.engine"):
             warm = LLMEngine.from_config(MODEL, CONFIG)
         assert any("(cache hit)" in r.getMessage() for r in caplog.records)
-        assert matmul._TRANSPOSED == cold_transposed
+        assert matmul._TRANSPOSED == cold_transposed and matmul._PACKED == cold_packed
+        assert len(warm.runner.model.packed_projections()) == kept  # kept by the cache, not re-read
         assert warm.runner.model.args == cold.runner.model.args
         warm_state = warm.runner.model.state_dict()
         assert warm_state.keys() == cold_state.keys()
