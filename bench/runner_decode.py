@@ -3,9 +3,13 @@
     .venv/bin/python bench/runner_decode.py [--context 128] [--steps 16] [--batch 1 8 32] [--threads N] [--smoke]
 
 Prefills ``batch`` random prompts of ``context`` tokens, then times greedy decode steps of the
-whole batch through the paged path (no scheduler). Prints the median step time and tokens/s per
-batch size, then as its last line one JSON object: ``decode_step_ms`` and ``decode_tok_s`` (by
-batch size), ``prefill_tok_s`` (by batch size), ``dtype``, ``threads``, ``context`` and ``cpu``.
+whole batch through the paged path (no scheduler), twice: with the weights dequantized and every
+product ``F.linear`` (``decode_step_ms``), and as the engine runs on a CPU (``tuned_*``): the GGUF's
+4-bit blocks kept and each projection's form chosen by ``matmul.tune`` per row count. Prints the
+median step time and tokens/s per batch size, then as its last line one JSON object:
+``decode_step_ms``, ``decode_tok_s``, ``tuned_decode_step_ms``, ``tuned_decode_tok_s``,
+``tuned_speedup`` (dense / tuned step time), ``packed_projections``, ``prefill_tok_s`` (all by
+batch size where by anything), ``dtype``, ``threads``, ``context`` and ``cpu``.
 ``--smoke``: 16-token prompts, 2 steps, batches 1 and 2 (seconds; figures meaningless).
 """
 
@@ -23,6 +27,7 @@ from engine_gpu.kv_cache import PagedKVCache
 from engine_gpu.runner import DTYPES, ModelRunner
 from engine_gpu.sched_output import ScheduledSeq
 from llm_shared.contract import SamplingParams
+from llm_shared.llama import matmul
 from llm_shared.llama.loader import load_gguf
 from llm_shared.modelfile import default_gguf_path
 
@@ -47,23 +52,46 @@ def main() -> None:
 
     dtype = DTYPES[args.dtype]
     started = time.perf_counter()
-    model = load_gguf(default_gguf_path(), dtype=dtype)
+    model = load_gguf(default_gguf_path(), dtype=dtype, packed4=True)
     print(f"loaded in {time.perf_counter() - started:.1f} s; torch threads: {torch.get_num_threads()}")
+    blocks = model.packed_projections()
     per_seq = -(-(args.context + args.steps + 1) // args.block_size)
     cache = PagedKVCache.for_model(model.args, block_size=args.block_size, dtype=dtype, device="cpu",
                                    num_blocks=per_seq * max(args.batch))
     runner = ModelRunner(model, cache, device="cpu", dtype=dtype, attention_backend="torch")
+    prefill_tok_s: dict[str, float] = {}
+    matmul.reset()
+    step_ms = decode_steps(runner, args, per_seq, prefill_tok_s, "dense")
+    matmul.tune(model.projection_weights(), packed=blocks)
+    tuned_ms = decode_steps(runner, args, per_seq, {}, "tuned")
+    matmul.reset()
+    print(json.dumps({
+        "decode_step_ms": {b: round(ms, 2) for b, ms in step_ms.items()},
+        "decode_tok_s": {b: round(int(b) / ms * 1e3, 1) for b, ms in step_ms.items()},
+        "tuned_decode_step_ms": {b: round(ms, 2) for b, ms in tuned_ms.items()},
+        "tuned_decode_tok_s": {b: round(int(b) / ms * 1e3, 1) for b, ms in tuned_ms.items()},
+        "tuned_speedup": {b: round(step_ms[b] / tuned_ms[b], 3) for b in step_ms},
+        "packed_projections": len(blocks),
+        "prefill_tok_s": {b: round(v, 1) for b, v in prefill_tok_s.items()},
+        "dtype": args.dtype, "threads": torch.get_num_threads(), "context": args.context,
+        "cpu": cpu_facts()["model"],
+    }))
+
+
+def decode_steps(runner: ModelRunner, args: argparse.Namespace, per_seq: int, prefill_tok_s: dict[str, float],
+                 arm: str) -> dict[str, float]:
+    """The median decode step (ms) by batch size, the same random prompts in each arm."""
     greedy = SamplingParams(temperature=0.0)
     g = torch.Generator().manual_seed(0)
+    vocab = runner.model.args.vocab_size
     step_ms: dict[str, float] = {}
-    prefill_tok_s: dict[str, float] = {}
     for batch in args.batch:
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-        prompts = [torch.randint(0, model.args.vocab_size, (args.context,), generator=g).tolist() for _ in range(batch)]
+        prompts = [torch.randint(0, vocab, (args.context,), generator=g).tolist() for _ in range(batch)]
         started = time.perf_counter()
         out = runner.execute([ScheduledSeq(f"r{i}", prompts[i], 0, tables[i], sample=True, num_draft_tokens=0,
                                            params=greedy, output_index=0) for i in range(batch)])
-        prefill = time.perf_counter() - started
+        prefill_tok_s[str(batch)] = batch * args.context / (time.perf_counter() - started)
         last = [out[f"r{i}"][0].token_id for i in range(batch)]
         times = []
         for step in range(args.steps):
@@ -75,16 +103,10 @@ def main() -> None:
             times.append(time.perf_counter() - started)
             last = [out[f"r{i}"][0].token_id for i in range(batch)]
         median = statistics.median(times)
-        step_ms[str(batch)], prefill_tok_s[str(batch)] = median * 1e3, batch * args.context / prefill
-        print(f"batch {batch:3d}: prefill {prefill_tok_s[str(batch)]:7.0f} tok/s; "
-              f"decode step median {median * 1e3:6.1f} ms (min {min(times) * 1e3:.1f}) -> {batch / median:5.0f} tok/s")
-    print(json.dumps({
-        "decode_step_ms": {b: round(ms, 2) for b, ms in step_ms.items()},
-        "decode_tok_s": {b: round(int(b) / ms * 1e3, 1) for b, ms in step_ms.items()},
-        "prefill_tok_s": {b: round(v, 1) for b, v in prefill_tok_s.items()},
-        "dtype": args.dtype, "threads": torch.get_num_threads(), "context": args.context,
-        "cpu": cpu_facts()["model"],
-    }))
+        step_ms[str(batch)] = median * 1e3
+        print(f"{arm:5s} batch {batch:3d}: decode step median {median * 1e3:6.1f} ms (min {min(times) * 1e3:.1f}) "
+              f"-> {batch / median:5.0f} tok/s")
+    return step_ms
 
 
 if __name__ == "__main__":
