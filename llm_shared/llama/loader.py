@@ -164,9 +164,15 @@ def load_gguf(path: Path, *, dtype: torch.dtype, device: torch.device | str = "c
 
 
 def _parse_gguf(path: Path, *, dtype: torch.dtype, device: torch.device | str, packed4: bool) -> LlamaModel:
-    model = _parse_gguf_weights(path, dtype=dtype, device=device)
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, KeyError, IndexError) as e:  # the reader's ways of rejecting a corrupt file
+        raise ModelFileError(f"cannot parse GGUF file {str(path)!r}: {e}") from e
+    model = _read_gguf_weights(reader, path, dtype=dtype, device=device)
     if packed4:
-        attach_packed4(model, path)
+        attach_packed4(model, path, reader)
     return model
 
 
@@ -177,13 +183,9 @@ def _forget_parts(model: LlamaModel) -> LlamaModel:
     return model
 
 
-def _parse_gguf_weights(path: Path, *, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
+def _read_gguf_weights(reader: Any, path: Path, *, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, KeyError, IndexError) as e:  # the reader's ways of rejecting a corrupt file
-        raise ModelFileError(f"cannot parse GGUF file {str(path)!r}: {e}") from e
     tensors = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
     try:
@@ -219,10 +221,11 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-def attach_packed4(model: LlamaModel, path: Path) -> int:
+def attach_packed4(model: LlamaModel, path: Path, reader: Any = None) -> int:
     """Give each projection of ``model`` (loaded from the GGUF at ``path``) whose tensors are all
     Q4_0 or Q4_1 its 4-bit blocks in the CPU kernel's layout (``Linear.packed``, see
     ``packed4``), as llama.cpp stores them, Q and K un-permuted like the dequantized weights.
+    ``reader``: the file's ``GGUFReader`` where one is open (parsing its metadata takes seconds).
     Returns how many projections got them (0 for another block type, or a torch without the kernel)."""
     import gguf
 
@@ -232,7 +235,7 @@ def attach_packed4(model: LlamaModel, path: Path) -> int:
         return 0
     args = model.args
     dtype = model.embed.weight.dtype
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    tensors = {t.name: t for t in (reader if reader is not None else gguf.GGUFReader(path)).tensors}
     heads = {"q": args.num_heads, "k": args.num_kv_heads}
     attached = 0
     for i, layer in enumerate(model.layers):
