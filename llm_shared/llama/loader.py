@@ -107,6 +107,12 @@ def build_model(
     return _assemble(args, loaded, device)
 
 
+# the model's fused projections and the GGUF tensors stacked in each, in order
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "wqkv": ("q", "k", "v"), "wo": ("o",), "w_gate_up": ("gate", "up"), "w_down": ("down",),
+}
+
+
 def _assemble(args: ModelArgs, t: dict[str, torch.Tensor], device: torch.device | str) -> LlamaModel:
     state: dict[str, torch.Tensor] = {"embed.weight": t.pop("embed"), "norm.weight": t.pop("norm")}
     if "head" in t:
@@ -114,11 +120,10 @@ def _assemble(args: ModelArgs, t: dict[str, torch.Tensor], device: torch.device 
     for i in range(args.num_layers):
         p = f"layers.{i}."
         state[p + "attn_norm.weight"] = t.pop(f"{i}.attn_norm")
-        state[p + "wqkv.weight"] = torch.cat([t.pop(f"{i}.q"), t.pop(f"{i}.k"), t.pop(f"{i}.v")])
-        state[p + "wo.weight"] = t.pop(f"{i}.o")
         state[p + "mlp_norm.weight"] = t.pop(f"{i}.mlp_norm")
-        state[p + "w_gate_up.weight"] = torch.cat([t.pop(f"{i}.gate"), t.pop(f"{i}.up")])
-        state[p + "w_down.weight"] = t.pop(f"{i}.down")
+        for module_name, roles in FUSED_PROJECTIONS.items():
+            parts = [t.pop(f"{i}.{role}") for role in roles]
+            state[f"{p}{module_name}.weight"] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return LlamaModel.from_state_dict(args, state, device)
 
 
@@ -157,7 +162,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype, device: torch.device | str = "c
     model = cache.load(key, lambda folder: read_model(folder, dtype=dtype, device=device))
     if model is not None:
         log.info("loading %s: %d tensors mapped from the load cache", path, len(model.state_dict()))
-        return _forget_parts(model)
+        return model
     model = _parse_gguf(path, dtype=dtype, device=device, packed4=packed4)
     cache.store(key, lambda folder: write_model(model, folder))
     return _forget_parts(model)
@@ -213,12 +218,6 @@ def _read_gguf_weights(reader: Any, path: Path, *, dtype: torch.dtype, device: t
 
     source = TensorSource(shapes, read, str(path), "dequantized")
     return build_model(args, source, names, dtype=dtype, device=device)
-
-
-# the model's fused projections and the GGUF tensors stacked in each, in order
-FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "wqkv": ("q", "k", "v"), "wo": ("o",), "w_gate_up": ("gate", "up"), "w_down": ("down",),
-}
 
 
 def attach_packed4(model: LlamaModel, path: Path, reader: Any = None) -> int:

@@ -7,7 +7,7 @@ output head took 33 ms through ``linear`` and 10 ms the other way for 5 rows, 14
 for 1), and those few-row shapes are exactly a speculative verification (k + 1 tokens) and a
 small decode batch. A weight the loader kept as the GGUF's 4-bit blocks (``packed4``) has a
 third form, the same numbers as the file's, which reads a quarter of the bytes: a few-row product
-is bound by those bytes on a CPU (batch 1: 2.0x the speed of bf16 here), many rows by the
+is bound by those bytes on a CPU (a batch-1 decode step 1.6x faster than bf16 here), many rows by the
 arithmetic, where the dense product wins. Which form wins depends on the CPU and its BLAS, so
 nothing is assumed: ``tune`` times them on the model's own weight shapes at start-up and records,
 per shape and row-count bucket, the fastest. Untuned (the default, and always on GPUs), every call
@@ -173,9 +173,11 @@ def tune(weights: Iterable[torch.Tensor], *, packed: Iterable[tuple[torch.Tensor
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, inp, dtype=dtype)
             plain = _median_seconds(lambda x=x, w=w: F.linear(x, w))
-            transposed = _median_seconds(lambda x=x, w=w: torch.mm(w, x.T).T.contiguous())
             key = (out, inp, dtype, rows)
-            _decide(_TRANSPOSED, key, transposed < margin * plain)
+            transposed = plain
+            if rows > 1:  # one row always takes F.linear (``linear``)
+                transposed = _median_seconds(lambda x=x, w=w: torch.mm(w, x.T).T.contiguous())
+                _decide(_TRANSPOSED, key, transposed < margin * plain)
             dense = min(plain, transposed) if key in _TRANSPOSED else plain
             if four is not None:
                 four_bit = _median_seconds(lambda x=x, four=four: four.mm(x))

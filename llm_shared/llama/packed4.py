@@ -86,15 +86,15 @@ class Packed4:
         """Whether the kernel takes a weight of this shape (rows in 16s, whole blocks per row)."""
         return shape[0] % 16 == 0 and shape[1] % GROUP == 0
 
-    def __init__(self, blocks: Blocks4, dtype: torch.dtype) -> None:
+    def __init__(self, blocks: Blocks4, dtype: torch.dtype, *, keep_parts: bool = True) -> None:
         self.shape = tuple(blocks.q.shape)
         if not self.fits(self.shape):
             raise ValueError(f"the 4-bit kernel takes no weight of shape {list(self.shape)}")
-        self.dtype = dtype
         self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1)
         self.scales_zeros = torch.stack([blocks.scale.T, blocks.zero.T], dim=-1).to(dtype).contiguous()
-        self._parts: dict[str, torch.Tensor] | None = {
-            "q": blocks.q[:, 0::2] | (blocks.q[:, 1::2] << 4), "scale": blocks.scale, "zero": blocks.zero}
+        self._parts: dict[str, torch.Tensor] | None = None
+        if keep_parts:
+            self._parts = {"q": blocks.q[:, 0::2] | (blocks.q[:, 1::2] << 4), "scale": blocks.scale, "zero": blocks.zero}
 
     def parts(self) -> dict[str, torch.Tensor]:
         if self._parts is None:
@@ -106,14 +106,15 @@ class Packed4:
         self._parts = None
 
     @classmethod
-    def from_parts(cls, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> Packed4:
-        """What ``parts`` gave; ValueError if the tensors do not fit together."""
+    def from_parts(cls, parts: dict[str, torch.Tensor], dtype: torch.dtype, *, keep_parts: bool = False) -> Packed4:
+        """What ``parts`` gave (keeping them only with ``keep_parts``: they are stored already);
+        ValueError if the tensors do not fit together."""
         nibbles, scale, zero = parts["q"], parts["scale"], parts["zero"]
         out, half = nibbles.shape
         if nibbles.dtype != torch.uint8 or scale.shape != (out, 2 * half // GROUP) or zero.shape != scale.shape:
             raise ValueError(f"4-bit parts of shapes {list(nibbles.shape)}, {list(scale.shape)}, {list(zero.shape)}")
         q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(out, 2 * half)
-        return cls(Blocks4(q, scale.to(torch.float32), zero.to(torch.float32)), dtype)
+        return cls(Blocks4(q, scale.to(torch.float32), zero.to(torch.float32)), dtype, keep_parts=keep_parts)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x [rows, in] @ w.T`` -> [rows, out]."""
