@@ -20,6 +20,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -51,8 +52,11 @@ class Transcription:
 class Recognizer(Protocol):
     """Speech to text. Called from worker threads; implementations must be thread-safe."""
 
-    def transcribe(self, samples_16k: Float32Array, on_piece: Callable[[str], None] | None = None) -> Transcription:
-        """``on_piece``: called (on the worker thread) with each piece of text as it is decoded."""
+    def transcribe(self, samples_16k: Float32Array, on_piece: Callable[[str], None] | None = None, *,
+                   prompt: str | None = None) -> Transcription:
+        """``on_piece``: called (on the worker thread) with each piece of text as it is decoded.
+        ``prompt``: text that comes before the speech (the Realtime API's transcription
+        ``prompt``), "" for none; None: the recognizer's own."""
         ...
 
 
@@ -82,6 +86,16 @@ FRAMES_PER_S = 100  # log-mel frames (hop of 160 samples at 16 kHz)
 # words a second): such a shortened-window transcript is decoded again in the full window.
 MAX_WORDS_PER_S = 5.0
 SLACK_WORDS = 3
+# ... and so is a run of this many words or more said twice over (up to the longest run looked for).
+REPEAT_WORDS = 3
+MAX_REPEAT_WORDS = 24
+# Whisper reads a prompt as the text said before the audio. Told that a person is speaking to a
+# voice assistant, tiny.en made 14% fewer word errors on bench/asr_window.py's speech (345 clips,
+# four flite voices, clean and noisy), as many recognitions in the same CPU: it stopped hearing
+# "How far away is the moon?" as "Half are the ways the moon." (docs/voice.md, "The recognizer's
+# prompt"). A prompt can come back as the transcript of audio with no words in it (clicks did):
+# such a transcript is decoded again without it (``echoes``).
+DEFAULT_PROMPT = "A person speaks to a voice assistant."
 
 
 def encoder_window_s(seconds_of_audio: float, window: AsrWindow = "auto") -> float:
@@ -101,10 +115,12 @@ class WhisperRecognizer:
     temperature: the default fallback to higher temperatures re-decodes hard audio up to six
     times, which would make a job's cost unbounded for the pool's accounting. ``window``: "auto"
     encodes an utterance shorter than 30 s in a window of its own length (``encoder_window_s``),
-    "full" always pads to 30 s as faster-whisper does."""
+    "full" always pads to 30 s as faster-whisper does. ``prompt``: what a transcription asks for
+    no prompt of its own is given ("" for none: ``DEFAULT_PROMPT``)."""
 
     def __init__(self, model_dir: str | Path = "auto", *, threads: int = 1, workers: int = 1, beam_size: int = 1,
-                 compute_type: ComputeType = "int8", language: str = "en", window: AsrWindow = "auto") -> None:
+                 compute_type: ComputeType = "int8", language: str = "en", window: AsrWindow = "auto",
+                 prompt: str = DEFAULT_PROMPT) -> None:
         path = find_whisper_tiny_en() if model_dir == "auto" else Path(model_dir)
         # faster-whisper treats anything that is not a folder as a hub name to download.
         if not (path / "model.bin").is_file():
@@ -114,6 +130,7 @@ class WhisperRecognizer:
         from faster_whisper import WhisperModel  # lazy: CTranslate2 and PyAV load only when voice is on
 
         self.model_dir = path
+        self.prompt = prompt.strip()
         self.beam_size = beam_size
         self.language = language
         started = time.perf_counter()
@@ -140,22 +157,17 @@ class WhisperRecognizer:
                 "vad_filter": False,  # we segment with our own VAD first
                 "without_timestamps": True, "condition_on_previous_text": False}
 
-    def transcribe(self, samples_16k: Float32Array, on_piece: Callable[[str], None] | None = None) -> Transcription:
+    def transcribe(self, samples_16k: Float32Array, on_piece: Callable[[str], None] | None = None, *,
+                   prompt: str | None = None) -> Transcription:
         seconds = len(samples_16k) / SPEECH_RATE
         if len(samples_16k) == 0:
             return Transcription("", 0.0, 0.0)
         started = time.perf_counter()
         audio = np.ascontiguousarray(samples_16k, dtype=np.float32)
-        segments: Iterable[Segment] | None = None
-        window_s = encoder_window_s(seconds, self.window)
-        if window_s < FULL_WINDOW_S:
-            # One window: one segment (no timestamps), so holding it back before on_piece delays
-            # nothing. A transcript that looks like a loop is decoded again in the full window.
-            decoded = list(self._short_window_segments(audio, window_s))
-            if not self._looks_like_a_loop(decoded, seconds):
-                segments = decoded
-        if segments is None:
-            segments, _info = self._model.transcribe(audio, **self._arguments())
+        prompt = self.prompt if prompt is None else prompt.strip()
+        segments = self._segments(audio, seconds, prompt or None)
+        if prompt:
+            segments = self._unless_echo(audio, seconds, prompt, segments)
         pieces = []
         for segment in segments:  # the generator does the decoding, a segment at a time
             pieces.append(segment.text)
@@ -163,15 +175,44 @@ class WhisperRecognizer:
                 on_piece(segment.text)
         return Transcription("".join(pieces).strip(), seconds, time.perf_counter() - started)
 
+    def _segments(self, audio: Float32Array, seconds: float, prompt: str | None) -> Iterable[Segment]:
+        window_s = encoder_window_s(seconds, self.window)
+        if window_s < FULL_WINDOW_S:
+            # One window: one segment (no timestamps), so holding it back before on_piece delays
+            # nothing. A transcript that looks like a loop is decoded again in the full window.
+            decoded = list(self._short_window_segments(audio, window_s, prompt))
+            if not self._looks_like_a_loop(decoded, seconds):
+                return decoded
+        return self._model.transcribe(audio, **self._arguments(), initial_prompt=prompt)[0]
+
+    def _unless_echo(self, audio: Float32Array, seconds: float, prompt: str,
+                     segments: Iterable[Segment]) -> Iterator[Segment]:
+        """The segments, held back while every word so far is the prompt's own (pieces go out as
+        they are decoded): a transcript that is only the prompt is decoded again without it."""
+        held: list[Segment] | None = []
+        for segment in segments:
+            if held is not None:
+                held.append(segment)
+                if echoes("".join(s.text for s in held), prompt):
+                    continue
+                yield from held
+                held = None
+            else:
+                yield segment
+        if held:  # the whole transcript was the prompt
+            yield from self._segments(audio, seconds, None)
+
     def _looks_like_a_loop(self, segments: list[Segment], seconds: float) -> bool:
-        """Too many words for the audio, or text that compresses like a repetition (faster-whisper's
-        own test, which only sees long loops: "What time is it?" four times passes it)."""
-        words = sum(len(s.text.split()) for s in segments)
+        """Too many words for the audio, a run of words said twice over, or text that compresses
+        like a repetition (faster-whisper's own test, which only sees long loops: "What time is
+        it?" four times passes it)."""
+        words = transcript_words("".join(s.text for s in segments))
         threshold = self._options.compression_ratio_threshold or float("inf")
-        return (words > MAX_WORDS_PER_S * seconds + SLACK_WORDS
+        return (len(words) > MAX_WORDS_PER_S * seconds + SLACK_WORDS or repeats(words)
                 or any(s.compression_ratio > threshold for s in segments))
 
-    def _short_window_segments(self, audio: Float32Array, window_s: float) -> Iterator[Segment]:
+    def _short_window_segments(self, audio: Float32Array, window_s: float,
+                               prompt: str | None = None) -> Iterator[Segment]:
         """faster-whisper's own segment loop over an utterance that fits one window, handed an
         encoder output of ``window_s`` instead of 30 s: for audio shorter than its 30 s window,
         generate_segments runs once from the start and uses the encoder output it is given (it
@@ -181,4 +222,27 @@ class WhisperRecognizer:
         features = self._model.feature_extractor(audio)  # no chunk_length: that would rewrite the shared extractor
         content = features[:, :features.shape[-1] - 1]  # generate_segments' content_frames
         encoded = self._model.encode(pad_or_trim(content, round(window_s * FRAMES_PER_S)))
-        return self._model.generate_segments(features, self._tokenizer, self._options, False, encoded)
+        options = self._options if prompt is None else dataclasses.replace(self._options, initial_prompt=prompt)
+        return self._model.generate_segments(features, self._tokenizer, options, False, encoded)
+
+
+def transcript_words(text: str) -> list[str]:
+    """Lower case, punctuation dropped."""
+    return re.sub(r"[^\w\s']", " ", text.lower()).split()
+
+
+def repeats(words: list[str]) -> bool:
+    """Whether ``REPEAT_WORDS`` words or more come twice in a row ("what time does this star open
+    what time does this star open"): how a shortened window's decoder loops on a short question,
+    while speech seldom says a phrase twice over."""
+    n = len(words)
+    return any(words[i:i + span] == words[i + span:i + 2 * span]
+               for span in range(REPEAT_WORDS, min(n // 2, MAX_REPEAT_WORDS) + 1) for i in range(n - 2 * span + 1))
+
+
+def echoes(text: str, prompt: str) -> bool:
+    """Whether a transcript (so far) is words of the prompt, in its order: what Whisper writes for
+    audio with no words when a prompt primed it."""
+    said = transcript_words(text)
+    given = transcript_words(prompt)
+    return bool(said) and any(given[i:i + len(said)] == said for i in range(len(given) - len(said) + 1))

@@ -69,7 +69,7 @@ class VoiceService:
                 log.warning("no end-of-turn text model (%s): semantic_vad ends turns on the audio alone", e.message)
         self.recognizer = WhisperRecognizer(config.asr_model, threads=config.asr_threads, workers=config.pool_threads,
                                             beam_size=config.asr_beam_size, compute_type=config.asr_compute_type,
-                                            window=config.asr_window)
+                                            window=config.asr_window, prompt=config.asr_prompt)
         self.synthesizer = make_synthesizer(config)
         self.pool = VoicePool(threads=config.pool_threads, max_outstanding_audio_s=config.max_queued_audio_s,
                               max_outstanding_jobs=config.max_queued_jobs, job_timeout_s=config.job_timeout_s,
@@ -100,14 +100,15 @@ class VoiceService:
 
     async def transcribe(self, pcm_24k: Int16Array, owner: Hashable = None,
                          on_piece: Callable[[str], None] | None = None, speculative: bool = False,
-                         judge_end: bool = False) -> Transcription:
+                         judge_end: bool = False, prompt: str | None = None) -> Transcription:
         """A committed input buffer's text, in ``owner``'s (its session's) turn. It counts against
         the pool's bound as the window Whisper encodes for it (``encoder_window_s``: 30 s, or
         with asr_window "auto" the utterance's own length rounded up, at least 12 s; audio longer
         than a window counts as itself), its figures as the audio it had. ``on_piece``: each piece of text as it is
         decoded, called on the worker thread. ``speculative``: started at a pause the user may go on
         from (``VoicePool.run``). ``judge_end``: the text turn model (if any) also judges whether the
-        words are a finished turn (``Transcription.finished``), on the same worker. Raises
+        words are a finished turn (``Transcription.finished``), on the same worker. ``prompt``: the
+        session's transcription prompt ("" for none; None: ``[voice] asr_prompt``). Raises
         ``VoiceBusy``, ``VoiceRateLimited``, ``VoiceTimeout``."""
         pcm = np.array(pcm_24k, np.int16)  # the session's buffer is cleared and reused while this waits
         recognizer = self.recognizer
@@ -116,7 +117,7 @@ class VoiceService:
 
         def job() -> Transcription:
             samples = resample(pcm, REALTIME_RATE, SPEECH_RATE)
-            heard = recognizer.transcribe(samples) if on_piece is None else recognizer.transcribe(samples, on_piece)
+            heard = recognizer.transcribe(samples, on_piece, prompt=prompt)
             return heard if judge is None else dataclasses.replace(heard, finished=self._finished(judge, heard.text))
 
         window_s = encoder_window_s(seconds, self.config.asr_window)

@@ -79,6 +79,8 @@ class Transcribe:
     # semantic_vad: also judge whether the words are a finished turn (``transcribed``'s
     # ``finished``), which confirms or holds an end the turn model proposed at this pause.
     judge_end: bool = False
+    # the session's audio.input.transcription.prompt ("" for none); None: the server's own
+    prompt: str | None = None
 
     @property
     def at_pause(self) -> bool:

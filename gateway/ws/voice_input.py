@@ -143,6 +143,7 @@ class VoiceInput:
         self._commands = commands
         self._turns = turns
         self._vad: ServerVad | None = None
+        self._prompt: str | None = None  # audio.input.transcription.prompt; None: the server's
         self._format: AudioFormat = PCM16
         self._stream: InputStream = PCM16.stream()  # the appends' converter (a codec's filter history)
         self._speech_item: str | None = None  # the user item the speech in progress will become
@@ -162,10 +163,12 @@ class VoiceInput:
         self._idle_from: int | None = None  # session audio ms the idle timeout counts from (None: not counting)
 
     def configure(self, audio: AudioSettings) -> None:
-        """The session's audio settings changed: its turn detection, the format appends carry."""
+        """The session's audio settings changed: its turn detection, the transcription prompt, the
+        format appends carry."""
         if audio.turn_detection != self._vad:
             self._idle_from = None  # counted afresh from the next audio
         self._vad = audio.turn_detection
+        self._prompt = audio.transcription.prompt if audio.transcription is not None else None
         if audio.input_format is not self._format:
             self._format = audio.input_format
             self._stream = audio.input_format.stream()
@@ -262,7 +265,7 @@ class VoiceInput:
                     self._commands.append(Transcribe(
                         item_id=self._speech_item, tag=speech.speech_end_ms,
                         audio=self._input.peek(self._speech_start_ms, speech.speech_end_ms),
-                        judge_end=vad is not None and vad.kind == "semantic_vad"))
+                        judge_end=vad is not None and vad.kind == "semantic_vad", prompt=self._prompt))
                 continue
             if isinstance(speech, SpeechResumed):
                 self._turns.drop_foresight()  # the user went on: the turn did not end at that pause
@@ -358,7 +361,7 @@ class VoiceInput:
                 self.transcribed(item_id, early.text, early.seconds, cut)
         else:
             self._transcribing[item_id] = (item, 0)
-            self._commands.append(Transcribe(item_id=item_id, audio=audio))
+            self._commands.append(Transcribe(item_id=item_id, audio=audio, prompt=self._prompt))
         if respond and not self._turns.responding() and not self._admitting:
             self._admitting = True  # the response starts once the key is charged for it
             self._commands.append(AdmitResponse(item_id))

@@ -63,12 +63,13 @@ class VoiceService(Protocol):
 
     async def transcribe(self, audio: bytes, owner: Hashable = None,
                          on_piece: Callable[[str], None] | None = None, speculative: bool = False,
-                         judge_end: bool = False) -> Heard:
+                         judge_end: bool = False, prompt: str | None = None) -> Heard:
         """PCM16 mono at 24 kHz -> what was said, in ``owner``'s (the session's) turn of the
         shared workers; ``on_piece`` hears each piece as it is decoded (on this event loop);
         ``speculative``: a job started at a pause, which may be skipped to save the session's
         recognition budget for the turn's end; ``judge_end``: also whether the words are a finished
-        turn (``Heard.finished``, semantic_vad's confirmation). Raises ``EngineError`` (busy, rate-limited, timed
+        turn (``Heard.finished``, semantic_vad's confirmation); ``prompt``: the session's
+        transcription prompt ("" for none; None: the server's). Raises ``EngineError`` (busy, rate-limited, timed
         out: its message and code are for the client)."""
         ...
 
@@ -170,7 +171,8 @@ class VoiceLink:
         try:
             await self._spend(len(command.audio) / WIRE_BYTES_PER_S)
             heard = await self._service.transcribe(command.audio, owner=self, on_piece=lambda text: self._piece(
-                command, text), speculative=command.at_pause, judge_end=command.judge_end)
+                command, text), speculative=command.at_pause, judge_end=command.judge_end,
+                prompt=command.prompt)
         except EngineError as e:  # the key's audio spent, the workers busy, the session's budget used...
             self._session.transcription_failed(command.item_id, e.message, command.tag, e.code)
         except Exception:

@@ -103,7 +103,7 @@ class GatewayVoice:
 
     async def transcribe(self, audio: bytes, owner: Hashable = None,
                          on_piece: Callable[[str], None] | None = None, speculative: bool = False,
-                         judge_end: bool = False) -> Heard:
+                         judge_end: bool = False, prompt: str | None = None) -> Heard:
         relay = None
         if on_piece is not None:  # the recognizer decodes on a worker thread; the session lives on this loop
             loop = asyncio.get_running_loop()
@@ -113,7 +113,7 @@ class GatewayVoice:
 
         # VoiceBusy, VoiceRateLimited, VoiceTimeout pass through: their messages are for the client
         result = await self.service.transcribe(np.frombuffer(audio, dtype="<i2"), owner, relay, speculative,
-                                               judge_end)
+                                               judge_end, prompt)
         return Heard(result.text, result.seconds_of_audio, result.finished)
 
     async def synthesize(self, text: str, voice: str, owner: Hashable = None) -> tuple[bytes, tuple[Mark, ...]]:

@@ -211,6 +211,32 @@ async def test_push_to_talk_and_hostile_audio(voice: GatewayVoice, question_pcm:
             assert done["response"]["output"][0]["content"][0]["text"] == "".join(ANSWER)
 
 
+async def test_the_sessions_transcription_prompt_is_read_before_its_speech(voice: GatewayVoice) -> None:
+    """``audio.input.transcription.prompt`` steers the recognizer as it does OpenAI's: here the
+    style of numbers. Without one the server's own prompt is read (``[voice] asr_prompt``), and
+    Whisper writes "10"; with a prompt that spells numbers out, "ten"; "" again, "10"."""
+    engine = FakeEngine(reply=answer)
+    timer = encode_pcm16(spoken("Set a timer for ten minutes."))
+    async for served in serve(voice, engine):
+        async with websockets.connect(f"{served.url.replace('http', 'ws')}/v1/realtime") as ws:
+            await recv_json(ws)
+            heard = []
+            for transcription in (None, {"model": "whisper-1", "prompt": "Numbers are written out in words: one, "
+                                         "two, ten, twenty."}, {"model": "whisper-1", "prompt": ""}):
+                await send(ws, {"type": "session.update", "session": {"audio": {"input": {
+                    "turn_detection": None, "transcription": transcription}}}})
+                updated = await next_event(ws, {"session.updated"})
+                echoed = updated["session"]["audio"]["input"]["transcription"]
+                assert (echoed and echoed["prompt"]) == (transcription and transcription["prompt"])
+                for chunk in chunks(timer, 500):
+                    await send(ws, {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})
+                await send(ws, {"type": "input_audio_buffer.commit"})
+                heard.append(words((await next_event(ws, {"conversation.item.input_audio_transcription.completed"}))[
+                    "transcript"]))
+            assert heard == [["set", "a", "timer", "for", "10", "minutes"], ["set", "a", "timer", "for", "ten", "minutes"],
+                             ["set", "a", "timer", "for", "10", "minutes"]]
+
+
 async def test_a_session_committing_clips_faster_than_its_budget_is_refused_and_others_are_heard(
         question_pcm: bytes) -> None:
     """Issue 39, item 2: a push-to-talk client committing clip after clip gets the recognitions its

@@ -11,11 +11,15 @@ import pytest
 from voice_clips import clip, noise, speech
 
 from voice.asr import (
+    DEFAULT_PROMPT,
     FULL_WINDOW_S,
     MIN_WINDOW_S,
     WhisperRecognizer,
+    echoes,
     encoder_window_s,
     find_whisper_tiny_en,
+    repeats,
+    transcript_words,
 )
 from voice.errors import VoiceModelError
 from voice.tts import FliteSynthesizer
@@ -83,7 +87,48 @@ def test_noise_that_makes_a_short_window_repeat_itself_is_decoded_in_the_full_on
     assert len(normalise(looping).split()) > 3 * 4  # the loop this test is about
     monkeypatch.setattr(voice.asr, "MIN_WINDOW_S", 4.0)
     assert voice.asr.encoder_window_s(len(audio) / 16_000) == 4.0
-    assert recognizer.transcribe(audio).text == full_window.transcribe(audio).text
+    assert recognizer.transcribe(audio, prompt="").text == full_window.transcribe(audio, prompt="").text
+
+
+def test_a_phrase_said_twice_over_is_a_loop_to_decode_again() -> None:
+    """A shortened window made tiny.en say a short question twice ("What time does this star open?
+    What time does this star open?", bench/voice_sessions.py's speech with the prompt): too few
+    words for the words-per-second test, so a run of three words or more said twice in a row
+    counts as a loop too; words said twice alone, or a sentence without a repeat, do not."""
+    assert repeats(transcript_words("What time does this star open? What time does this star open?"))
+    assert repeats(transcript_words("Turn on the light. Turn on the light."))
+    assert not repeats(transcript_words("No, no, no. Very very good."))
+    assert not repeats(transcript_words("Please book a table for two people at seven tonight."))
+    assert not repeats([])
+
+
+SPELLED = "Numbers are written out in words: one, two, ten, twenty."
+
+
+def test_the_prompt_is_read_as_said_before_the_speech(recognizer: WhisperRecognizer,
+                                                      synthesizer: FliteSynthesizer) -> None:
+    """A transcription's prompt (the Realtime API's ``audio.input.transcription.prompt``) steers
+    the transcript as Whisper's prompts do: its style here. By default the recognizer's own
+    (``DEFAULT_PROMPT``) is read; "" reads none."""
+    assert recognizer.prompt == DEFAULT_PROMPT
+    audio = clip(0.5, speech(synthesizer, "Set a timer for ten minutes."), 0.3).samples
+    assert "10" in recognizer.transcribe(audio).text.split()
+    assert "10" in recognizer.transcribe(audio, prompt="").text.split()
+    assert normalise(recognizer.transcribe(audio, prompt=SPELLED).text) == "set a timer for ten minutes"
+
+
+def test_a_transcript_that_is_only_the_prompt_is_decoded_again_without_it(recognizer: WhisperRecognizer) -> None:
+    """Primed with a prompt, Whisper can write the prompt itself for audio without words (it did for
+    clicks, measured here): no one said it, so the audio is decoded again without the prompt, and
+    pieces reach ``on_piece`` only once they are not the prompt."""
+    clicks = np.where(np.arange(24_000) % 4000 < 20, 0.5, 0.0).astype(np.float32)
+    pieces: list[str] = []
+    heard = recognizer.transcribe(clicks, pieces.append).text
+    assert not echoes(heard, DEFAULT_PROMPT) and "".join(pieces).strip() == heard
+    assert echoes(" A person speaks to a voice", DEFAULT_PROMPT)
+    assert echoes("Voice assistant.", DEFAULT_PROMPT)
+    assert not echoes("A person speaks to me.", DEFAULT_PROMPT)  # words not all the prompt's, in its order
+    assert not echoes(" ", DEFAULT_PROMPT)
 
 
 def test_forty_seconds_are_transcribed_whole_in_30_s_windows(recognizer: WhisperRecognizer,
