@@ -82,6 +82,7 @@ class TurnResult:
     transcribed_ms: float | None = None
     barge_in_ms: float | None = None
     cut: Cut | None = None
+    heard: str | None = None  # the question's transcript, when it came before the first audio
 
 
 @dataclass
@@ -118,6 +119,7 @@ class VoiceSession:
         self._answers: dict[str, asyncio.Future[dict[str, Any]]] = {}  # event type -> the next one
         self._tasks: list[asyncio.Task[None]] = []
         self.error: str | None = None
+        self._heard: str | None = None  # the last transcript
         self._barges = 0
         self._stopped_at: float | None = None  # the latest speech_stopped
         self._transcribed_at: float | None = None  # the latest transcript
@@ -148,6 +150,7 @@ class VoiceSession:
         answer. Its answer must still be running then, so that turn asks for it itself: a long
         one (``x_ignore_eos``), where server VAD would have created a short one."""
         loop = asyncio.get_running_loop()
+        self._heard = None
         if interruption is not None:
             await self._send(self._vad_update(create_response=False))
             committed = self._expect("input_audio_buffer.committed")
@@ -163,7 +166,7 @@ class VoiceSession:
         assert response.first_audio_at is not None
         result = TurnResult(first_audio_ms=(response.first_audio_at - end_of_speech) * 1000,
                             stopped_ms=_since(self._stopped_at, end_of_speech),
-                            transcribed_ms=_since(self._transcribed_at, end_of_speech))
+                            transcribed_ms=_since(self._transcribed_at, end_of_speech), heard=self._heard)
         if interruption is None:
             await self._wait(response.done)
             await self._hear_out(response)
@@ -303,6 +306,7 @@ class VoiceSession:
                 self._stopped_at = loop.time()
             elif kind == "conversation.item.input_audio_transcription.completed":
                 self._transcribed_at = loop.time()
+                self._heard = event["transcript"]
             elif kind == "error":
                 self.error = f"{event['error']['code']}: {event['error']['message']}"
             future = self._answers.pop(kind, None)

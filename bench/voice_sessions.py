@@ -129,6 +129,7 @@ class Level:
     stopped_ms: list[float] = field(default_factory=list)  # end of speech -> speech_stopped
     transcribed_ms: list[float] = field(default_factory=list)  # end of speech -> transcript
     barge_in_ms: list[float] = field(default_factory=list)
+    heard: list[tuple[float, str, str | None]] = field(default_factory=list)  # (first audio ms, said, heard)
     failed: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -141,7 +142,10 @@ class Level:
                 "speech_to_first_audio_ms_p99": p(self.first_audio_ms, 99),
                 "barge_in_cancel_ms_p50": p(self.barge_in_ms, 50), "barge_in_cancel_ms_p99": p(self.barge_in_ms, 99),
                 "speech_stopped_ms_p50": p(self.stopped_ms, 50), "transcribed_ms_p50": p(self.transcribed_ms, 50),
-                "errors": self.errors[:5]}
+                "errors": self.errors[:5],
+                # the slowest turns, with what was said and heard (a misheard question waits longer)
+                "slowest": [{"first_audio_ms": round(ms, 1), "said": said, "heard": heard}
+                            for ms, said, heard in sorted(self.heard, reverse=True)[:3]]}
 
 
 async def run_level(url: str, model: str, sessions: int, barge_every: int, args: argparse.Namespace,
@@ -173,6 +177,7 @@ async def run_level(url: str, model: str, sessions: int, barge_every: int, args:
                     level.errors.append(str(e))
                     continue
                 level.first_audio_ms.append(turn.first_audio_ms)
+                level.heard.append((turn.first_audio_ms, QUESTIONS[(n + t) % len(QUESTIONS)], turn.heard))
                 if turn.stopped_ms is not None and turn.transcribed_ms is not None:
                     level.stopped_ms.append(turn.stopped_ms)
                     level.transcribed_ms.append(turn.transcribed_ms)

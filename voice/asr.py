@@ -89,12 +89,13 @@ SLACK_WORDS = 3
 # ... and so is a run of this many words or more said twice over (up to the longest run looked for).
 REPEAT_WORDS = 3
 MAX_REPEAT_WORDS = 24
+TOKEN_SLACK = 8  # the decoder's bound on top of two tokens a word (max_tokens)
 # Whisper reads a prompt as the text said before the audio. Told that a person is speaking to a
-# voice assistant, tiny.en made 14% fewer word errors on bench/asr_window.py's speech (345 clips,
-# four flite voices, clean and noisy), as many recognitions in the same CPU: it stopped hearing
-# "How far away is the moon?" as "Half are the ways the moon." (docs/voice.md, "The recognizer's
-# prompt"). A prompt can come back as the transcript of audio with no words in it (clicks did):
-# such a transcript is decoded again without it (``echoes``).
+# voice assistant, tiny.en made 14% fewer word errors on bench/asr_window.py's 114 clips (four
+# flite voices, clean and noisy: 116 against 135 of 834 words) in the same CPU; on clean questions
+# cut at a pause as the gateway cuts them it made as many as without (docs/voice.md, "The
+# recognizer's prompt"). A prompt can come back as the transcript of audio with no words in it
+# (clicks did): such a transcript is decoded again without it (``echoes``).
 DEFAULT_PROMPT = "A person speaks to a voice assistant."
 
 
@@ -179,10 +180,12 @@ class WhisperRecognizer:
         window_s = encoder_window_s(seconds, self.window)
         if window_s < FULL_WINDOW_S:
             # One window: one segment (no timestamps), so holding it back before on_piece delays
-            # nothing. A transcript that looks like a loop is decoded again in the full window.
-            decoded = list(self._short_window_segments(audio, window_s, prompt))
-            if not self._looks_like_a_loop(decoded, seconds):
-                return decoded
+            # nothing. A transcript that looks like a loop is decoded again without the prompt (a
+            # prompt made the loops seen here), and then in the full window.
+            for primed in dict.fromkeys((prompt, None)):
+                decoded = list(self._short_window_segments(audio, window_s, primed, max_tokens(seconds)))
+                if not self._looks_like_a_loop(decoded, seconds):
+                    return decoded
         return self._model.transcribe(audio, **self._arguments(), initial_prompt=prompt)[0]
 
     def _unless_echo(self, audio: Float32Array, seconds: float, prompt: str,
@@ -211,19 +214,29 @@ class WhisperRecognizer:
         return (len(words) > MAX_WORDS_PER_S * seconds + SLACK_WORDS or repeats(words)
                 or any(s.compression_ratio > threshold for s in segments))
 
-    def _short_window_segments(self, audio: Float32Array, window_s: float,
-                               prompt: str | None = None) -> Iterator[Segment]:
+    def _short_window_segments(self, audio: Float32Array, window_s: float, prompt: str | None = None,
+                               most_tokens: int | None = None) -> Iterator[Segment]:
         """faster-whisper's own segment loop over an utterance that fits one window, handed an
         encoder output of ``window_s`` instead of 30 s: for audio shorter than its 30 s window,
         generate_segments runs once from the start and uses the encoder output it is given (it
-        encodes itself only when given none or past the first window)."""
+        encodes itself only when given none or past the first window). ``most_tokens``: the
+        decoder stops there (None: Whisper's own bound, 448 less the prompt)."""
         from faster_whisper.audio import pad_or_trim
 
         features = self._model.feature_extractor(audio)  # no chunk_length: that would rewrite the shared extractor
         content = features[:, :features.shape[-1] - 1]  # generate_segments' content_frames
         encoded = self._model.encode(pad_or_trim(content, round(window_s * FRAMES_PER_S)))
-        options = self._options if prompt is None else dataclasses.replace(self._options, initial_prompt=prompt)
+        options = dataclasses.replace(self._options, initial_prompt=prompt, max_new_tokens=most_tokens)
         return self._model.generate_segments(features, self._tokenizer, options, False, encoded)
+
+
+def max_tokens(seconds: float) -> int:
+    """The most tokens a shortened window's decoder may make for ``seconds`` of audio: enough for
+    more words than the loop test lets pass (two tokens a word: a word and its punctuation, or a
+    long word in two pieces). A looping decoder otherwise runs to Whisper's 448 tokens before the
+    test sees the loop: 1.1-1.7 s of decoding measured for a 2 s question, where a transcript
+    takes ~70 ms."""
+    return 2 * math.ceil(MAX_WORDS_PER_S * seconds + SLACK_WORDS) + TOKEN_SLACK
 
 
 def transcript_words(text: str) -> list[str]:

@@ -3,8 +3,10 @@ through the 24 kHz wire rate and back to 16 kHz as a client's audio would be."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from voice.asr import (
     echoes,
     encoder_window_s,
     find_whisper_tiny_en,
+    max_tokens,
     repeats,
     transcript_words,
 )
@@ -85,6 +88,11 @@ def test_noise_that_makes_a_short_window_repeat_itself_is_decoded_in_the_full_on
     audio = audio + noise(len(audio) / 16_000, float(np.sqrt(np.mean(audio ** 2))) / 10 ** (10 / 20))
     looping = "".join(s.text for s in recognizer._short_window_segments(audio, 4.0))
     assert len(normalise(looping).split()) > 3 * 4  # the loop this test is about
+    # Bounded as a transcript is (max_tokens), the loop still reads as one: it is cut short, not missed.
+    seconds = len(audio) / 16_000
+    cut_short = list(recognizer._short_window_segments(audio, 4.0, None, max_tokens(seconds)))
+    assert sum(len(s.tokens) for s in cut_short) <= max_tokens(seconds) < 448
+    assert recognizer._looks_like_a_loop(cut_short, seconds)
     monkeypatch.setattr(voice.asr, "MIN_WINDOW_S", 4.0)
     assert voice.asr.encoder_window_s(len(audio) / 16_000) == 4.0
     assert recognizer.transcribe(audio, prompt="").text == full_window.transcribe(audio, prompt="").text
@@ -100,6 +108,29 @@ def test_a_phrase_said_twice_over_is_a_loop_to_decode_again() -> None:
     assert not repeats(transcript_words("No, no, no. Very very good."))
     assert not repeats(transcript_words("Please book a table for two people at seven tonight."))
     assert not repeats([])
+
+
+def test_a_loop_made_with_the_prompt_is_decoded_again_without_it_before_the_full_window(
+        recognizer: WhisperRecognizer, synthesizer: FliteSynthesizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loops the prompt brought (a question said twice over) went away without it: the
+    shortened window is decoded once more unprompted (~70 ms here) before the full window
+    (~380 ms) is tried. Here the primed decode is made to loop."""
+    audio = clip(0.5, speech(synthesizer, "What time is it?"), 0.3).samples
+    decode = recognizer._short_window_segments
+    primed: list[str | None] = []
+
+    def looping_when_primed(audio: np.ndarray, window_s: float, prompt: str | None = None,
+                            most_tokens: int | None = None) -> Any:
+        primed.append(prompt)
+        segments = list(decode(audio, window_s, prompt, most_tokens))
+        if prompt is not None:
+            return [dataclasses.replace(s, text=s.text * 2) for s in segments]
+        return segments
+
+    monkeypatch.setattr(recognizer, "_short_window_segments", looping_when_primed)
+    monkeypatch.setattr(recognizer._model, "transcribe", None)  # the full window is not reached
+    assert normalise(recognizer.transcribe(audio).text) == "what time is it"
+    assert primed == [DEFAULT_PROMPT, None]
 
 
 SPELLED = "Numbers are written out in words: one, two, ten, twenty."
