@@ -6,11 +6,11 @@ faster-whisper pads every utterance to Whisper's 30 s window, so a 1.5 s questio
 encoder as much as 30 s of speech. ``voice.asr.WhisperRecognizer(window="auto")`` encodes an
 utterance that fits in ``encoder_window_s`` of it (its length plus a margin, rounded up) instead.
 This runs both recognizers (Whisper tiny.en, int8, one thread) on the same clips, alternating
-clip by clip: ``full`` is faster-whisper as it comes (30 s, no prompt: the recognizer before issue
-42), ``auto`` the gateway's (the shortened window, with ``voice.asr.DEFAULT_PROMPT`` read as said
-before the speech). Two more arms tell the parts apart: ``plain``, the shortened window without
-the prompt, and ``tight``, the shortened window (with the prompt) on a 4 s floor instead of 12 s
-and no loop check (what a window hugging the utterance does). For each:
+clip by clip: ``full`` is faster-whisper as it comes (30 s: the recognizer before issue 42),
+``auto`` the gateway's (the shortened window). Two more arms: ``prompted``, the shortened window
+with ``voice.asr.ASSISTANT_PROMPT`` read as said before the speech (``[voice] asr_prompt``), and
+``tight``, the shortened window on a 4 s floor instead of 12 s and no loop check (what a window
+hugging the utterance does). For each:
 
 - CPU milliseconds per utterance (``time.process_time``: this process's CPU, not wall time, so
   another job on the cores does not count), median over the short utterances (1-3 s, questions
@@ -23,8 +23,8 @@ at -25 dBFS with 0.5 s of silence before and 0.3 s after, sent as PCM16 at 24 kH
 16 kHz as the gateway does; clean, and with white noise at 20 and 10 dB SNR.
 
 The last line is one JSON object: ``asr_cpu_ms_per_utterance_p50`` (the gateway's, short
-utterances) beside ``asr_cpu_ms_per_utterance_p50_full`` (and ``_plain``, ``_tight``), the long
-utterances' figures, ``asr_wer`` beside ``asr_wer_full`` (and ``_plain``, ``_tight``), word errors
+utterances) beside ``asr_cpu_ms_per_utterance_p50_full`` (and ``_prompted``, ``_tight``), the long
+utterances' figures, ``asr_wer`` beside ``asr_wer_full`` (and ``_prompted``, ``_tight``), word errors
 and words, WER by condition, ``decision`` and ``cpu``;
 details (every transcript) in bench/out/asr_window.json. ``--smoke``: a few clips (seconds).
 """
@@ -41,7 +41,14 @@ import numpy as np
 
 from bench._common import SMOKE_HELP, cpu_facts, median, progress, result_path, write_json
 from bench.noise_reduction import as_received, make_noise, normalise, speech_24k, word_edits
-from voice.asr import FULL_WINDOW_S, WINDOW_MARGIN_S, WINDOW_STEP_S, WhisperRecognizer, encoder_window_s
+from voice.asr import (
+    ASSISTANT_PROMPT,
+    FULL_WINDOW_S,
+    WINDOW_MARGIN_S,
+    WINDOW_STEP_S,
+    WhisperRecognizer,
+    encoder_window_s,
+)
 from voice.audio import SPEECH_RATE, Float32Array
 from voice.tts import FliteSynthesizer
 
@@ -67,7 +74,7 @@ LONG = [
 CONDITIONS: tuple[tuple[str, float | None], ...] = (("clean", None), ("snr20", 20.0), ("snr10", 10.0))
 SHORT_RANGE_S = (1.0, 3.0)
 LONG_RANGE_S = (5.0, 10.0)
-ARMS = ("full", "auto", "plain", "tight")
+ARMS = ("full", "auto", "prompted", "tight")
 TIGHT_MIN_WINDOW_S = 4.0
 
 
@@ -90,17 +97,17 @@ Recognize = Callable[[Float32Array], str]
 
 
 def arms(full: WhisperRecognizer, auto: WhisperRecognizer) -> dict[str, Recognize]:
-    """``full`` unprompted, ``auto`` as configured, ``plain`` without its prompt; ``tight``: the
-    shortened window with a 4 s floor instead of 12 s and no loop check, to show why the floor is 12 s."""
+    """``full`` and ``auto`` as configured (no prompt), ``prompted`` with ``ASSISTANT_PROMPT``; ``tight``:
+    the shortened window with a 4 s floor instead of 12 s and no loop check, to show why the floor is 12 s."""
     def tight(audio: Float32Array) -> str:
         seconds = len(audio) / SPEECH_RATE
         window_s = max(TIGHT_MIN_WINDOW_S, math.ceil((seconds + WINDOW_MARGIN_S) / WINDOW_STEP_S) * WINDOW_STEP_S)
         if window_s >= FULL_WINDOW_S:
-            return full.transcribe(audio, prompt=auto.prompt).text
-        return "".join(s.text for s in auto._short_window_segments(audio, window_s, auto.prompt or None)).strip()
+            return full.transcribe(audio).text
+        return "".join(s.text for s in auto._short_window_segments(audio, window_s)).strip()
 
-    return {"full": lambda a: full.transcribe(a, prompt="").text, "auto": lambda a: auto.transcribe(a).text,
-            "plain": lambda a: auto.transcribe(a, prompt="").text, "tight": tight}
+    return {"full": lambda a: full.transcribe(a).text, "auto": lambda a: auto.transcribe(a).text,
+            "prompted": lambda a: auto.transcribe(a, prompt=ASSISTANT_PROMPT).text, "tight": tight}
 
 
 def run_arms(recognizers: dict[str, Recognize], made: list[dict[str, object]],
@@ -187,7 +194,7 @@ def main() -> None:
     results["cpu"] = cpu["model"]
     progress(f"short utterance CPU ms p50: full {results['asr_cpu_ms_per_utterance_p50_full']}, "
              f"auto {results['asr_cpu_ms_per_utterance_p50']}; WER full {results['asr_wer_full']}, "
-             f"auto {results['asr_wer']}, auto without the prompt {results['asr_wer_plain']}")
+             f"auto {results['asr_wer']}, auto with the prompt {results['asr_wer_prompted']}")
     write_json(result_path("asr_window.json", args.smoke), {**results, "cpu_facts": cpu, "repeats": repeats,
                                                             "rows": rows})
     print(json.dumps(results))

@@ -92,11 +92,14 @@ MAX_REPEAT_WORDS = 24
 TOKEN_SLACK = 8  # the decoder's bound on top of two tokens a word (max_tokens)
 # Whisper reads a prompt as the text said before the audio. Told that a person is speaking to a
 # voice assistant, tiny.en made 14% fewer word errors on bench/asr_window.py's 114 clips (four
-# flite voices, clean and noisy: 116 against 135 of 834 words) in the same CPU; on clean questions
-# cut at a pause as the gateway cuts them it made as many as without (docs/voice.md, "The
-# recognizer's prompt"). A prompt can come back as the transcript of audio with no words in it
-# (clicks did): such a transcript is decoded again without it (``echoes``).
-DEFAULT_PROMPT = "A person speaks to a voice assistant."
+# flite voices, clean and noisy: 116 against 135 of 834 words); on clean questions cut at a pause
+# as the gateway cuts them it made as many as without, and in the gateway recognition took ~40%
+# longer (the end of a semantic_vad turn waits for it: +70 ms at the median). So none is read by
+# default; a deployment whose users speak in noise may set this one (``[voice] asr_prompt``), and
+# a session its own (docs/voice.md, "The recognizer's prompt"). A prompt can come back as the
+# transcript of audio with no words in it (clicks did): such a transcript is decoded again without
+# it (``echoes``).
+ASSISTANT_PROMPT = "A person speaks to a voice assistant."
 
 
 def encoder_window_s(seconds_of_audio: float, window: AsrWindow = "auto") -> float:
@@ -116,12 +119,12 @@ class WhisperRecognizer:
     temperature: the default fallback to higher temperatures re-decodes hard audio up to six
     times, which would make a job's cost unbounded for the pool's accounting. ``window``: "auto"
     encodes an utterance shorter than 30 s in a window of its own length (``encoder_window_s``),
-    "full" always pads to 30 s as faster-whisper does. ``prompt``: what a transcription asks for
-    no prompt of its own is given ("" for none: ``DEFAULT_PROMPT``)."""
+    "full" always pads to 30 s as faster-whisper does. ``prompt``: what a transcription that asks for
+    no prompt of its own is given ("": none)."""
 
     def __init__(self, model_dir: str | Path = "auto", *, threads: int = 1, workers: int = 1, beam_size: int = 1,
                  compute_type: ComputeType = "int8", language: str = "en", window: AsrWindow = "auto",
-                 prompt: str = DEFAULT_PROMPT) -> None:
+                 prompt: str = "") -> None:
         path = find_whisper_tiny_en() if model_dir == "auto" else Path(model_dir)
         # faster-whisper treats anything that is not a folder as a hub name to download.
         if not (path / "model.bin").is_file():

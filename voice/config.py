@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from llm_shared.configtools import require
-from voice.asr import DEFAULT_PROMPT
 from voice.audio import REALTIME_RATE, bytes_per_second, encoded_length
 from voice.tts import OPENAI_VOICES
 
@@ -48,9 +47,9 @@ class VoiceConfig:
     # (docs/voice.md); "full": always 30 s, as faster-whisper does. Longer audio: 30 s windows either way.
     asr_window: Literal["auto", "full"] = "auto"
     # Text Whisper reads as said before each utterance, unless a session's
-    # audio.input.transcription.prompt gives its own: 14% fewer word errors measured with this one
-    # (voice.asr.DEFAULT_PROMPT, docs/voice.md). "": no prompt.
-    asr_prompt: str = DEFAULT_PROMPT
+    # audio.input.transcription.prompt gives its own. "": none. voice.asr.ASSISTANT_PROMPT made 14%
+    # fewer word errors on noisy speech and cost ~40% more recognition time (docs/voice.md).
+    asr_prompt: str = ""
     # "piper" (GPL-3.0-or-later, run as its own program) needs `make voice-piper` first.
     tts_backend: Literal["flite", "piper"] = "flite"
     tts_binary: str = "flite"  # a name on PATH or a path

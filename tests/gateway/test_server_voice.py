@@ -213,7 +213,7 @@ async def test_push_to_talk_and_hostile_audio(voice: GatewayVoice, question_pcm:
 
 async def test_the_sessions_transcription_prompt_is_read_before_its_speech(voice: GatewayVoice) -> None:
     """``audio.input.transcription.prompt`` steers the recognizer as it does OpenAI's: here the
-    style of numbers. Without one the server's own prompt is read (``[voice] asr_prompt``), and
+    style of numbers. Without one the server's is read (``[voice] asr_prompt``, none by default), and
     Whisper writes "10"; with a prompt that spells numbers out, "ten"; "" again, "10"."""
     engine = FakeEngine(reply=answer)
     timer = encode_pcm16(spoken("Set a timer for ten minutes."))

@@ -13,7 +13,7 @@ import pytest
 from voice_clips import clip, noise, speech
 
 from voice.asr import (
-    DEFAULT_PROMPT,
+    ASSISTANT_PROMPT,
     FULL_WINDOW_S,
     MIN_WINDOW_S,
     WhisperRecognizer,
@@ -129,8 +129,8 @@ def test_a_loop_made_with_the_prompt_is_decoded_again_without_it_before_the_full
 
     monkeypatch.setattr(recognizer, "_short_window_segments", looping_when_primed)
     monkeypatch.setattr(recognizer._model, "transcribe", None)  # the full window is not reached
-    assert normalise(recognizer.transcribe(audio).text) == "what time is it"
-    assert primed == [DEFAULT_PROMPT, None]
+    assert normalise(recognizer.transcribe(audio, prompt=ASSISTANT_PROMPT).text) == "what time is it"
+    assert primed == [ASSISTANT_PROMPT, None]
 
 
 SPELLED = "Numbers are written out in words: one, two, ten, twenty."
@@ -140,8 +140,8 @@ def test_the_prompt_is_read_as_said_before_the_speech(recognizer: WhisperRecogni
                                                       synthesizer: FliteSynthesizer) -> None:
     """A transcription's prompt (the Realtime API's ``audio.input.transcription.prompt``) steers
     the transcript as Whisper's prompts do: its style here. By default the recognizer's own
-    (``DEFAULT_PROMPT``) is read; "" reads none."""
-    assert recognizer.prompt == DEFAULT_PROMPT
+    (``[voice] asr_prompt``: none unless configured) is read; "" reads none."""
+    assert recognizer.prompt == ""
     audio = clip(0.5, speech(synthesizer, "Set a timer for ten minutes."), 0.3).samples
     assert "10" in recognizer.transcribe(audio).text.split()
     assert "10" in recognizer.transcribe(audio, prompt="").text.split()
@@ -154,12 +154,12 @@ def test_a_transcript_that_is_only_the_prompt_is_decoded_again_without_it(recogn
     pieces reach ``on_piece`` only once they are not the prompt."""
     clicks = np.where(np.arange(24_000) % 4000 < 20, 0.5, 0.0).astype(np.float32)
     pieces: list[str] = []
-    heard = recognizer.transcribe(clicks, pieces.append).text
-    assert not echoes(heard, DEFAULT_PROMPT) and "".join(pieces).strip() == heard
-    assert echoes(" A person speaks to a voice", DEFAULT_PROMPT)
-    assert echoes("Voice assistant.", DEFAULT_PROMPT)
-    assert not echoes("A person speaks to me.", DEFAULT_PROMPT)  # words not all the prompt's, in its order
-    assert not echoes(" ", DEFAULT_PROMPT)
+    heard = recognizer.transcribe(clicks, pieces.append, prompt=ASSISTANT_PROMPT).text
+    assert not echoes(heard, ASSISTANT_PROMPT) and "".join(pieces).strip() == heard
+    assert echoes(" A person speaks to a voice", ASSISTANT_PROMPT)
+    assert echoes("Voice assistant.", ASSISTANT_PROMPT)
+    assert not echoes("A person speaks to me.", ASSISTANT_PROMPT)  # words not all the prompt's, in its order
+    assert not echoes(" ", ASSISTANT_PROMPT)
 
 
 def test_forty_seconds_are_transcribed_whole_in_30_s_windows(recognizer: WhisperRecognizer,
