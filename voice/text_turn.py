@@ -24,7 +24,6 @@ at a time (a lock): the voice pool's workers call it after a recognition.
 
 from __future__ import annotations
 
-import re
 import threading
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from llm_shared.llamacpp_runtime import ContextShape, LlamaContext, LlamaModel, 
 from llm_shared.load_cache import LoadCache
 from llm_shared.modelfile import default_gguf_path
 from llm_shared.tokenizer import Tokenizer
+from voice.asr import transcript_words
 from voice.errors import VoiceModelError
 
 SYSTEM = "You are a voice assistant. The user speaks short requests and questions."
@@ -47,8 +47,7 @@ N_CTX = 256
 
 def normalize(text: str) -> str:
     """Lower case, words and apostrophes only, the last ``MAX_WORDS`` words."""
-    words = re.sub(r"[^\w\s']", " ", text.lower()).split()
-    return " ".join(words[-MAX_WORDS:])
+    return " ".join(transcript_words(text)[-MAX_WORDS:])
 
 
 class TextTurnJudge:
