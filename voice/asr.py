@@ -214,7 +214,7 @@ class WhisperRecognizer:
         it?" four times passes it)."""
         words = transcript_words("".join(s.text for s in segments))
         threshold = self._options.compression_ratio_threshold or float("inf")
-        return (len(words) > MAX_WORDS_PER_S * seconds + SLACK_WORDS or repeats(words)
+        return (len(words) > most_words(seconds) or repeats(words)
                 or any(s.compression_ratio > threshold for s in segments))
 
     def _short_window_segments(self, audio: Float32Array, window_s: float, prompt: str | None = None,
@@ -233,13 +233,18 @@ class WhisperRecognizer:
         return self._model.generate_segments(features, self._tokenizer, options, False, encoded)
 
 
+def most_words(seconds: float) -> float:
+    """More words than this for ``seconds`` of audio is a decoder loop, not speech."""
+    return MAX_WORDS_PER_S * seconds + SLACK_WORDS
+
+
 def max_tokens(seconds: float) -> int:
     """The most tokens a shortened window's decoder may make for ``seconds`` of audio: enough for
     more words than the loop test lets pass (two tokens a word: a word and its punctuation, or a
     long word in two pieces). A looping decoder otherwise runs to Whisper's 448 tokens before the
     test sees the loop: 1.1-1.7 s of decoding measured for a 2 s question, where a transcript
     takes ~70 ms."""
-    return 2 * math.ceil(MAX_WORDS_PER_S * seconds + SLACK_WORDS) + TOKEN_SLACK
+    return 2 * math.ceil(most_words(seconds)) + TOKEN_SLACK
 
 
 def transcript_words(text: str) -> list[str]:

@@ -19,7 +19,8 @@ from voice.tts import OPENAI_VOICES
 # their answers on 2 cores (AVX-512 EPYC, 2026-11-29) within a 1.2 s p99 first audio (1,107 and
 # 724 ms in two runs); three a core keeps a quarter of that in reserve for a slower CPU.
 SESSIONS_PER_CORE = 3
-# Whisper reads at most the last 223 tokens of a prompt; a session's own is bounded the same way.
+# Whisper reads at most the last 223 tokens of a prompt; a session's own is bounded the same way
+# (gateway.ws.audio_events).
 MAX_PROMPT_CHARS = 4096
 
 

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 from gateway.ws.fields import Fields, ProtocolError
 from voice.audio import bounded, decode_base64
+from voice.config import MAX_PROMPT_CHARS
 from voice.errors import AudioError
 from voice.formats import BETA_FORMATS, FORMATS, PCM16, SESSION_BYTES_PER_MS, SESSION_RATE, AudioFormat
 
@@ -35,7 +36,6 @@ PCM_RATE = SESSION_RATE  # samples a second of a session's audio, in and out (PC
 PCM_BYTES_PER_MS = SESSION_BYTES_PER_MS
 VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
 MAX_VOICE_CHARS = 64
-MAX_TRANSCRIPTION_PROMPT = 4096
 
 
 Eagerness = Literal["low", "medium", "high", "auto"]
@@ -338,7 +338,7 @@ def _transcription(f: Fields, key: str) -> Transcription | None:
         return None  # null: off (the speech is still transcribed for the model; see Transcription)
     t = Fields(f.raw(key), f.param(key))
     config = Transcription(model=t.string("model", 64), language=t.string("language", 16),
-                           prompt=t.string("prompt", MAX_TRANSCRIPTION_PROMPT))
+                           prompt=t.string("prompt", MAX_PROMPT_CHARS))
     if config.language not in (None, "en"):
         raise ProtocolError("unsupported_feature", "the recognizer here is English-only: 'language' must be \"en\"",
                             t.param("language"))
