@@ -1,6 +1,7 @@
 """Voice sessions over the Realtime WebSocket, with the real models: latency, barge-in, capacity.
 
-    .venv/bin/python bench/voice_sessions.py [--sessions 1 2 4 8] [--listening-turns 6] [--format audio/pcmu] [--smoke]
+    .venv/bin/python bench/voice_sessions.py [--sessions 1 2 4 8] [--listening-turns 6] [--semantic-turns 32]
+        [--format audio/pcmu] [--smoke]
 
 One ``python -m gateway serve`` subprocess with the shipped config on the edge route (the
 llama.cpp tier alone, the embedded model; voice as shipped: Silero VAD, Whisper tiny.en, flite),
@@ -40,7 +41,9 @@ Measured:
   speech-to-first-audio p99 stays under 1.2 s (server VAD); ``max_voice_sessions_semantic``: the
   same under ``semantic_vad`` (eagerness ``auto``, levels ``--semantic-sessions``).
 - ``semantic_first_audio_ms_p50`` / ``_p99``: speech to first audio at one session under
-  ``semantic_vad`` (eagerness ``auto``).
+  ``semantic_vad`` (eagerness ``auto``), over ``--semantic-turns`` (32) turns: the time from the
+  turn's end to its first audio moves with the answer's first phrase, sampled anew each run
+  (207-333 ms at the p50 in three runs of one tree with 16 turns).
 - ``false_endpoint_rate``: under ``semantic_vad``, the share of questions said with a 300-800 ms
   pause inside them ("I'd like to book a table for ... four people tonight.") whose turn was
   committed inside the pause, before the user finished.
@@ -150,8 +153,9 @@ class Level:
 
 async def run_level(url: str, model: str, sessions: int, barge_every: int, args: argparse.Namespace,
                     clips: dict[str, bytes], cuts: list[Cut], eagerness: str | None = None,
-                    back_to_back: bool = False) -> Level:
-    """``sessions`` users, each ``args.turns`` turns when alone, else ``args.listening_turns``.
+                    back_to_back: bool = False, alone_turns: int | None = None) -> Level:
+    """``sessions`` users, each ``alone_turns`` (default ``args.turns``) turns when alone, else
+    ``args.listening_turns``.
     Users listen to each answer before the next question, and the first questions of several fall
     at random moments of the first ``ARRIVALS_S`` (seeded: the same each run), as independent users'
     do. A user alone does not wait out the playback: nothing else runs on the gateway meanwhile, so
@@ -159,7 +163,7 @@ async def run_level(url: str, model: str, sessions: int, barge_every: int, args:
     all start at once and each question follows the last answer's ``response.done``."""
     level = Level(sessions)
     listen = sessions > 1 and not back_to_back
-    turns = args.listening_turns if listen else args.turns
+    turns = args.listening_turns if listen else alone_turns or args.turns
     rng = random.Random(sessions)
     starts = [rng.uniform(0.0, ARRIVALS_S) if listen else 0.0 for _ in range(sessions)]
 
@@ -404,11 +408,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                          f"{stress[-1]['speech_to_first_audio_ms_p99']} ms, failed {level.failed}")
             semantic = []
             for sessions in args.semantic_sessions:  # turns ended by semantic_vad (eagerness auto)
-                level = await run_level(gw.url, model, sessions, 0, args, clips, [], eagerness="auto")
+                level = await run_level(gw.url, model, sessions, 0, args, clips, [], eagerness="auto",
+                                        alone_turns=args.semantic_turns)
                 semantic.append(level.summary())
                 progress(f"  semantic_vad, {sessions} session(s): first audio p50 "
                          f"{semantic[-1]['speech_to_first_audio_ms_p50']} ms, p99 "
-                         f"{semantic[-1]['speech_to_first_audio_ms_p99']} ms, failed {level.failed}")
+                         f"{semantic[-1]['speech_to_first_audio_ms_p99']} ms (after the end of speech, p50: "
+                         f"speech_stopped {semantic[-1]['speech_stopped_ms_p50']} ms), failed {level.failed}")
             cut_off, paused = await false_endpoints(gw.url, model, args, clips, args.paused)
             progress(f"  semantic_vad: {cut_off} of {paused} questions with a pause inside cut off")
             rtfs = {"asr": rtf(gw, "asr"), "tts": rtf(gw, "tts")}
@@ -460,7 +466,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     write_json(result_path(f"{name}.json", args.smoke), {
         "summary": summary, "levels": levels, "semantic_levels": semantic, "without_ahead_levels": without,
         "back_to_back_levels": stress, "truncate": exactness, "cpu": cpu, "plot": str(img),
-        "settings": {k: getattr(args, k) for k in ("sessions", "semantic_sessions", "back_to_back", "turns",
+        "settings": {k: getattr(args, k) for k in ("sessions", "semantic_sessions", "back_to_back", "turns", "semantic_turns",
                                                    "listening_turns", "barge_every", "silence_ms", "tokens",
                                                    "format", "smoke")}
         | {"chunk_ms": CHUNK_MS, "arrivals_s": ARRIVALS_S, "reply_gap_s": REPLY_GAP_S}})
@@ -475,6 +481,8 @@ def main() -> None:
     p.add_argument("--back-to-back", type=int, nargs="*", default=[2, 4],
                    help="server VAD levels in the stress form: all start at once, no listening")
     p.add_argument("--turns", type=int, default=16, help="turns of a session alone (and of the stress form's)")
+    p.add_argument("--semantic-turns", type=int, default=32,
+                   help="turns of a session alone under semantic_vad (its p50 moves with each answer's first phrase)")
     p.add_argument("--listening-turns", type=int, default=6,
                    help="turns per session at levels of more than one (each one's answer heard out)")
     p.add_argument("--barge-every", type=int, default=2, help="at the first level, every n-th turn is interrupted")
@@ -489,7 +497,7 @@ def main() -> None:
     if args.smoke:
         # one plain turn, one barge-in; two questions with a pause inside
         args.sessions, args.turns, args.barge_every, args.tokens, args.paused = [1], 2, 2, 16, 2
-        args.semantic_sessions, args.listening_turns = [1], 1
+        args.semantic_sessions, args.listening_turns, args.semantic_turns = [1], 1, 2
         # every arm runs, so that a change cannot break one unseen: two listening sessions on the
         # second gateway, two back to back
         args.without_ahead, args.back_to_back = [2], [2]
