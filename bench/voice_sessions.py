@@ -29,7 +29,7 @@ Measured:
 - ``truncate_exact``: after each barge-in the client truncates the answer at the ms it played;
   the stored transcript is compared with the words whose sound ended by then, by a clock
   independent of the synthesizer: CMU Sphinx's forced alignment (pocketsphinx, its own en-US
-  acoustic model; pronunciations its dictionary lacks from flite's letter-to-sound ``t2p``) of all
+  acoustic model; pronunciations its dictionary lacks from flite's lexicon and letter-to-sound rules) of all
   the answer's audio that arrived to the text that came with it, run after the gateway stopped.
   The share of cuts where both keep the same words (a cut it cannot align counts as not exact).
   On flite's speech of 11 sentences its word ends lie within 13 ms of flite's own phone timing on
@@ -246,7 +246,7 @@ def words(text: str) -> list[str]:
 
 class ForcedAligner:
     """Where each word of a known text ends in its audio: pocketsphinx aligning the text's words
-    (its dictionary's pronunciations; flite's ``t2p`` for a word it lacks, such as a number or a
+    (its dictionary's pronunciations; flite's phones for a word it lacks, such as a number or a
     name) to 16 kHz audio, 10 ms frames."""
 
     def __init__(self) -> None:

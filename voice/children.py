@@ -1,4 +1,4 @@
-"""The environment the voice package's programs run with (flite, t2p, piper).
+"""The environment the voice package's programs run with (the flite children, piper).
 
 They get the few variables a program needs to run and read text (``PATH``, locale, ``HOME``,
 ``TMPDIR``), never the gateway's own: ``ENGINE_CORE_SECRET`` (the engine core's shared secret,

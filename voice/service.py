@@ -163,4 +163,5 @@ def make_synthesizer(config: VoiceConfig) -> Synthesizer:
         from voice.tts_piper import PiperSynthesizer
 
         return PiperSynthesizer(config.tts_model, processes=config.pool_threads, timeout_s=config.job_timeout_s)
-    return FliteSynthesizer(config.tts_binary, default_voice=config.voice, timeout_s=config.job_timeout_s)
+    return FliteSynthesizer(config.tts_library, default_voice=config.voice, timeout_s=config.job_timeout_s,
+                            processes=config.pool_threads)

@@ -1,26 +1,35 @@
-"""Speech synthesis: a small interface and the default, Debian's ``flite`` run as a subprocess.
+"""Speech synthesis: a small interface and the default, Debian's flite, served by child processes.
 
 flite (CMU Flite 2.2, BSD-style licence, ~13 MB with its voices; ``apt-get install flite``) speaks
 offline with built-in voices; the 16 kHz ones are ``slt`` (female), ``rms``, ``awb`` and ``kal16``
-(male); ``kal`` is 8 kHz and ``awb_time`` speaks only times of day. It sounds robotic, but Whisper
-transcribes it exactly and it costs ~1% of real time here. It runs as a child process (one per
-phrase, ~10-40 ms each), so it holds no GIL, shares no memory and a stuck one is killed by its
-timeout. ``piper-tts`` sounds better but is GPL-3.0-or-later: it comes only as an optional
-backend run as its own program (``voice.tts_piper``).
+(male); ``kal`` is 8 kHz. It sounds robotic, but Whisper transcribes it exactly and it costs ~1%
+of real time here. Its library runs in long-lived child processes (``voice/flite_child.py``, one
+per pool thread): a phrase costs a pipe round trip, not a process start and a voice load as the
+``flite`` program did (~20 ms a short phrase that way, ~9 ms this way, and the word timing, which
+took a ``t2p`` run of 2-4 ms, now comes with the phrase). A child holds no GIL and shares no
+memory with the gateway; one that fails, or outlives its timeout, is killed and replaced (flite
+ends its process on an internal error, which is why it is not loaded into the gateway's).
+``piper-tts`` sounds better but is GPL-3.0-or-later: it comes only as an optional backend run as
+its own program (``voice.tts_piper``).
 
-Timing: ``flite -psdur`` prints each phone with its end time, so the silence flite puts before and
-after speech, and the pauses it makes at punctuation, are known; ``marks`` passes them on as
-(character, sample) anchors for the text-to-audio alignment. flite prints no word boundaries, so
-between anchors the alignment interpolates by characters.
+Timing: each phrase comes with its phones and their end times, so the silence flite puts before
+and after speech, and the pauses it makes at punctuation, are known; ``marks`` passes them on as
+(character, sample) anchors for the text-to-audio alignment, with one at the end of every word
+(the phones of each of flite's tokens, its whitespace-separated words, counted in the utterance
+it spoke).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import queue
 import re
-import shutil
+import select
+import struct
 import subprocess
-import tempfile
+import sys
 import time
 import wave
 from collections.abc import Sequence
@@ -44,7 +53,12 @@ OPENAI_VOICES: dict[str, str] = {
 }
 FALLBACK_ORDER = ("slt", "rms", "awb", "kal16", "kal")  # when a mapped voice is not built in
 MAX_TEXT_CHARS = 2000  # phrases are far shorter (voice.phrases bounds them); this only catches a caller's bug
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # NUL cannot go in argv; the rest means nothing spoken
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # NUL would end flite's C string; the rest means nothing spoken
+CHILD = Path(__file__).with_name("flite_child.py")
+START_TIMEOUT_S = 30.0  # a child's start (~0.1 s; far more on a busy machine)
+MAX_HEADER_BYTES = 1 << 20  # a phrase's phones: ~20 bytes each
+MAX_SAMPLE_BYTES = 16 << 20  # MAX_TEXT_CHARS spoken: ~3 min of 16 kHz PCM16, ~6 MB
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,30 +89,94 @@ class Synthesizer(Protocol):
     def close(self) -> None: ...
 
 
+class _FliteChild:
+    """One ``voice/flite_child.py`` process: a phrase out, its reply in, each within a deadline."""
+
+    def __init__(self, python: str, library: str, timeout_s: float) -> None:
+        self.process = subprocess.Popen([python, "-I", str(CHILD), library], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0, env=child_env())
+        self.hello = self._frame(time.monotonic() + timeout_s, MAX_HEADER_BYTES)
+
+    def speak(self, text: str, voice: str, timeout_s: float) -> tuple[dict, bytes]:
+        """The header and samples of one phrase; RuntimeError when the child fails, lies or is late."""
+        assert self.process.stdin is not None
+        body = json.dumps({"text": text, "voice": voice}).encode()
+        try:
+            self.process.stdin.write(struct.pack(">I", len(body)) + body)
+        except OSError as e:
+            raise RuntimeError(f"the flite process is gone ({e})") from e
+        deadline = time.monotonic() + timeout_s
+        try:
+            header = json.loads(self._frame(deadline, MAX_HEADER_BYTES))
+        except ValueError as e:
+            raise RuntimeError("the flite process sent a header that is not JSON") from e
+        return header, self._frame(deadline, MAX_SAMPLE_BYTES)
+
+    def _frame(self, deadline: float, limit: int) -> bytes:
+        (size,) = struct.unpack(">I", self._read(4, deadline))
+        if size > limit:
+            raise RuntimeError(f"the flite process sent a frame of {size} bytes (at most {limit})")
+        return self._read(size, deadline)
+
+    def _read(self, n: int, deadline: float) -> bytes:
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        data = bytearray()
+        while len(data) < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise RuntimeError("the flite process did not answer in time")
+            chunk = os.read(fd, n - len(data))
+            if not chunk:
+                raise RuntimeError(f"the flite process exited with {self.process.wait()}")
+            data += chunk
+        return bytes(data)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
 class FliteSynthesizer:
-    def __init__(self, binary: str = "flite", *, default_voice: str = "alloy", timeout_s: float = 20.0) -> None:
-        found = shutil.which(binary)
-        if found is None:
-            raise VoiceModelError(f"the speech synthesizer {binary!r} is not installed (Debian: apt-get install flite)")
-        self.binary = found
+    """flite's voices through ``processes`` long-lived children (``voice/flite_child.py``), one
+    phrase at a time each: set ``processes`` to the pool's thread count. A child that fails or
+    outlives ``timeout_s`` is killed and replaced. ``library``: ``libflite.so``'s path, or
+    ``"auto"`` for the system's (Debian's ``flite`` package brings it)."""
+
+    def __init__(self, library: str = "auto", *, default_voice: str = "alloy", timeout_s: float = 20.0,
+                 processes: int = 1, python: str = sys.executable) -> None:
+        if library != "auto" and not Path(library).is_file():
+            raise VoiceModelError(f"no flite library at {library} (Debian: apt-get install flite)")
+        self.library = library
         self.timeout_s = timeout_s
-        self.voices = self._list_voices()
-        # flite's text-to-phones program (same package): each word's phones, for word timing.
-        self.t2p = shutil.which("t2p", path=str(Path(found).parent)) or shutil.which("t2p")
+        self._python = python
+        self._idle: queue.Queue[_FliteChild] = queue.Queue()
+        try:
+            for _ in range(max(processes, 1)):
+                self._idle.put(self._start())
+        except (OSError, RuntimeError, ValueError) as e:
+            self.close()
+            raise VoiceModelError(f"flite did not start: {e} (Debian: apt-get install flite)") from e
         usable = [v for v in FALLBACK_ORDER if v in self.voices]
         if not usable:
-            raise VoiceModelError(f"{found} has none of the voices {list(FALLBACK_ORDER)} (it lists {self.voices})")
+            self.close()
+            raise VoiceModelError(f"flite has none of the voices {list(FALLBACK_ORDER)} (it lists {self.voices})")
         self.default_voice = self._lookup(default_voice) or usable[0]
-        # Temporary WAVs in memory where Linux offers it: flite writes its WAV to a file (stdout
-        # carries the phone timings).
-        self._tmpdir = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
-    def _list_voices(self) -> tuple[str, ...]:
-        out = subprocess.run([self.binary, "-lv"], capture_output=True, text=True, timeout=self.timeout_s, check=False,
-                             env=child_env())
-        # "Voices available: kal awb_time kal16 awb rms slt "
-        _, _, names = out.stdout.partition(":")
-        return tuple(names.split())
+    def _start(self) -> _FliteChild:
+        child = _FliteChild(self._python, self.library, max(self.timeout_s, START_TIMEOUT_S))
+        try:
+            hello = json.loads(child.hello)
+            if "error" in hello:
+                raise RuntimeError(str(hello["error"])[:300])
+            voices = hello["voices"]
+            if not isinstance(voices, list) or not all(isinstance(v, str) for v in voices):
+                raise RuntimeError("the flite process listed its voices wrongly")
+        except (RuntimeError, ValueError, KeyError, TypeError):
+            child.kill()
+            raise
+        self.voices = tuple(voices)
+        return child
 
     def resolve_voice(self, voice: str | None) -> str:
         """The flite voice for an API voice name (or a flite voice name); unknown names get the default."""
@@ -106,59 +184,87 @@ class FliteSynthesizer:
 
     def _lookup(self, voice: str) -> str | None:
         name = OPENAI_VOICES.get(voice.lower(), voice.lower())
-        return name if name in self.voices and name != "awb_time" else None
+        return name if name in self.voices else None
 
     def close(self) -> None:
-        """Nothing to release: each phrase's flite process ends with it."""
+        while True:
+            try:
+                self._idle.get_nowait().kill()
+            except queue.Empty:
+                break
+
+    def child_pids(self) -> list[int]:
+        """The idle children's process ids (for tests and diagnostics)."""
+        return [child.process.pid for child in list(self._idle.queue)]
 
     def synthesize(self, text: str, voice: str | None = None) -> Speech:
-        if len(text) > MAX_TEXT_CHARS:
-            raise ValueError(f"a phrase of {len(text)} characters; at most {MAX_TEXT_CHARS}")
-        spoken = _CONTROL.sub(" ", text)
-        if not spoken.strip():
+        header, samples, started = self._speak(text, voice)
+        if header is None:
             return Speech(np.zeros(0, np.int16), 16_000)
-        started = time.perf_counter()
-        fd, wav_path = tempfile.mkstemp(prefix="voice-", suffix=".wav", dir=self._tmpdir)
-        os.close(fd)
-        try:
-            # -t: the text is an argument, never a file name or an option, whatever it starts with.
-            run = subprocess.run([self.binary, "-voice", self.resolve_voice(voice), "-psdur", "-o", wav_path,
-                                  "-t", spoken], capture_output=True, text=True, timeout=self.timeout_s, check=False,
-                                 env=child_env())
-            if run.returncode != 0:
-                raise RuntimeError(f"flite exited with {run.returncode}: {run.stderr.strip()[:200]}")
-            samples, rate = read_wav(Path(wav_path))
-        finally:
-            os.unlink(wav_path)
-        phones = parse_phone_ends(run.stdout)
-        marks = marks_from_phones(text, phones, rate, len(samples))
-        if self.t2p is not None:
-            marks = merge_marks(marks, word_marks(text, phones, self._word_phones(spoken), rate, len(samples)))
+        rate, phones, words = header
+        marks = merge_marks(marks_from_phones(text, phones, rate, len(samples)),
+                            word_marks(text, phones, words, rate, len(samples)))
         return Speech(samples, rate, marks, time.perf_counter() - started)
 
     def phones(self, text: str) -> list[str] | None:
-        """flite's phones for ``text`` (its letter-to-sound rules and lexicon, through ``t2p``):
-        ``pau`` where it pauses, vowels with their stress digit (``eh1``); None without t2p or
-        when it fails."""
-        if self.t2p is None:
+        """The phones flite speaks ``text`` with (its lexicon and letter-to-sound rules), ``pau``
+        where it pauses; None when it cannot speak it."""
+        try:
+            header, _, _ = self._speak(text, None)
+        except RuntimeError:
             return None
-        # A leading space: t2p takes an argument starting with "-" ("-5 degrees", a clause cut at
-        # " - ") as an option and prints only its usage; with the space it is read as text.
-        run = subprocess.run([self.t2p, " " + text], capture_output=True, text=True, timeout=self.timeout_s,
-                             check=False, env=child_env())
-        return run.stdout.split() if run.returncode == 0 else None
+        return [] if header is None else [name for name, _ in header[1]]
 
-    def _word_phones(self, text: str) -> list[int] | None:
-        """How many phones each whitespace-separated word of ``text`` has, from ``t2p`` with the
-        words set apart by commas (a pause between each); None when flite does not pause between
-        every pair (an abbreviation such as "Mr." joins the next word) or t2p fails."""
-        words = text.split()
-        phones = self.phones(", ".join(words)) if words else None
-        if phones is None:
+    def _speak(self, text: str, voice: str | None) -> tuple[SpokenReply | None, Int16Array, float]:
+        if len(text) > MAX_TEXT_CHARS:
+            raise ValueError(f"a phrase of {len(text)} characters; at most {MAX_TEXT_CHARS}")
+        spoken = _CONTROL.sub(" ", text)
+        started = time.perf_counter()
+        if not spoken.strip():
+            return None, np.zeros(0, np.int16), started
+        try:
+            child: _FliteChild | None = self._idle.get(timeout=self.timeout_s)  # as many callers as children
+        except queue.Empty:
+            raise RuntimeError(f"no flite process free within {self.timeout_s:g} s") from None
+        try:
+            header, samples = child.speak(spoken, self.resolve_voice(voice), self.timeout_s)
+            reply = check_reply(header, samples)
+        except RuntimeError as e:
+            child.kill()  # stuck, dead or lying: a fresh one takes its place
+            child = self._replacement()
+            raise RuntimeError(f"flite did not speak: {e}") from e
+        finally:
+            if child is not None:  # never a killed one: the next caller would wait on it
+                self._idle.put(child)
+        return reply, np.frombuffer(samples, np.int16).copy(), started
+
+    def _replacement(self) -> _FliteChild | None:
+        """A fresh child, or None when one cannot start (the pool shrinks; callers are told so)."""
+        try:
+            return self._start()
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
+            log.error("a flite process could not be started again: %s", e)
             return None
-        groups = [g.split() for g in " ".join(phones).split("pau")]
-        counts = [len(g) for g in groups if g]
-        return counts if len(counts) == len(words) else None
+
+
+SpokenReply = tuple[int, list[tuple[str, float]], list[int]]  # rate, phone ends, phones per token
+
+
+def check_reply(header: dict, samples: bytes) -> SpokenReply:
+    """A child's reply as trusted types; RuntimeError for an error it reports or a reply out of shape."""
+    if not isinstance(header, dict):
+        raise RuntimeError("the flite process sent a header that is not an object")
+    if "error" in header:
+        raise RuntimeError(str(header["error"])[:300])
+    rate, phones, words = header.get("rate"), header.get("phones"), header.get("words")
+    if not isinstance(rate, int) or not 8_000 <= rate <= 48_000 or len(samples) % 2:
+        raise RuntimeError(f"the flite process sent audio of rate {rate!r} and {len(samples)} bytes")
+    if (not isinstance(phones, list) or not isinstance(words, list)
+            or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                       and isinstance(p[1], int | float) for p in phones)
+            or not all(isinstance(w, int) and w >= 0 for w in words)):
+        raise RuntimeError("the flite process sent phones or words out of shape")
+    return rate, [(name, float(end)) for name, end in phones], words
 
 
 def read_wav(path: Path) -> tuple[Int16Array, int]:
@@ -170,19 +276,6 @@ def read_wav(path: Path) -> tuple[Int16Array, int]:
             return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.int16), w.getframerate()
     except (wave.Error, EOFError) as e:
         raise RuntimeError(f"the synthesizer wrote no usable WAV: {e or 'empty file'}") from e
-
-
-def parse_phone_ends(text: str) -> list[tuple[str, float]]:
-    """``flite -psdur``'s output, ``pau:0.164 hh:0.255 ...``, as (phone, end in seconds)."""
-    out = []
-    for token in text.split():
-        phone, sep, end = token.rpartition(":")
-        if sep:
-            try:
-                out.append((phone, float(end)))
-            except ValueError:
-                continue
-    return out
 
 
 # Where flite pauses inside a phrase: after , ; : . ! ? ) or a dash or ellipsis, before more text.
@@ -202,6 +295,8 @@ def word_marks(text: str, phones: Sequence[tuple[str, float]], word_phones: Sequ
     marks: list[Mark] = []
     last = 0
     for char_end, count in zip(ends, word_phones, strict=True):
+        if count == 0:
+            continue  # a word flite does not say (a dash on its own): no time of its own
         last += count
         marks.append((char_end, min(max(round(spoken[last - 1] * rate), 0), n_samples)))
     return tuple(marks)

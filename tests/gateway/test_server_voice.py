@@ -336,9 +336,9 @@ def test_a_missing_synthesizer_turns_voice_off_and_leaves_text_served(caplog: py
     from voice.config import VoiceConfig
 
     config = make_config()
-    state = GatewayState.from_config(replace(config, voice=VoiceConfig(tts_binary="/nonexistent/flite")))
+    state = GatewayState.from_config(replace(config, voice=VoiceConfig(tts_library="/nonexistent/libflite.so.1")))
     assert state.load_voice() is None
-    assert "voice is off" in caplog.text and "/nonexistent/flite" in caplog.text
+    assert "voice is off" in caplog.text and "/nonexistent/libflite.so.1" in caplog.text
 
 
 def test_an_install_without_the_voice_packages_serves_text(monkeypatch: pytest.MonkeyPatch,
