@@ -8,7 +8,7 @@ and the Triton backend's path for long prompt chunks, so both read the same pool
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,13 @@ from llm_shared.llama.model import Attention
 # Sequences with at most this many new tokens are padded into one batched SDPA call (decodes,
 # speculative drafts); longer prompt chunks each get their own call so nobody pads to 256 tokens.
 SMALL_QUERY = 16
+# Short queries of at most this many sequences go to SDPA with the query heads folded (its fused
+# kernel: one call); more go to two batched matmuls. Measured on CPU (AMD EPYC, 2 threads, 9
+# heads over 3 KV heads, 128-512 keys, 2026-11-29): SDPA took 18-39 us against 57-70 for one
+# bf16 row, 42-108 against 70-121 for four, and lost from eight (79-209 against 88-161); in
+# float32 it won for one or two rows only (20-53 against 28-62).
+FOLDED_SDPA_ROWS = {torch.float32: 2}
+FOLDED_SDPA_ROWS_DEFAULT = 4  # bf16, fp16
 
 
 @dataclass(frozen=True)
@@ -69,10 +76,13 @@ class QueryGroup:
     res_rows: torch.Tensor | None  # [n] ... filled from these rows of the group's [Bg * Tq] result
     block_ids: torch.Tensor  # [Bg * nblk] each sequence's blocks, padded to the group's longest
     # additive (0 / -inf) over S = nblk * block_size keys: [Bg, 1, Tq, S] in the model dtype when
-    # fused, else [1, Bg, G * Tq, S] float32 (query heads folded into the query axis)
+    # "sdpa", else [1, Bg, G * Tq, S] with the query heads folded into the query axis (float32 for "matmul")
     mask: torch.Tensor
     queries: tuple[int, int]  # (Bg, Tq)
-    fused: bool  # long queries: SDPA's fused kernel; short ones: two batched matmuls (faster on CPU)
+    # "sdpa": long queries, SDPA's fused kernel over the heads; "folded_sdpa": short queries of a
+    # few sequences, SDPA over the folded heads; "matmul": short queries of many, two batched
+    # matmuls (faster on CPU there)
+    kernel: Literal["sdpa", "folded_sdpa", "matmul"]
 
 
 def query_group(
@@ -85,7 +95,9 @@ def query_group(
     device = layout.positions.device
     lengths = [layout.lengths[i] for i in members]
     tq = max(lengths)
-    fused = tq > SMALL_QUERY
+    kernel: Literal["sdpa", "folded_sdpa", "matmul"] = (
+        "sdpa" if tq > SMALL_QUERY
+        else "folded_sdpa" if len(members) <= FOLDED_SDPA_ROWS.get(dtype, FOLDED_SDPA_ROWS_DEFAULT) else "matmul")
     nblk = max(layout.num_blocks[i] for i in members)
     idx = torch.tensor(members, device=device)
     lens = torch.tensor(lengths, device=device)
@@ -95,23 +107,23 @@ def query_group(
     query_pos = starts[:, None] + steps[None, :]  # [Bg, Tq]
     keys = torch.arange(nblk * kv_cache.block_size, device=device)
     allowed = keys[None, None, :] <= query_pos[:, :, None]  # [Bg, Tq, S]
-    if fused:  # SDPA wants the query dtype
+    if kernel == "sdpa":  # SDPA wants the query dtype
         allowed = allowed.unsqueeze(1)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    else:  # the matmul path adds the mask to float32 scores of folded heads
+    else:  # folded heads; the matmul path adds the mask to float32 scores
         allowed = allowed.unsqueeze(1).expand(-1, groups_per_kv, -1, -1).flatten(1, 2).unsqueeze(0)
-        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
+        mask = torch.zeros(allowed.shape, dtype=dtype if kernel == "folded_sdpa" else torch.float32, device=device)
     mask.masked_fill_(~allowed, float("-inf"))
     block_ids = layout.block_table.index_select(0, idx)[:, :nblk].reshape(-1)
     if whole:
-        return QueryGroup(None, None, None, block_ids, mask, (len(members), tq), fused)
+        return QueryGroup(None, None, None, block_ids, mask, (len(members), tq), kernel)
     firsts = torch.tensor([cu[i] for i in members], device=device)
     # Padded query rows repeat the sequence's last token: valid reads, results dropped.
     token_index = firsts[:, None] + torch.minimum(steps[None, :], lens[:, None] - 1)
     valid = (steps[None, :] < lens[:, None]).flatten()
     res_rows = valid.nonzero().squeeze(1)
     out_rows = token_index.flatten().index_select(0, res_rows)
-    return QueryGroup(token_index, out_rows, res_rows, block_ids, mask, (len(members), tq), fused)
+    return QueryGroup(token_index, out_rows, res_rows, block_ids, mask, (len(members), tq), kernel)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: QueryGroup) -> torch.Tensor:
@@ -124,13 +136,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group:
     blocks = k_cache.shape[1]
     k = k_cache.view(kv_heads, blocks, -1).index_select(1, group.block_ids).view(kv_heads, bg, -1, dim)  # [KVH, Bg, S, D]
     v = v_cache.view(kv_heads, blocks, -1).index_select(1, group.block_ids).view(kv_heads, bg, -1, dim)
-    if group.fused:  # Bg is 1 here, so the transposes are free views
+    if group.kernel == "sdpa":  # Bg is 1 here, so the transposes are free views
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1), attn_mask=group.mask, enable_gqa=True
         )  # [Bg, H, Tq, D]
         return o.transpose(1, 2)
     # Fold the query heads sharing a KV head into the query axis: GQA without repeating K/V.
     qf = q.reshape(bg, tq, kv_heads, g, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, bg, g * tq, dim)
+    if group.kernel == "folded_sdpa":  # KV heads as SDPA's batch, sequences as its heads
+        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=group.mask)  # [KVH, Bg, G * Tq, D]
+        return o.reshape(kv_heads, bg, g, tq, dim).permute(1, 3, 0, 2, 4).reshape(bg, tq, heads, dim)
     # HF-eager style: scores in the model dtype, softmax in float32
     scores = torch.matmul(qf * dim**-0.5, k.transpose(-1, -2)).float() + group.mask  # [KVH, Bg, G * Tq, S]
     o = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)  # [KVH, Bg, G * Tq, D]

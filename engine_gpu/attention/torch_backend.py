@@ -3,9 +3,10 @@
 Each step's index tensors are built once (``prepare``) and shared by all layers; per layer it
 writes the new K/V into their slots, gathers each sequence's blocks through its block table (one
 index_select of a heads-first pool) and attends with a causal mask offset by the tokens already
-cached (chunked prefill, decode, drafts alike): SDPA for long prompt chunks, two batched matmuls
-for decode-sized queries, which is several times faster than SDPA for those on CPU
-(engine_gpu.attention.base: ``query_group``, ``attend``).
+cached (chunked prefill, decode, drafts alike): SDPA for long prompt chunks and for the
+decode-sized queries of a few sequences (query heads folded: one fused call), two batched matmuls
+for those of many, which is faster than SDPA there on CPU (engine_gpu.attention.base:
+``query_group``, ``attend``, ``FOLDED_SDPA_ROWS``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class TorchStaticDecodeAttention:
         allowed = self.keys[None, :] < self.slots.context_lens[:, None]  # [B, S]
         mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill_(~allowed, float("-inf"))
         mask = mask[:, None, :].expand(-1, self.groups_per_kv, -1).unsqueeze(0)  # [1, B, G, S]
-        self._group = QueryGroup(None, None, None, self.slots.block_table.reshape(-1), mask, (rows, 1), False)
+        self._group = QueryGroup(None, None, None, self.slots.block_table.reshape(-1), mask, (rows, 1), "matmul")
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, B, H, D]; k, v: [1, B, KVH, D]

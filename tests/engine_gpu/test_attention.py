@@ -10,7 +10,8 @@ from runner_batches import scheduled
 from tiny_checkpoint import random_weights, tiny_config, write_hf_checkpoint
 
 from engine_gpu.attention import get_attention_backend
-from engine_gpu.attention.base import SMALL_QUERY
+from engine_gpu.attention import base
+from engine_gpu.attention.base import SMALL_QUERY, PagedLayout, query_group
 from engine_gpu.attention.torch_backend import TorchAttentionBackend
 from engine_gpu.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
 from engine_gpu.runner import ModelRunner
@@ -130,7 +131,14 @@ def test_pool_layouts_write_and_read_the_same_slots(layout: str) -> None:
     assert torch.equal(block_17, k[0])
 
 
-def test_padded_decode_group_with_unequal_lengths(model: LlamaModel) -> None:
+@pytest.fixture(params=["folded_sdpa", "matmul"])
+def small_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Short queries through one kernel or the other, whatever the group's size."""
+    monkeypatch.setattr(base, "FOLDED_SDPA_ROWS", {torch.float32: 99 if request.param == "folded_sdpa" else 0})
+    return request.param
+
+
+def test_padded_decode_group_with_unequal_lengths(model: LlamaModel, small_kernel: str) -> None:
     runner = make_runner(model)
     seqs = [tokens(n, seed=10 + n) for n in (3, 17, 33)]
     tables = [[0], [5, 6, 7], [8, 9, 10, 11, 12]]
@@ -245,7 +253,7 @@ def test_bfloat16_batch_of_equal_multi_token_items(tmp_path_factory: pytest.Temp
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_random_schedules_match_contiguous(model: LlamaModel, seed: int) -> None:
+def test_random_schedules_match_contiguous(model: LlamaModel, seed: int, small_kernel: str) -> None:
     """Random chunk sizes, random interleavings and scattered blocks: every step's logits are exact."""
     import random
 
@@ -271,3 +279,23 @@ def test_random_schedules_match_contiguous(model: LlamaModel, seed: int) -> None
             end = it.start_pos + len(it.token_ids)
             assert close(logits, reference(model, seqs[i][:end])[it.start_pos:]), (seed, it.request_id, it.start_pos)
             done[i] = end
+
+
+@pytest.mark.parametrize(("dtype", "rows", "kernel"), [
+    (torch.bfloat16, 1, "folded_sdpa"), (torch.bfloat16, 4, "folded_sdpa"), (torch.bfloat16, 8, "matmul"),
+    (torch.float32, 2, "folded_sdpa"), (torch.float32, 4, "matmul"), (torch.float32, 1, "sdpa"),
+])
+def test_each_group_gets_the_kernel_measured_fastest_for_its_shape(dtype: torch.dtype, rows: int,
+                                                                     kernel: str) -> None:
+    """One SDPA call for a few short rows, matmuls for many, SDPA over the heads for a long chunk
+    (the last case: 20 new tokens)."""
+    cache = PagedKVCache(num_layers=1, num_blocks=16, block_size=BLOCK, num_kv_heads=1, head_dim=4, dtype=dtype,
+                         device="cpu", layout="heads_first")
+    n = 20 if kernel == "sdpa" else 1
+    layout = PagedLayout(
+        positions=torch.zeros(rows * n, dtype=torch.long), slot_mapping=torch.zeros(rows * n, dtype=torch.long),
+        block_table=torch.arange(rows * 3).reshape(rows, 3), lengths=[n] * rows, starts=[4] * rows,
+        num_blocks=[3] * rows)
+    group = query_group(cache, layout, list(range(rows)), list(range(0, rows * n + 1, n)), dtype, True, 3)
+    assert group.kernel == kernel
+    assert group.mask.dtype == (torch.float32 if kernel == "matmul" else dtype)
