@@ -30,6 +30,18 @@ class ConfidenceScorer(Protocol):
         ...
 
 
+def best_final_score(scorer: ConfidenceScorer, logprobs: Sequence[float], hold_tokens: int) -> float | None:
+    """The most the score can reach once the hold is full, given its first tokens: the rest
+    certain (log-probability 0, the best a token can have). Only for a scorer that says it is
+    ``monotone`` (its score never falls when a token's probability rises or a certain token is
+    added: the built-in ones); None for any other, whose final score cannot be bounded early. A
+    turn whose best final score is under the threshold escalates whatever comes next, so the
+    cascade decides it now, not ``hold_tokens`` tokens in (the same decision, sooner)."""
+    if not getattr(scorer, "monotone", False):
+        return None
+    return scorer.score([*logprobs, *[0.0] * max(0, hold_tokens - len(logprobs))])
+
+
 def _probs(logprobs: Sequence[float]) -> list[float]:
     # NaN or +inf from a broken backend count as no confidence at all, never as full confidence.
     return sorted(math.exp(lp) if math.isfinite(lp) and lp <= 0.0 else 0.0 for lp in logprobs)
@@ -37,6 +49,8 @@ def _probs(logprobs: Sequence[float]) -> list[float]:
 
 class QuantileScorer:
     """The ``q`` quantile of the token probabilities (linear interpolation between order statistics)."""
+
+    monotone = True  # a token made more probable, or a certain one added, never lowers a quantile
 
     def __init__(self, q: float) -> None:
         self.q = q
@@ -56,6 +70,7 @@ class MeanScorer:
     """The mean token probability."""
 
     name = "mean"
+    monotone = True
 
     def score(self, logprobs: Sequence[float]) -> float:
         probs = _probs(logprobs)
@@ -66,6 +81,7 @@ class MinScorer:
     """The least probable held token's probability."""
 
     name = "min"
+    monotone = True
 
     def score(self, logprobs: Sequence[float]) -> float:
         probs = _probs(logprobs)

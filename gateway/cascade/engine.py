@@ -5,7 +5,8 @@ configs the edge tier drafts and the torch tier is the target, as below).
 A turn starts on the edge model. Its first ``hold_tokens`` tokens are held back while a scorer
 turns their probabilities into a confidence. At or above the (load-aware) threshold the held
 tokens are released and the edge streams on. Below it the edge request is aborted and the torch
-tier takes the turn with the held tokens as its first draft (``Engine.generate(draft_ids=...)``):
+tier takes the turn with the held tokens as its first draft (decided as soon as no token the edge
+could still hold would lift the score to the threshold: ``confidence.best_final_score``) (``Engine.generate(draft_ids=...)``):
 the prefix it agrees with is verified in the prompt's own pass and streams at once, the rest it
 generates itself, drafting with the edge model where speculative decoding is on. The client
 never sees a held token the torch tier did not produce or verify.
@@ -29,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from engine_gpu.client import kv_use
-from gateway.cascade.confidence import ConfidenceScorer
+from gateway.cascade.confidence import ConfidenceScorer, best_final_score
 from gateway.cascade.flight import Ask, CascadeEvent, CascadeStream, Flight, Forward
 from gateway.cascade.health import HealthMonitor
 from gateway.cascade.route import RouteInfo, Tier, with_role
@@ -225,6 +226,9 @@ class CascadeEngine:
                     finish = event
                     break
                 held.append(event)
+                best = best_final_score(self.scorer, [t.logprob for t in held], self.config.hold_tokens)
+                if best is not None and best < threshold:
+                    break  # it escalates whatever the edge says next: decided now
             if finish is None:
                 self.drafter_decide_s = _smoothed(self.drafter_decide_s, loop.time() - started)
         except (EngineUnavailableError, OverloadedError) as e:

@@ -168,7 +168,8 @@ async def test_a_confident_turn_stays_on_the_edge() -> None:
 
 
 async def test_low_confidence_escalates_and_the_client_sees_only_torch_tier_text() -> None:
-    edge, gpu = tiers(edge_logprob=UNSURE)
+    # Unsure only at the hold's last token: the first seven could still have made it confident.
+    edge, gpu = tiers(edge_logprob=lambda prompt, i: UNSURE if i == 7 else math.log(0.25))
     async with cascade_gateway(edge, gpu) as cascade:
         text, response = await one_turn(cascade)
         assert text == "".join(GPU_REPLY)  # no held edge token reached the client unverified
@@ -182,6 +183,31 @@ async def test_low_confidence_escalates_and_the_client_sees_only_torch_tier_text
         assert cascade.metric("gateway_cascade_held_tokens_total", outcome="rejected") == 5
         assert cascade.metric("gateway_cascade_escalation_seconds_count") == 1
         assert cascade.metric("gateway_cascade_turns_total", api="realtime", tier="gpu", route="escalated") == 1
+
+
+@pytest.mark.parametrize(("scorer", "unsure_from", "held"), [
+    ("quantile", 0, 2),  # two tokens under the threshold: the 10th percentile of eight stays under it
+    ("quantile", 5, 7),
+    ("min", 3, 4),  # one is enough
+    ("mean", 0, 7),  # (0.05 * 7 + 1) / 8 = 0.17: under 0.22 after seven
+    ("tests.gateway.test_cascade:plugged_min", 3, 8),  # a plug-in that does not say it is monotone
+])
+async def test_a_turn_sure_to_escalate_is_decided_at_once(scorer: str, unsure_from: int, held: int) -> None:
+    """No token the edge could still hold would lift the score to the threshold: the torch tier
+    takes the turn now with the tokens so far as its draft, as it would have eight tokens later."""
+    edge, gpu = tiers(edge_logprob=lambda prompt, i: UNSURE if i >= unsure_from else SURE)
+    async with cascade_gateway(edge, gpu, scorer=scorer) as cascade:
+        text, response = await one_turn(cascade)
+        assert text == "".join(GPU_REPLY) and response["metadata"]["x_route"] == "escalated"
+        [(rid, _)] = gpu.started
+        assert gpu.drafts[rid] == [token_id_of(t) for t in EDGE_REPLY[:held]]
+        assert edge.aborts == [rid] and edge.blocks_in_use == 0
+
+
+def plugged_min(config: CascadeConfig) -> MinScorer:
+    scorer = MinScorer()
+    scorer.monotone = False  # type: ignore[misc]
+    return scorer
 
 
 async def test_a_turn_the_edge_ends_within_the_hold_is_scored_on_what_it_said() -> None:
@@ -573,9 +599,9 @@ async def test_a_decided_turn_is_pushed_from_the_serving_tiers_step(edge_logprob
         assert len(set(tasks)) == 2 and tasks[-1] is not tasks[0]
         assert not edge.running and not gpu.running and edge.blocks_in_use == 0 and gpu.blocks_in_use == 0
         assert cascade.state.router.cascade is not None and cascade.state.router.cascade.stats()["requests"] == 0
-        if route == "escalated":
-            assert cascade.metric("gateway_cascade_held_tokens_total", outcome="accepted") == 3
-            assert cascade.metric("gateway_cascade_held_tokens_total", outcome="rejected") == 5
+        if route == "escalated":  # decided at the second unsure token: both agree with the torch tier
+            assert cascade.metric("gateway_cascade_held_tokens_total", outcome="accepted") == 2
+            assert cascade.metric("gateway_cascade_held_tokens_total", outcome="rejected") == 0
 
 
 # ---- tiers by the parts they play ----------------------------------------------------------------

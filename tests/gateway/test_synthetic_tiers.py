@@ -20,7 +20,8 @@ pytestmark = pytest.mark.model
 
 
 @pytest.mark.parametrize(("threshold", "tier", "route", "accepted"),
-                         [(0.22, "edge", "confident", None), (1.0, "gpu", "escalated", 8.0)])
+                         # a threshold of 1.0 escalates from the first token that is not certain
+                         [(0.22, "edge", "confident", None), (1.0, "gpu", "escalated", 1.0)])
 async def test_a_cascade_over_synthetic_tiers_serves_and_escalates_turns(
         threshold: float, tier: str, route: str, accepted: float | None) -> None:
     config = make_config()
