@@ -9,8 +9,7 @@ import torch
 from runner_batches import scheduled
 from tiny_checkpoint import random_weights, tiny_config, write_hf_checkpoint
 
-from engine_gpu.attention import get_attention_backend
-from engine_gpu.attention import base
+from engine_gpu.attention import base, get_attention_backend
 from engine_gpu.attention.base import SMALL_QUERY, PagedLayout, query_group
 from engine_gpu.attention.torch_backend import TorchAttentionBackend
 from engine_gpu.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
