@@ -34,6 +34,7 @@ import json
 import os
 import struct
 import sys
+from collections import Counter
 
 VOICES = ("slt", "rms", "awb", "kal16", "kal")
 MAX_REQUEST_BYTES = 64 * 1024
@@ -106,10 +107,11 @@ class Flite:
                                round(float(self.item_float(seg, b"end")), 5)])
                 owners.append(self.path_to_item(seg, b"R:SylStructure.parent.parent.R:Token.parent"))
                 seg = self.item_next(seg)
+            per_token = Counter(owners)
             words = []
             token = self.relation_head(self.utt_relation(utt, b"Token"))
             while token:
-                words.append(sum(1 for owner in owners if owner == token))
+                words.append(per_token[token])
                 token = self.item_next(token)
             return {"rate": w.sample_rate, "phones": phones, "words": words}, samples
         finally:

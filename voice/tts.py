@@ -22,9 +22,7 @@ it spoke).
 from __future__ import annotations
 
 import json
-import logging
 import os
-import queue
 import re
 import select
 import struct
@@ -40,7 +38,7 @@ from typing import Protocol
 import numpy as np
 
 from voice.audio import Int16Array
-from voice.children import child_env
+from voice.children import ChildPool, child_env
 from voice.errors import VoiceModelError
 
 Mark = tuple[int, int]  # (character offset in the phrase's text, sample offset in its audio)
@@ -58,7 +56,6 @@ CHILD = Path(__file__).with_name("flite_child.py")
 START_TIMEOUT_S = 30.0  # a child's start (~0.1 s; far more on a busy machine)
 MAX_HEADER_BYTES = 1 << 20  # a phrase's phones: ~20 bytes each
 MAX_SAMPLE_BYTES = 16 << 20  # MAX_TEXT_CHARS spoken: ~3 min of 16 kHz PCM16, ~6 MB
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -127,8 +124,12 @@ class _FliteChild:
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 raise RuntimeError("the flite process did not answer in time")
             chunk = os.read(fd, n - len(data))
-            if not chunk:
-                raise RuntimeError(f"the flite process exited with {self.process.wait()}")
+            if not chunk:  # its pipe closed: it has exited, or is about to (never waited on unbounded)
+                try:
+                    code = self.process.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError("the flite process closed its pipe") from None
+                raise RuntimeError(f"the flite process exited with {code}")
             data += chunk
         return bytes(data)
 
@@ -150,10 +151,10 @@ class FliteSynthesizer:
         self.library = library
         self.timeout_s = timeout_s
         self._python = python
-        self._idle: queue.Queue[_FliteChild] = queue.Queue()
+        self._pool: ChildPool[_FliteChild] = ChildPool("flite", self._start, timeout_s)
         try:
             for _ in range(max(processes, 1)):
-                self._idle.put(self._start())
+                self._pool.add(self._start())
         except (OSError, RuntimeError, ValueError) as e:
             self.close()
             raise VoiceModelError(f"flite did not start: {e} (Debian: apt-get install flite)") from e
@@ -187,15 +188,11 @@ class FliteSynthesizer:
         return name if name in self.voices else None
 
     def close(self) -> None:
-        while True:
-            try:
-                self._idle.get_nowait().kill()
-            except queue.Empty:
-                break
+        self._pool.close()
 
     def child_pids(self) -> list[int]:
         """The idle children's process ids (for tests and diagnostics)."""
-        return [child.process.pid for child in list(self._idle.queue)]
+        return [child.process.pid for child in self._pool.idle()]
 
     def synthesize(self, text: str, voice: str | None = None) -> Speech:
         header, samples, started = self._speak(text, voice)
@@ -222,29 +219,14 @@ class FliteSynthesizer:
         started = time.perf_counter()
         if not spoken.strip():
             return None, np.zeros(0, np.int16), started
-        try:
-            child: _FliteChild | None = self._idle.get(timeout=self.timeout_s)  # as many callers as children
-        except queue.Empty:
-            raise RuntimeError(f"no flite process free within {self.timeout_s:g} s") from None
-        try:
-            header, samples = child.speak(spoken, self.resolve_voice(voice), self.timeout_s)
-            reply = check_reply(header, samples)
-        except RuntimeError as e:
-            child.kill()  # stuck, dead or lying: a fresh one takes its place
-            child = self._replacement()
-            raise RuntimeError(f"flite did not speak: {e}") from e
-        finally:
-            if child is not None:  # never a killed one: the next caller would wait on it
-                self._idle.put(child)
-        return reply, np.frombuffer(samples, np.int16).copy(), started
+        name = self.resolve_voice(voice)
 
-    def _replacement(self) -> _FliteChild | None:
-        """A fresh child, or None when one cannot start (the pool shrinks; callers are told so)."""
-        try:
-            return self._start()
-        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
-            log.error("a flite process could not be started again: %s", e)
-            return None
+        def job(child: _FliteChild) -> tuple[SpokenReply, bytes]:
+            header, samples = child.speak(spoken, name, self.timeout_s)
+            return check_reply(header, samples), samples
+
+        reply, samples = self._pool.run(job)
+        return reply, np.frombuffer(samples, np.int16).copy(), started
 
 
 SpokenReply = tuple[int, list[tuple[str, float]], list[int]]  # rate, phone ends, phones per token

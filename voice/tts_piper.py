@@ -17,7 +17,6 @@ Python API), so the alignment interpolates by characters.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import queue
 import re
@@ -31,13 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from voice.children import child_env
+from voice.children import ChildPool, child_env
 from voice.errors import VoiceModelError
 from voice.tts import MAX_TEXT_CHARS, Speech, read_wav
 
 _UNSPOKEN = re.compile(r"[\x00-\x1f\x7f]")  # control characters; a line break would make two utterances
 VOICE_NAME = "joe"
-log = logging.getLogger(__name__)
 
 
 def find_piper_voice() -> Path:
@@ -98,10 +96,10 @@ class PiperSynthesizer:
         self._python = python
         self._folder = Path(tempfile.mkdtemp(prefix="voice-piper-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK)
                                              else None))
-        self._idle: queue.Queue[_Child] = queue.Queue()
+        self._pool: ChildPool[_Child] = ChildPool("piper", self._start, timeout_s, (queue.Empty, RuntimeError, OSError))
         self.default_voice = VOICE_NAME
         for _ in range(processes):
-            child = _Child(python, self.model, self._folder)
+            child = self._start()
             # Wait for each child to load the voice (~0.5-1.5 s), so the first phrase is not slow.
             try:
                 child.speak("Ready.", max(timeout_s, 60.0)).unlink(missing_ok=True)
@@ -109,7 +107,10 @@ class PiperSynthesizer:
                 child.kill()
                 self.close()
                 raise VoiceModelError(f"piper did not start with {self.model}: {e or 'timed out'}") from e
-            self._idle.put(child)
+            self._pool.add(child)
+
+    def _start(self) -> _Child:
+        return _Child(self._python, self.model, self._folder)
 
     def resolve_voice(self, voice: str | None) -> str:
         return VOICE_NAME  # one voice installed: every API voice name speaks with it
@@ -121,37 +122,13 @@ class PiperSynthesizer:
         if not line:
             return Speech(np.zeros(0, np.int16), 22_050)
         started = time.perf_counter()
-        try:
-            child: _Child | None = self._idle.get(timeout=self.timeout_s)  # as many callers as children
-        except queue.Empty:
-            raise RuntimeError(f"no piper process free within {self.timeout_s:g} s") from None
-        try:
-            path = child.speak(line, self.timeout_s)
-        except (queue.Empty, RuntimeError, OSError) as e:
-            child.kill()  # stuck, dead or lying: a fresh one takes its place
-            child = self._replacement()
-            raise RuntimeError(f"piper did not speak: {e or 'timed out'}") from e
-        finally:
-            if child is not None:  # never a killed one: the next caller would wait on it
-                self._idle.put(child)
+        path = self._pool.run(lambda child: child.speak(line, self.timeout_s))
         try:
             samples, rate = read_wav(path)
         finally:
             path.unlink(missing_ok=True)
         return Speech(samples, rate, (), time.perf_counter() - started)
 
-    def _replacement(self) -> _Child | None:
-        """A fresh child, or None when one cannot start (the pool shrinks; callers are told so)."""
-        try:
-            return _Child(self._python, self.model, self._folder)
-        except OSError as e:
-            log.error("a piper process could not be started again: %s", e)
-            return None
-
     def close(self) -> None:
-        while True:
-            try:
-                self._idle.get_nowait().kill()
-            except queue.Empty:
-                break
+        self._pool.close()
         shutil.rmtree(self._folder, ignore_errors=True)

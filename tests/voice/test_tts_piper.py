@@ -121,6 +121,7 @@ def test_a_wrote_line_outside_pipers_folder_is_refused_and_nothing_there_is_touc
 
 
 def test_a_child_that_cannot_be_replaced_is_not_put_back(tmp_path: Path) -> None:
+    from voice.children import ChildPool
     from voice.tts_piper import PiperSynthesizer, _Child
 
     folder = tmp_path / "out"
@@ -129,10 +130,10 @@ def test_a_child_that_cannot_be_replaced_is_not_put_back(tmp_path: Path) -> None
     synth = PiperSynthesizer.__new__(PiperSynthesizer)  # its pool alone: piper itself is not installed here
     synth.timeout_s, synth.model, synth._folder = 5.0, tmp_path / "voice.onnx", folder
     synth._python = str(tmp_path / "no-such-python")  # the replacement cannot start
-    synth._idle = queue.Queue()
-    synth._idle.put(dead)
+    synth._pool = ChildPool("piper", synth._start, 5.0, (queue.Empty, RuntimeError, OSError))
+    synth._pool.add(dead)
     with pytest.raises(RuntimeError, match="piper did not speak"):
         synth.synthesize("Hello there.")
-    assert synth._idle.empty(), "a killed child went back into the pool"
+    assert synth._pool.idle() == [], "a killed child went back into the pool"
     with pytest.raises(RuntimeError, match="no piper process"):
         synth.synthesize("Hello again.")
